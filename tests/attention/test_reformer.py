@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from longattn.attention.reformer import lsh_attention, lsh_attention_reference, num_buckets
+from longattn.attention import reformer
+from longattn.attention.reformer import hash_buckets, hash_buckets_blocked, lsh_attention, lsh_attention_reference, num_buckets
 
 
 def inputs(n, rounds, bucket_size, d=8, seed=0):
@@ -24,6 +25,42 @@ def test_chunked_sort_matches_dense_pattern(n, across, causal):
     g = torch.randn_like(out)
     for a, r in zip(torch.autograd.grad(out, (qk, v), g), torch.autograd.grad(ref, (qk, v), g)):
         torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("block_elements", [1, 2 * 8 * 8 * 2, 2 * 8 * 8 * 5])
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_of_chunks_match_the_dense_pattern(monkeypatch, block_elements, across, causal):
+    """Blocks of 1, 2 and 5 chunks: blocks that start a head, wrap its look-back and end mid-round."""
+    monkeypatch.setattr(reformer, "BLOCK_ELEMENTS", block_elements)
+    qk, v, rot = inputs(61, rounds=3, bucket_size=8)  # 8 chunks per round, 24 per head
+    mask = torch.rand(2, 61, generator=torch.Generator().manual_seed(2)) > 0.2
+    kw = dict(rotations=rot, bucket_size=8, attend_across_buckets=across, is_causal=causal)
+    out, ref = lsh_attention(qk, v, mask, **kw), lsh_attention_reference(qk, v, mask, **kw)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (qk, v), g), torch.autograd.grad(ref, (qk, v), g)):
+        torch.testing.assert_close(a, r)
+
+
+def test_a_token_with_no_other_target_attends_to_itself_and_gets_no_score_gradient():
+    """One round, two tokens, two buckets: each token is alone in its bucket, so it can only see itself."""
+    qk = torch.tensor([[[[1.0, 0.0], [-1.0, 0.0]]]], dtype=torch.float64, requires_grad=True)
+    v = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]], dtype=torch.float64, requires_grad=True)
+    rot = torch.tensor([[[1.0]], [[0.0]]], dtype=torch.float64)  # bucket 0 for x > 0, 1 for x < 0
+    out = lsh_attention(qk, v, rotations=rot, bucket_size=1)
+    torch.testing.assert_close(out, v.detach())
+    grad_qk, = torch.autograd.grad(out.sum(), qk)
+    torch.testing.assert_close(grad_qk, torch.zeros_like(qk))
+
+
+@pytest.mark.parametrize("block_elements", [1, 100, 1 << 18])
+def test_blocked_hashing_equals_argmax_over_both_signs(monkeypatch, block_elements):
+    monkeypatch.setattr(reformer, "BLOCK_ELEMENTS", block_elements)
+    x = torch.randn(2, 3, 50, 8)
+    x[:, :, 7] = 0.0  # all projections tie at zero: both must pick bucket 0
+    rot = torch.randn(8, 4, 5)
+    assert torch.equal(hash_buckets_blocked(x, rot), hash_buckets(x, rot))
 
 
 def test_one_bucket_one_chunk_is_shared_qk_attention_without_self():

@@ -6,8 +6,10 @@ section 2). Tokens are sorted by (round, bucket, position), cut into chunks of `
 and each chunk attends to itself and the chunk before it; by default only to keys of the same
 bucket (the set P_i of eq. 3), optionally across buckets. A token attends to itself only when it
 has no other valid target. The rounds are combined with weights proportional to
-exp(logsumexp of each round's scores) (multi-round LSH attention, section 2). Memory is
-O(rounds * N * 2 * bucket_size).
+exp(logsumexp of each round's scores) (multi-round LSH attention, section 2).
+
+The fast path works block by block over the sorted chunks and recomputes scores in the backward
+pass, so it keeps O(rounds * N * head_dim) and never holds more than BLOCK_ELEMENTS scores.
 
 Padding: padded tokens are put in a bucket of their own after all real buckets, so where real
 tokens land in the sort never depends on padded content.
@@ -24,12 +26,170 @@ from torch import Tensor, nn
 from longattn.attention.base import AttentionBase, AttentionError, Capabilities, merge_heads, register_attention, split_heads
 
 SELF_ATTENTION_SCORE = -5e4  # "attend to itself only if nothing else": large negative but finite
+BLOCK_ELEMENTS = 1 << 18  # scores (or hash projections) computed at once: cache-sized, never [N, N]
+EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38 is still a normal float32
 
 
 def hash_buckets(vectors: Tensor, rotations: Tensor) -> Tensor:
     """Angular LSH: [B, H, N, D] x [D, rounds, n_buckets / 2] -> buckets [B, H, rounds, N]."""
     rotated = torch.einsum("bhnd,drk->bhrnk", vectors, rotations)
     return torch.cat([rotated, -rotated], dim=-1).argmax(dim=-1)
+
+
+def hash_buckets_blocked(vectors: Tensor, rotations: Tensor) -> Tensor:
+    """:func:`hash_buckets` without the [N, rounds, n_buckets] tensor: tokens in blocks, and
+    argmax([xR; -xR]) read off the max and min of xR (ties resolve the same way)."""
+    d, rounds, half = rotations.shape
+    flat_rotations = rotations.reshape(d, rounds * half)
+    tokens_per_block = max(1, BLOCK_ELEMENTS // (rounds * half))
+    blocks = []
+    for block in vectors.split(tokens_per_block, dim=2):
+        rotated = (block @ flat_rotations).unflatten(-1, (rounds, half))  # [B, H, n, rounds, half]
+        high, arg_high = rotated.max(dim=-1)
+        low, arg_low = rotated.min(dim=-1)
+        blocks.append(torch.where(high >= -low, arg_high, arg_low + half))
+    return torch.cat(blocks, dim=2).transpose(2, 3)
+
+
+class _SlotLayout:
+    """Where every sorted slot came from, flattened over (batch, head): slots are [G = B*H*C, m] with C
+    chunks per head; chunk g looks back to chunk g - 1 of the same head, cyclically.
+
+    Holds what the masks need (token position, bucket-match id, validity) and the permutations between
+    slot order and (round, token) order. Blocks of chunks never straddle two heads, so a block and
+    the chunks it looks back to are slices.
+    """
+
+    def __init__(self, position: Tensor, match_id: Tensor | None, key_valid: Tensor | None, causal: bool,
+                 round_token_of: Tensor, token_row: Tensor, heads_total: int, rounds: int, n_total: int) -> None:
+        self.position, self.match_id, self.key_valid, self.causal = position, match_id, key_valid, causal
+        self.round_token_of = round_token_of  # [G*m]: index (bh, round, token) of each slot
+        self.slot_of = _inverse(round_token_of)  # [B*H*R*N]: slot holding (bh, round, token)
+        self.token_row = token_row  # [G*m]: row bh*N + token that each slot reads
+        self.heads_total, self.rounds, self.n_total = heads_total, rounds, n_total
+        self.m = position.shape[1]
+        self.chunks_per_head = position.shape[0] // heads_total
+        self.chunks_per_round = n_total // self.m
+
+    def blocks(self) -> list[tuple[int, int]]:
+        per_block = max(1, BLOCK_ELEMENTS // (2 * self.m * self.m))
+        c = self.chunks_per_head
+        return [(start, min(start + per_block, head + c))
+                for head in range(0, self.position.shape[0], c) for start in range(head, head + c, per_block)]
+
+    def keys(self, t: Tensor, start: int, stop: int) -> Tensor:
+        """Key-side view of per-slot ``t`` for chunks [start, stop): each chunk, then the chunk before it."""
+        c = self.chunks_per_head
+        if c == 1:
+            return t[start:stop]
+        if start % c:
+            previous = t[start - 1:stop - 1]
+        else:  # the head's first chunk looks back to its last
+            previous = torch.cat([t[start + c - 1:start + c], t[start:stop - 1]])
+        return torch.cat([t[start:stop], previous], dim=1)
+
+    def add_to_keys(self, grad: Tensor, key_grad: Tensor, start: int, stop: int) -> None:
+        """Accumulate a block's key-side gradient [stop - start, 2m, D] onto its chunks and the ones they look back to."""
+        m, c = self.m, self.chunks_per_head
+        grad[start:stop] += key_grad[:, :m]
+        if c == 1:
+            return
+        if start % c:
+            grad[start - 1:stop - 1] += key_grad[:, m:]
+        else:
+            grad[start + c - 1] += key_grad[0, m:]
+            grad[start:stop - 1] += key_grad[1:, m:]
+
+    def scores(self, q: Tensor, k: Tensor, start: int, stop: int) -> Tensor:
+        """Masked scores [stop - start, m, 2m] of a block of chunks (eq. 3's P_i, causality, padding)."""
+        scores = torch.bmm(q[start:stop], self.keys(k, start, stop).transpose(1, 2))
+        blocked = None
+        if self.match_id is not None:  # same bucket and round; padded slots have ids of their own
+            blocked = self.match_id[start:stop, :, None] != self.keys(self.match_id, start, stop)[:, None, :]
+        elif self.key_valid is not None:
+            blocked = ~self.keys(self.key_valid, start, stop)[:, None, :]
+        if self.causal:
+            future = self.keys(self.position, start, stop)[:, None, :] > self.position[start:stop, :, None]
+            blocked = future if blocked is None else blocked | future
+        if blocked is not None:
+            scores.masked_fill_(blocked, -torch.finfo(scores.dtype).max)
+        self.fill_self(scores, start, stop)
+        return scores
+
+    def fill_self(self, scores: Tensor, start: int, stop: int) -> None:
+        """Write SELF_ATTENTION_SCORE where a slot meets its own token. Tokens are distinct within a round, so that is
+        the diagonal of the chunk itself, plus, when the look-back chunk belongs to the previous round
+        (the first chunk of each round), wherever that chunk holds the same token."""
+        m = self.m
+        scores[:, :, :m].diagonal(dim1=1, dim2=2).fill_(SELF_ATTENTION_SCORE)
+        if self.rounds == 1 or self.chunks_per_head == 1:
+            return
+        first = (-(start % self.chunks_per_head)) % self.chunks_per_round  # first round-opening chunk in the block
+        for local in range(first, stop - start, self.chunks_per_round):
+            looked_back = self.keys(self.position, start + local, start + local + 1)[0, m:]
+            itself = self.position[start + local, :, None] == looked_back[None, :]
+            scores[local, :, m:].masked_fill_(itself, SELF_ATTENTION_SCORE)
+
+
+class _ChunkedLSHSoftmax(torch.autograd.Function):
+    """Chunked attention of the sorted slots plus the multi-round combination, block by block.
+
+    Combining rounds with weights softmax_r(lse_r) (section 2) is one softmax of query i over the
+    union of its slots in all rounds: out_i = sum_{r,j} exp(s_rij - L_i) v_j, L_i = logsumexp_r lse_ri.
+    The backward pass is that softmax's, with delta_i = g_i . out_i; it recomputes each block's scores
+    (as flash attention does), so no [C, m, 2m] tensor is ever kept or allocated whole. Scores that a
+    mask replaced by a constant need no explicit zero gradient: their weight underflows (at most
+    exp(EXP_FLOOR)) unless the token sees only itself, and then out_i = v_i makes g_i . v_i - delta_i = 0.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: _SlotLayout) -> Tensor:
+        g, m, d = q.shape
+        row_max, row_sum, out_slots = q.new_empty(g, m), q.new_empty(g, m), q.new_empty(g, m, d)
+        for start, stop in layout.blocks():
+            scores = layout.scores(q, k, start, stop)
+            block_max = torch.amax(scores, dim=-1, keepdim=True, out=row_max[start:stop, :, None])
+            weights = _exp_shifted(scores, block_max)
+            torch.sum(weights, dim=-1, out=row_sum[start:stop])
+            torch.bmm(weights, layout.keys(v, start, stop), out=out_slots[start:stop])
+        # scale each slot's exp(s - row_max) to exp(s - L_i): normalise rounds against each other
+        bh, rounds, n_total = layout.heads_total, layout.rounds, layout.n_total
+        lse_by_round = (row_max + row_sum.log()).flatten()[layout.slot_of].view(bh, rounds, n_total)
+        round_weight = torch.softmax(lse_by_round, dim=1).flatten()
+        scale = round_weight[layout.round_token_of].view(g, m) / row_sum
+        by_round = out_slots.mul_(scale[..., None]).view(g * m, d).index_select(0, layout.slot_of)
+        out = by_round.view(bh, rounds, n_total, d).sum(dim=1)
+        ctx.layout = layout
+        ctx.save_for_backward(q, k, v, row_max, scale, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, row_max, scale, out = ctx.saved_tensors
+        layout: _SlotLayout = ctx.layout
+        g, m, d = q.shape
+        grad_slots = grad_out.reshape(-1, d).index_select(0, layout.token_row).view(g, m, d).mul_(scale[..., None])
+        delta = (grad_out * out).sum(-1).flatten()[layout.token_row].view(g, m, 1).mul_(scale[..., None])
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for start, stop in layout.blocks():
+            weights = _exp_shifted(layout.scores(q, k, start, stop), row_max[start:stop, :, None])  # as forward
+            block_grad = grad_slots[start:stop]
+            grad_scores = torch.bmm(block_grad, layout.keys(v, start, stop).transpose(1, 2))
+            grad_scores.sub_(delta[start:stop]).mul_(weights)
+            torch.bmm(grad_scores, layout.keys(k, start, stop), out=grad_q[start:stop])
+            layout.add_to_keys(grad_k, torch.bmm(grad_scores.transpose(1, 2), q[start:stop]), start, stop)
+            layout.add_to_keys(grad_v, torch.bmm(weights.transpose(1, 2), block_grad), start, stop)
+        return grad_q, grad_k, grad_v, None
+
+
+def _exp_shifted(scores: Tensor, row_max: Tensor) -> Tensor:
+    """exp(scores - row_max) in place. Arguments are floored at EXP_FLOOR: below it exp adds under 1e-37
+    next to the row's largest weight (1), and CPU exp is several times slower on far-negative input."""
+    return scores.sub_(row_max).clamp_(min=EXP_FLOOR).exp_()
+
+
+def _inverse(permutation: Tensor) -> Tensor:
+    return torch.empty_like(permutation).scatter_(0, permutation, torch.arange(len(permutation), device=permutation.device))
 
 
 def lsh_attention(
@@ -50,56 +210,46 @@ def lsh_attention(
     rounds, n_buckets = rotations.shape[1], 2 * rotations.shape[2]
     m = bucket_size
     pad = (-n) % m
-    valid = torch.ones(b, n, dtype=torch.bool, device=shared_qk.device) if attention_mask is None else attention_mask
+    valid = attention_mask
     if pad:
         shared_qk, value = F.pad(shared_qk, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
+        if valid is None:
+            valid = torch.ones(b, n, dtype=torch.bool, device=shared_qk.device)
         valid = F.pad(valid, (0, pad), value=False)
     n_total = n + pad
+    device = shared_qk.device
 
-    buckets = hash_buckets(shared_qk, rotations)
-    buckets = buckets.masked_fill(~valid[:, None, None, :], n_buckets)  # padding: a bucket of its own
+    buckets = hash_buckets_blocked(shared_qk, rotations)
+    if valid is not None:
+        buckets = buckets.masked_fill(~valid[:, None, None, :], n_buckets)  # padding: a bucket of its own
     # bucket ids are offset per round so the flattened sort keeps rounds apart
-    buckets = buckets + torch.arange(rounds, device=buckets.device)[:, None] * (n_buckets + 1)
-    positions = torch.arange(n_total, device=buckets.device)
-    order = (buckets * n_total + positions).flatten(2).argsort(dim=-1)  # [B, H, rounds * N]
-    token = order % n_total  # original position of each sorted slot
+    buckets = buckets + torch.arange(rounds, device=device)[:, None] * (n_buckets + 1)
+    order = (buckets * n_total + torch.arange(n_total, device=device)).flatten(2).argsort(dim=-1)  # [B, H, R*N]
 
-    def gather(t: Tensor) -> Tensor:  # [B, H, N, D] -> sorted [B, H, rounds*N, D]
-        return t.gather(2, token[..., None].expand(-1, -1, -1, t.shape[-1]))
+    # flatten (batch, head): slot s of head-row bh is global slot bh*R*N + s
+    bh = b * h
+    head_offset = torch.arange(bh, device=device)[:, None]
+    order = order.view(bh, -1)
+    token = order % n_total
+    token_row = (token + head_offset * n_total).flatten()  # row of [B*H*N, D] each slot reads
 
-    chunks = rounds * n_total // m
-    sq = gather(shared_qk).unflatten(2, (chunks, m))  # [B, H, C, m, D]
-    sk = F.normalize(sq, dim=-1)  # shared-QK: unit-length keys
-    sv = gather(value).unflatten(2, (chunks, m))
-    s_pos = token.unflatten(2, (chunks, m))
-    s_bucket = buckets.flatten(2).gather(2, order).unflatten(2, (chunks, m))
-    s_valid = valid[:, None, :].expand(-1, h, -1).gather(2, token).unflatten(2, (chunks, m))
+    def sort(t: Tensor) -> Tensor:  # [B, H, N, D] -> sorted slots [G, m, D]
+        return t.reshape(bh * n_total, -1).index_select(0, token_row).view(-1, m, t.shape[-1])
 
-    def back(t: Tensor) -> Tensor:  # each chunk followed by the chunk before it (cyclically)
-        return torch.cat([t, t.roll(1, dims=2)], dim=3) if chunks > 1 else t
-
-    k, v, k_pos, k_bucket, k_valid = back(sk), back(sv), back(s_pos), back(s_bucket), back(s_valid)
-
-    scores = torch.einsum("bhcid,bhcjd->bhcij", sq, k) * scale
-    neg = -torch.finfo(scores.dtype).max
-    allowed = k_valid[..., None, :].expand_as(scores)
+    match_id = key_valid = None
+    slot_valid = None if valid is None else valid.repeat_interleave(h, dim=0).gather(1, token).view(-1, m)
     if not attend_across_buckets:
-        allowed = allowed & (s_bucket[..., :, None] == k_bucket[..., None, :])
-    if is_causal:
-        allowed = allowed & (k_pos[..., None, :] <= s_pos[..., :, None])
-    scores = scores.masked_fill(~allowed, neg)
-    scores = scores.masked_fill(s_pos[..., :, None] == k_pos[..., None, :], SELF_ATTENTION_SCORE)
-
-    lse = scores.logsumexp(dim=-1, keepdim=True)
-    out = torch.einsum("bhcij,bhcjd->bhcid", (scores - lse).exp(), v)
-
-    # unsort: slot s of round r holds token order[s]; put it back at r*N + token
-    slot_target = order  # order's values are the flattened (round, token) index
-    unsorted = torch.empty_like(out.flatten(2, 3)).scatter(2, slot_target[..., None].expand(-1, -1, -1, d), out.flatten(2, 3))
-    lse_unsorted = torch.empty_like(lse.flatten(2)).scatter(2, slot_target, lse.flatten(2))
-    per_round = unsorted.unflatten(2, (rounds, n_total))  # [B, H, R, N, D]
-    weights = torch.softmax(lse_unsorted.unflatten(2, (rounds, n_total)), dim=2)  # combine rounds
-    return (per_round * weights[..., None]).sum(dim=2)[:, :, :n]
+        match_id = buckets.reshape(bh, -1).gather(1, order).view(-1, m)
+        if slot_valid is not None:  # padded slots match nothing, so only themselves (as the reference)
+            match_id = torch.where(slot_valid, match_id, -1 - torch.arange(match_id.numel(), device=device).view(-1, m))
+    else:
+        key_valid = slot_valid
+    layout = _SlotLayout(token.view(-1, m), match_id, key_valid, is_causal, (order + head_offset * rounds * n_total).flatten(),
+                         token_row, bh, rounds, n_total)
+    # normalising and scaling before the sort touches N rows instead of rounds * N
+    keys = F.normalize(shared_qk, dim=-1)  # shared-QK: unit-length keys
+    out = _ChunkedLSHSoftmax.apply(sort(shared_qk * scale), sort(keys), sort(value), layout)
+    return out.view(b, h, n_total, d)[:, :, :n]
 
 
 def lsh_attention_reference(
