@@ -4,8 +4,9 @@ Computed block-wise: the sequence is cut into blocks of ``window_size`` tokens a
 block attends to its own block plus ``look_backward`` blocks before and ``look_forward`` after
 (the blocked form of Parmar et al., 2018 / the LRA "Local Attention" baseline). With
 ``exact_window=True`` (the default) keys further than ``window_size * look_*`` positions from
-the query are masked, which gives the true sliding window |i - j| <= w. Memory is
-O(N * window_size * (1 + look_backward + look_forward)), never N x N.
+the query are masked, which gives the true sliding window |i - j| <= w. Each block runs through
+SDPA's fused kernel, so memory is O(N * head_dim * (1 + look_backward + look_forward)) plus one
+block's scores at a time, never N x N.
 """
 
 from __future__ import annotations
@@ -63,12 +64,8 @@ def local_attention(
         valid = F.pad(valid, (0, pad), value=False)
     positions = torch.arange(n + pad, device=query.device)
 
-    q = _blocks(query, w)  # [B, H, nb, w, D]
-    k = look_around(_blocks(key, w), look_backward, look_forward)  # [B, H, nb, span, D]
-    v = look_around(_blocks(value, w), look_backward, look_forward)
     key_pos = look_around(_blocks(positions[:, None], w), look_backward, look_forward, fill=-1)[..., 0]
     key_ok = look_around(_blocks(valid[..., None], w), look_backward, look_forward, fill=False)[..., 0]
-
     query_pos = _blocks(positions[:, None], w)[..., 0]  # [nb, w]
     offset = key_pos[:, None, :] - query_pos[:, :, None]  # j - i, [nb, w, span]
     structural = (key_pos >= 0)[:, None, :].expand_as(offset)  # neighbour block exists
@@ -76,17 +73,19 @@ def local_attention(
         structural = structural & (offset <= w * look_forward) & (offset >= -w * look_backward)
     if is_causal:
         structural = structural & (offset <= 0)
-    allowed = structural[None, None] & key_ok[:, None, :, None, :]  # [B, 1, nb, w, span]
+    allowed = (structural[None] & key_ok[:, :, None, :]).flatten(0, 1)[:, None]  # [B*nb, 1, w, span]
 
-    # scale the [N, D] queries rather than the [N, span] scores; fill masked scores in place with a
-    # finite minimum and zero afterwards the (cheap, [N, D]) outputs of queries with no visible key
-    scores = torch.einsum("bhnid,bhnjd->bhnij", q * scale, k)
-    scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores, dim=-1)
-    if dropout_p:
-        weights = F.dropout(weights, dropout_p)
-    out = torch.einsum("bhnij,bhnjd->bhnid", weights, v) * allowed.any(-1, keepdim=True).to(v.dtype)
-    return out.flatten(2, 3)[:, :, :n]
+    # every query block against its neighbourhood in SDPA's fused kernel (no [N, span] score tensor is
+    # kept for backward); heads sit beside each other so one [w, span] mask per block serves them all
+    def heads_inner(t: Tensor) -> Tensor:  # [B, H, nb, rows, D] -> [B*nb, H, rows, D]
+        return t.transpose(1, 2).flatten(0, 1)
+
+    q = heads_inner(_blocks(query, w))
+    k = heads_inner(look_around(_blocks(key, w), look_backward, look_forward))
+    v = heads_inner(look_around(_blocks(value, w), look_backward, look_forward))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
+    out = torch.where(allowed.any(-1, keepdim=True), out, 0.0)  # queries that see no key output zeros
+    return out.unflatten(0, (b, -1)).transpose(1, 2).flatten(2, 3)[:, :, :n]
 
 
 def local_attention_reference(

@@ -65,7 +65,8 @@ def _peer_linformer(dim: int, heads: int, head_dim: int, length: int):
 def _peer_reformer(dim: int, heads: int, head_dim: int, length: int):
     from reformer_pytorch import LSHSelfAttention
 
-    m = LSHSelfAttention(dim=dim, heads=heads, dim_head=head_dim, bucket_size=64, n_hashes=4)
+    m = LSHSelfAttention(dim=dim, heads=heads, dim_head=head_dim, bucket_size=64, n_hashes=4,
+                         attend_across_buckets=False)  # longattn default: only same-bucket keys (eq. 3)
     return m, lambda x, mask: m(x, input_mask=mask)
 
 
