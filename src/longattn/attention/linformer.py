@@ -79,12 +79,8 @@ def linformer_attention(
         key, value = key * keep, value * keep  # a padded position contributes no column of E, F
     small_k = _project_sequence(key, proj_k)  # [B, H, k, Dh]
     small_v = _project_sequence(value, proj_v)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    # the scale goes on the small [k, Dh] side rather than the [N, k] scores
-    weights = torch.softmax(query @ (small_k * scale).transpose(-1, -2), dim=-1)  # [B, H, N, k]
-    if dropout_p > 0:
-        weights = torch.nn.functional.dropout(weights, dropout_p)
-    return weights @ small_v
+    # exact softmax attention against the k projected keys: SDPA's fused kernel keeps no [N, k] weights
+    return torch.nn.functional.scaled_dot_product_attention(query, small_k, small_v, dropout_p=dropout_p, scale=scale)
 
 
 def linformer_attention_reference(
