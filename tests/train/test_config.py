@@ -66,3 +66,32 @@ def test_yaml_floats_without_a_dot_are_numbers(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("optim:\n  lr: 1e-3\n")
     assert read_yaml(path)["optim"]["lr"] == 1e-3
+
+
+def test_every_config_file_is_shipped_in_the_wheel():
+    """pyproject's package-data patterns must cover every YAML under the package's configs folder."""
+    import fnmatch
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+
+    from longattn.train.config import packaged_configs
+
+    package = packaged_configs().parent
+    pyproject = tomllib.loads((package.parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["longattn"]
+    files = sorted(p.relative_to(package).as_posix() for p in packaged_configs().rglob("*.yaml"))
+    assert len(files) > 30
+    # setuptools globs do not cross "/" with "*": compare path depth as well as the pattern
+    unshipped = [f for f in files if not any(fnmatch.fnmatch(f, p) and f.count("/") == p.count("/") for p in patterns)]
+    assert unshipped == []
+
+
+def test_sweeps_are_found_by_name_or_path(tmp_path):
+    from longattn.train.experiments import load_sweep, sweep_path
+
+    by_name = sweep_path("skt_table7_r")
+    assert by_name == configs_root() / "sweeps" / "skt_table7_r.yaml"
+    assert load_sweep("skt_table7_r") == load_sweep(by_name)
+    with pytest.raises(FileNotFoundError, match="skt_table7_r"):
+        sweep_path("no_such_sweep")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        sweep_path(tmp_path / "skt_table7_r.yaml")  # an explicit path is never swapped for a shipped file

@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sweep", help="train over a config grid / ablation list and write a result table",
                               description="Run every row (grid point or named variant) of a sweep file on every "
                               "task; write table.md and results.json (see docs/lra.md for the file format).")
-    p.add_argument("--config", required=True, help="sweep file, e.g. configs/lra/sweeps/skt_table7_r.yaml")
+    p.add_argument("--config", required=True, help="sweep file, or the name of a shipped one: configs/lra/sweeps/skt_table7_r.yaml or skt_table7_r")
     p.add_argument("--preset", help="task preset to use instead of the sweep file's (e.g. demo for a quick check)")
     p.add_argument("--tasks", help="comma-separated subset of the sweep's tasks")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

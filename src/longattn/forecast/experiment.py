@@ -26,6 +26,7 @@ from longattn.data.timeseries import ForecastData, load_forecast_data, resolve_s
 from longattn.forecast.paper import paper_result
 from longattn.forecast.train import forecast_settings, train_forecaster
 from longattn.models.forecasters import build_forecaster
+from longattn.train.config import packaged_configs
 from longattn.utils import seed_everything
 
 # Used when no config file exists for a dataset (e.g. a user's own CSV): the FEDformer code's defaults.
@@ -42,14 +43,13 @@ DEFAULT_CONFIG: dict[str, Any] = {
 
 
 def find_config(dataset: str) -> Path | None:
-    """``configs/forecast/<dataset>.yaml`` in the current folder or the source checkout, if present."""
+    """``configs/forecast/<dataset>.yaml`` in the current folder, else the one shipped with longattn, if any."""
     try:
         stem = resolve_series(dataset)[0]
     except ValueError:
         stem = Path(dataset).stem
-    here = Path(__file__).resolve()
-    for root in (Path.cwd(), *here.parents[:4]):
-        candidate = root / "configs" / "forecast" / f"{stem}.yaml"
+    for configs in (Path.cwd() / "configs", packaged_configs()):
+        candidate = configs / "forecast" / f"{stem}.yaml"
         if candidate.is_file():
             return candidate
     return None

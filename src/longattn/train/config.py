@@ -161,9 +161,14 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return _fix_yaml_floats(data)
 
 
+def packaged_configs() -> Path:
+    """The configs shipped inside the package (``configs/`` in a checkout links to the same folder)."""
+    return Path(__file__).resolve().parents[1] / "configs"
+
+
 def configs_root() -> Path:
-    """The repository's ``configs/lra`` folder (presets live in ``configs/lra/<task>/<preset>.yaml``)."""
-    return Path(__file__).resolve().parents[3] / "configs" / "lra"
+    """The LRA configs: presets are ``configs/lra/<task>/<preset>.yaml``, sweeps ``configs/lra/sweeps/*.yaml``."""
+    return packaged_configs() / "lra"
 
 
 def preset_path(task: str, preset: str) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from longattn import attention as attention_registry
-from longattn.train.config import ConfigError, load_config, read_yaml
+from longattn.train.config import ConfigError, configs_root, load_config, read_yaml
 from longattn.train.lra import LRA_TASK_NAMES, run_lra
 
 SWEEP_KEYS = {"title", "description", "tasks", "preset", "attention", "set", "seeds", "grid", "variants",
@@ -95,8 +95,21 @@ def registered_or_note(names: list[str]) -> list[str]:
 # ----------------------------------------------------------------------------- sweeps
 
 
+def sweep_path(path_or_name: str | Path) -> Path:
+    """A sweep file, or the name of one shipped in ``configs/lra/sweeps`` (e.g. ``skt_table7_r``)."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    shipped = configs_root() / "sweeps" / f"{path.stem}.yaml"
+    if path.parent == Path(".") and shipped.is_file():
+        return shipped
+    found = ", ".join(sorted(p.stem for p in (configs_root() / "sweeps").glob("*.yaml")))
+    raise FileNotFoundError(f"sweep file {path} does not exist (shipped sweeps: {found})")
+
+
 def load_sweep(path: str | Path) -> dict[str, Any]:
-    """Read and check a sweep file (see docs/lra.md); unknown keys are an error."""
+    """Read and check a sweep file (see docs/lra.md), or a shipped one by name; unknown keys are an error."""
+    path = sweep_path(path)
     spec = read_yaml(path)
     _check_keys(spec, SWEEP_KEYS, f"sweep file {path}")
     if "attention" not in spec and not spec.get("variants"):
