@@ -112,15 +112,15 @@ def nystrom_attention(
     landmark_mask = None if attention_mask is None and pad == 0 else valid[:, :, None, :]
     key_mask = None if attention_mask is None else real[:, None, None, :]
 
-    kernel_1 = _masked_softmax(query @ (k_land * scale).transpose(-1, -2), landmark_mask)  # [B, H, N, m]
     kernel_2 = _masked_softmax(q_land @ k_land.transpose(-1, -2), landmark_mask)  # [B, H, m, m]
     if landmark_mask is not None:
         eye = torch.eye(m, dtype=kernel_2.dtype, device=kernel_2.device)
         kernel_2 = torch.where(valid[..., None], kernel_2, eye)  # invalid landmark: identity row
-    kernel_3 = _masked_softmax(q_land @ key.transpose(-1, -2), key_mask)  # [B, H, m, N]
-
-    # Right to left: [m, m] @ [m, Dh] and [N, m] @ [m, Dh] instead of an [N, m] @ [m, m] product.
-    out = kernel_1 @ (iterative_pinv(kernel_2, pinv_iterations) @ (kernel_3 @ value))
+    # Right to left, and the two [N, m]-sized softmax products (kernel_3 V and kernel_1 W) through
+    # SDPA's fused kernel, which keeps neither [B, H, N, m] matrix for the backward pass.
+    landmark_values = F.scaled_dot_product_attention(q_land, key, value, attn_mask=key_mask, scale=1.0)
+    mixed = iterative_pinv(kernel_2, pinv_iterations) @ landmark_values  # [B, H, m, Dh]
+    out = F.scaled_dot_product_attention(query, k_land, mixed, attn_mask=landmark_mask, scale=scale)
     if conv_weight is not None:
         out = out + depthwise_value_conv(value, conv_weight)
     return out
