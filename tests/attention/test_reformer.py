@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from longattn.attention import reformer
+from longattn.attention.base import AttentionError
 from longattn.attention.reformer import hash_buckets, hash_buckets_blocked, lsh_attention, lsh_attention_reference, num_buckets
 
 
@@ -97,3 +98,15 @@ def test_matches_reformer_pytorch_given_the_same_rotations():
     rot = torch.randn(1, d, hashes, num_buckets(n, bucket) // 2)[0]
     ours = lsh_attention(qk.view(b, h, n, d), v.view(b, h, n, d), rotations=rot, bucket_size=bucket)
     torch.testing.assert_close(ours.reshape(b * h, n, d), theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_bad_functional_inputs_get_clear_errors():
+    qk, v, rot = inputs(16, rounds=2, bucket_size=8)
+    with pytest.raises(AttentionError, match="rotations"):
+        lsh_attention(qk, v, rotations=rot[:4], bucket_size=8)
+    with pytest.raises(AttentionError, match="bucket_size"):
+        lsh_attention(qk, v, rotations=rot, bucket_size=0)
+    with pytest.raises(AttentionError):
+        lsh_attention(qk, v[:, :, :5], rotations=rot, bucket_size=8)
+    with pytest.raises(AttentionError):
+        lsh_attention(qk, v, torch.ones(2, 15, dtype=torch.bool), rotations=rot, bucket_size=8)

@@ -9,7 +9,9 @@ has no other valid target. The rounds are combined with weights proportional to
 exp(logsumexp of each round's scores) (multi-round LSH attention, section 2).
 
 The fast path works block by block over the sorted chunks and recomputes scores in the backward
-pass, so it keeps O(rounds * N * head_dim) and never holds more than BLOCK_ELEMENTS scores.
+pass, so it keeps O(rounds * N * head_dim) and never holds more than a block of scores
+(BLOCK_ELEMENTS on CPU, sized for the cache; GPU_BLOCK_ELEMENTS on GPUs, where fewer, larger
+kernels pay off).
 
 Padding: padded tokens are put in a bucket of their own after all real buckets, so where real
 tokens land in the sort never depends on padded content.
@@ -23,11 +25,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention.base import AttentionBase, AttentionError, Capabilities, merge_heads, register_attention, split_heads
+from longattn.attention.base import (
+    AttentionBase,
+    AttentionError,
+    Capabilities,
+    check_qkv,
+    merge_heads,
+    register_attention,
+    split_heads,
+)
 
 SELF_ATTENTION_SCORE = -5e4  # "attend to itself only if nothing else": large negative but finite
 BLOCK_ELEMENTS = 1 << 18  # scores (or hash projections) computed at once: cache-sized, never [N, N]
+GPU_BLOCK_ELEMENTS = 1 << 24
 EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38 is still a normal float32
+
+
+def block_elements(device: torch.device) -> int:
+    return BLOCK_ELEMENTS if device.type == "cpu" else GPU_BLOCK_ELEMENTS
 
 
 def hash_buckets(vectors: Tensor, rotations: Tensor) -> Tensor:
@@ -41,7 +56,7 @@ def hash_buckets_blocked(vectors: Tensor, rotations: Tensor) -> Tensor:
     argmax([xR; -xR]) read off the max and min of xR (ties resolve the same way)."""
     d, rounds, half = rotations.shape
     flat_rotations = rotations.reshape(d, rounds * half)
-    tokens_per_block = max(1, BLOCK_ELEMENTS // (rounds * half))
+    tokens_per_block = max(1, block_elements(vectors.device) // (rounds * half))
     blocks = []
     for block in vectors.split(tokens_per_block, dim=2):
         rotated = (block @ flat_rotations).unflatten(-1, (rounds, half))  # [B, H, n, rounds, half]
@@ -72,7 +87,7 @@ class _SlotLayout:
         self.chunks_per_round = n_total // self.m
 
     def blocks(self) -> list[tuple[int, int]]:
-        per_block = max(1, BLOCK_ELEMENTS // (2 * self.m * self.m))
+        per_block = max(1, block_elements(self.position.device) // (2 * self.m * self.m))
         c = self.chunks_per_head
         return [(start, min(start + per_block, head + c))
                 for head in range(0, self.position.shape[0], c) for start in range(head, head + c, per_block)]
@@ -205,7 +220,12 @@ def lsh_attention(
 ) -> Tensor:
     """LSH attention on [B, H, N, Dh] with shared queries/keys; ``rotations`` [Dh, rounds, n_buckets / 2]
     where n_buckets = ceil(N / bucket_size) rounded up to even (see :func:`num_buckets`)."""
+    check_qkv(shared_qk, shared_qk, value, attention_mask)
     b, h, n, d = shared_qk.shape
+    if rotations.dim() != 3 or rotations.shape[0] != d or 0 in rotations.shape:
+        raise AttentionError(f"rotations must be [Dh={d}, rounds, n_buckets / 2], got {list(rotations.shape)}")
+    if not isinstance(bucket_size, int) or bucket_size < 1:
+        raise AttentionError(f"bucket_size must be a positive int, got {bucket_size!r}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     rounds, n_buckets = rotations.shape[1], 2 * rotations.shape[2]
     m = bucket_size
