@@ -62,15 +62,6 @@ def _global_index(global_positions: Sequence[int], length: int, device: torch.de
     return torch.tensor(positions, dtype=torch.long, device=device)
 
 
-def _masked_softmax_(scores: Tensor, visible: Tensor) -> Tensor:
-    """Softmax over the visible entries, masking ``scores`` in place (callers pass a fresh tensor).
-
-    A row with nothing visible comes out uniform over its masked entries; callers zero such rows'
-    outputs, which is cheaper than masking the whole weight matrix again.
-    """
-    return torch.softmax(scores.masked_fill_(~visible, torch.finfo(scores.dtype).min), dim=-1)
-
-
 def longformer_attention(
     query: Tensor,
     key: Tensor,
@@ -114,52 +105,50 @@ def longformer_attention(
     is_global[gidx] = True
 
     # -- sliding-window rows, chunk by chunk: c = w/2 queries see keys [start - reach, start + c + reach)
+    # plus the G global keys, all under one softmax, each chunk through SDPA's fused kernel (no
+    # [rows, keys] weights are kept for backward). Chunks go to the batch axis with the heads beside
+    # each other, [B * C, H, rows, D], so one [c, span + G] mask per chunk serves every head.
     half = attention_window // 2
     reach = dilation * half
     chunk = half
     chunks = -(-n // chunk)
     span = chunk + 2 * reach
     tail = chunks * chunk - n
-    q_c = F.pad(query, (0, 0, 0, tail)).view(b, h, chunks, chunk, d)
-    k_win = F.pad(key, (0, 0, reach, tail + reach)).unfold(2, span, chunk).transpose(-1, -2)  # [B,H,C,span,d]
-    v_win = F.pad(value, (0, 0, reach, tail + reach)).unfold(2, span, chunk).transpose(-1, -2)
+    g = gidx.numel()
+
+    def chunk_keys(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * C, H, span + G, D]
+        window = F.pad(t, (0, 0, reach, tail + reach)).unfold(2, span, chunk).permute(0, 2, 1, 4, 3)
+        glob = t[:, None, :, gidx].expand(-1, chunks, -1, -1, -1)  # local rows use K_s, V_s on global keys
+        return torch.cat([window, glob], dim=3).flatten(0, 1)
+
+    q_c = F.pad(query, (0, 0, 0, tail)).unflatten(2, (chunks, chunk)).transpose(1, 2).flatten(0, 1)
     # key offset relative to the query: (chunk_start - reach + s) - (chunk_start + r) = s - r - reach
     offset = torch.arange(span, device=device)[None, :] - torch.arange(chunk, device=device)[:, None] - reach
     in_window = (offset.abs() <= reach) & (offset % dilation == 0)
     if is_causal:
         in_window = in_window & (offset <= 0)
-    # keys that exist, are real and are not global (global keys are added once, below)
+    # keys that exist, are real and are not global (global keys are added once, at the end)
     key_ok = F.pad(real & ~is_global, (reach, tail + reach)).unfold(1, span, chunk)  # [B, C, span]
-    visible_win = in_window[None, None, None] & key_ok[:, None, :, None, :]  # [B, 1, C, c, span]
-    scores_win = q_c @ k_win.transpose(-1, -2) * scale
-
-    g = gidx.numel()
-    k_glob_s, v_glob_s = key[:, :, gidx], value[:, :, gidx]  # local rows use K_s, V_s on global keys
-    scores_glob = (q_c.flatten(2, 3) @ k_glob_s.transpose(-1, -2) * scale).view(b, h, chunks, chunk, g)
-    visible_glob = real[:, gidx][:, None, None, None, :].expand(b, 1, chunks, chunk, g)
+    visible_win = in_window[None, None] & key_ok[:, :, None, :]  # [B, C, c, span]
+    visible_glob = real[:, gidx][:, None, None, :].expand(b, chunks, chunk, g)
     if is_causal:
         query_pos = torch.arange(chunks * chunk, device=device).view(chunks, chunk, 1)
         visible_glob = visible_glob & (gidx.view(1, 1, g) <= query_pos)
-    visible = torch.cat([visible_win, visible_glob], -1)
-    weights = _masked_softmax_(torch.cat([scores_win, scores_glob], -1), visible)
-    if dropout_p > 0:
-        weights = F.dropout(weights, p=dropout_p)
-    w_win, w_glob = weights.split([span, g], dim=-1)
-    out = w_win @ v_win + (w_glob.flatten(2, 3) @ v_glob_s).view(b, h, chunks, chunk, -1)
-    out = out.masked_fill(~visible.any(-1, keepdim=True), 0.0)  # queries that see no key give 0
-    out = out.reshape(b, h, chunks * chunk, -1)[:, :, :n]
+    visible = torch.cat([visible_win, visible_glob], -1).flatten(0, 1)[:, None]  # [B*C, 1, c, span + G]
+    out = F.scaled_dot_product_attention(q_c, chunk_keys(key), chunk_keys(value), attn_mask=visible,
+                                         dropout_p=dropout_p, scale=scale)
+    out = torch.where(visible.any(-1, keepdim=True), out, 0.0)  # queries that see no key output zeros
+    out = out.unflatten(0, (b, chunks)).transpose(1, 2).flatten(2, 3)[:, :, :n]
     if g == 0:
         return out
 
-    # -- global rows: Q_g of the global tokens against K_g, V_g of every token
-    scores_g = global_query[:, :, gidx] @ global_key.transpose(-1, -2) * scale  # [B, H, G, N]
+    # -- global rows: Q_g of the global tokens against K_g, V_g of every token (full rows)
     visible_g = real[:, None, None, :].expand(b, 1, g, n)
     if is_causal:
         visible_g = visible_g & (torch.arange(n, device=device)[None, :] <= gidx[:, None])
-    weights_g = _masked_softmax_(scores_g, visible_g)
-    if dropout_p > 0:
-        weights_g = F.dropout(weights_g, p=dropout_p)
-    out_g = (weights_g @ global_value).masked_fill(~visible_g.any(-1, keepdim=True), 0.0)
+    out_g = F.scaled_dot_product_attention(global_query[:, :, gidx], global_key, global_value,
+                                           attn_mask=visible_g, dropout_p=dropout_p, scale=scale)
+    out_g = torch.where(visible_g.any(-1, keepdim=True), out_g, 0.0)
     return out.index_copy(2, gidx, out_g)
 
 
