@@ -87,17 +87,20 @@ def bigbird_attention(
 
     # Middle query blocks attend to their gathered key blocks, each block through SDPA's fused kernel
     # (no [rows, keys] weights are kept for backward). Blocks go to the batch axis with the heads beside
-    # each other: [B * (nb-2), H, rows, D]. The mask only depends on the key (padding, and blocks listed
-    # twice), so one [K*bs] row per block and head is broadcast over the block's queries.
-    kb, vb = key.unflatten(2, (nb, block_size)), value.unflatten(2, (nb, block_size))
+    # each other, [B * (nb-2), H, K*bs, D]: one index_select over (head, block) rows copies whole
+    # [bs, D] blocks straight into that layout. The mask depends only on the key (padding, and blocks
+    # listed twice), so one [K*bs] row per block and head is broadcast over the block's queries.
+    rows = (torch.arange(h, device=query.device)[None, :, None] * nb + idx.transpose(0, 1)).flatten()
+
+    def gather_blocks(t: Tensor) -> Tensor:  # [B, H, nb*bs, D] -> [B*(nb-2), H, K*bs, D]
+        blocks = t.contiguous().view(b, h * nb, -1).index_select(1, rows)
+        return blocks.view(b * (nb - 2), h, idx.shape[-1] * block_size, t.shape[-1])
+
     mb = valid.unflatten(1, (nb, block_size))  # [B, nb, bs]
-    heads = torch.arange(h, device=query.device)[None, :, None]
     idx_bh, keep_bh = idx.transpose(0, 1), keep.transpose(0, 1)  # [nb-2, H, K]
-    k_sel = kb[:, heads, idx_bh].flatten(3, 4).flatten(0, 1)  # [B*(nb-2), H, K*bs, D]
-    v_sel = vb[:, heads, idx_bh].flatten(3, 4).flatten(0, 1)
     ok = (mb[:, idx_bh] & keep_bh[None, ..., None]).flatten(3, 4).flatten(0, 1)[:, :, None]  # [B*(nb-2), H, 1, K*bs]
     q_mid = query[:, :, block_size:-block_size].unflatten(2, (nb - 2, block_size)).transpose(1, 2).flatten(0, 1)
-    mid_out = F.scaled_dot_product_attention(q_mid, k_sel, v_sel, attn_mask=ok, scale=scale)
+    mid_out = F.scaled_dot_product_attention(q_mid, gather_blocks(key), gather_blocks(value), attn_mask=ok, scale=scale)
     mid_out = torch.where(ok.any(-1, keepdim=True), mid_out, 0.0)  # queries that see no key output zeros
     mid_out = mid_out.unflatten(0, (b, nb - 2)).transpose(1, 2)  # [B, H, nb-2, bs, D]
 

@@ -106,8 +106,9 @@ def longformer_attention(
 
     # -- sliding-window rows, chunk by chunk: c = w/2 queries see keys [start - reach, start + c + reach)
     # plus the G global keys, all under one softmax, each chunk through SDPA's fused kernel (no
-    # [rows, keys] weights are kept for backward). Chunks go to the batch axis with the heads beside
-    # each other, [B * C, H, rows, D], so one [c, span + G] mask per chunk serves every head.
+    # [rows, keys] weights are kept for backward). Chunks go to the batch axis and are gathered
+    # token-major, [chunks, keys, H, D] (the fused kernel's own layout, seen as [chunks, H, keys, D]),
+    # so one index picks a chunk's keys for every head and one mask per chunk serves all heads.
     half = attention_window // 2
     reach = dilation * half
     chunk = half
@@ -116,12 +117,6 @@ def longformer_attention(
     tail = chunks * chunk - n
     g = gidx.numel()
 
-    def chunk_keys(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * C, H, span + G, D]
-        window = F.pad(t, (0, 0, reach, tail + reach)).unfold(2, span, chunk).permute(0, 2, 1, 4, 3)
-        glob = t[:, None, :, gidx].expand(-1, chunks, -1, -1, -1)  # local rows use K_s, V_s on global keys
-        return torch.cat([window, glob], dim=3).flatten(0, 1)
-
-    q_c = F.pad(query, (0, 0, 0, tail)).unflatten(2, (chunks, chunk)).transpose(1, 2).flatten(0, 1)
     # key offset relative to the query: (chunk_start - reach + s) - (chunk_start + r) = s - r - reach
     offset = torch.arange(span, device=device)[None, :] - torch.arange(chunk, device=device)[:, None] - reach
     in_window = (offset.abs() <= reach) & (offset % dilation == 0)
@@ -129,16 +124,40 @@ def longformer_attention(
         in_window = in_window & (offset <= 0)
     # keys that exist, are real and are not global (global keys are added once, at the end)
     key_ok = F.pad(real & ~is_global, (reach, tail + reach)).unfold(1, span, chunk)  # [B, C, span]
-    visible_win = in_window[None, None] & key_ok[:, :, None, :]  # [B, C, c, span]
     visible_glob = real[:, gidx][:, None, None, :].expand(b, chunks, chunk, g)
     if is_causal:
         query_pos = torch.arange(chunks * chunk, device=device).view(chunks, chunk, 1)
         visible_glob = visible_glob & (gidx.view(1, 1, g) <= query_pos)
-    visible = torch.cat([visible_win, visible_glob], -1).flatten(0, 1)[:, None]  # [B*C, 1, c, span + G]
-    out = F.scaled_dot_product_attention(q_c, chunk_keys(key), chunk_keys(value), attn_mask=visible,
-                                         dropout_p=dropout_p, scale=scale)
-    out = torch.where(visible.any(-1, keepdim=True), out, 0.0)  # queries that see no key output zeros
-    out = out.unflatten(0, (b, chunks)).transpose(1, 2).flatten(2, 3)[:, :, :n]
+
+    # token-major and padded: key position p sits at row p + reach
+    query_t = F.pad(query.transpose(1, 2), (0, 0, 0, 0, 0, tail)).unflatten(1, (chunks, chunk))  # [B, C, c, H, D]
+    key_t, value_t = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, reach, tail + reach)) for t in (key, value))
+
+    def attend_chunks(batch: Tensor, chunk_idx: Tensor, visible: Tensor) -> Tensor:
+        """Chunks (batch[i], chunk_idx[i]) under ``visible`` ([c, span + G] or [M, 1, c, span + G]) -> [M, c, H, D]."""
+        window = chunk_idx[:, None] * chunk + torch.arange(span, device=device)
+        rows = torch.cat([window, (gidx + reach).expand(len(window), g)], dim=1)  # local rows use K_s, V_s on globals
+        k, v = (t[batch[:, None], rows].transpose(1, 2) for t in (key_t, value_t))
+        q = query_t[batch, chunk_idx].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout_p, scale=scale)
+        out = torch.where(visible.any(-1)[..., None], out, 0.0)  # queries that see no key output zeros
+        return out.transpose(1, 2)
+
+    # Most chunks see every key of their span and every global key: their mask is the window band
+    # alone, one [c, span + G] tensor for all of them. Only the others (sequence ends, padding, global
+    # tokens inside the span) get masks of their own, so masks cost O(such chunks), not O(N (w + G)).
+    unmasked = key_ok.all(-1) & visible_glob.flatten(2).all(-1)  # [B, C]
+    out = query_t.new_zeros(b, chunks, chunk, h, value.shape[-1])
+    open_chunks = unmasked.nonzero().unbind(1)
+    if open_chunks[0].numel():
+        band = torch.cat([in_window, in_window.new_ones(chunk, g)], dim=-1)
+        out = out.index_put(open_chunks, attend_chunks(*open_chunks, band))
+    masked_chunks = (~unmasked).nonzero().unbind(1)
+    if masked_chunks[0].numel():
+        visible_win = in_window & key_ok[masked_chunks][:, None, :]  # [M, c, span]
+        visible = torch.cat([visible_win, visible_glob[masked_chunks]], dim=-1)[:, None]  # [M, 1, c, span + G]
+        out = out.index_put(masked_chunks, attend_chunks(*masked_chunks, visible))
+    out = out.flatten(1, 2)[:, :n].transpose(1, 2)  # [B, H, N, D]
     if g == 0:
         return out
 
