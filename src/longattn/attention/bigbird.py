@@ -85,26 +85,28 @@ def bigbird_attention(
     glob_rows = torch.cat([query[:, :, :block_size], query[:, :, -block_size:]], dim=2)
     glob_out = softmax_attention(glob_rows, key, value, valid, scale=scale)
 
-    # Middle query blocks attend to their gathered key blocks, each block through SDPA's fused kernel
-    # (no [rows, keys] weights are kept for backward). Blocks go to the batch axis with the heads beside
-    # each other, [B * (nb-2), H, K*bs, D]: one index_select over (head, block) rows copies whole
-    # [bs, D] blocks straight into that layout. The mask depends only on the key (padding, and blocks
-    # listed twice), so one [K*bs] row per block and head is broadcast over the block's queries.
-    rows = (torch.arange(h, device=query.device)[None, :, None] * nb + idx.transpose(0, 1)).flatten()
+    # Middle query blocks attend to their gathered key blocks, each (head, block) pair through SDPA's
+    # fused kernel (no [rows, keys] weights are kept for backward). The random blocks differ per head,
+    # so heads and blocks both go to the batch axis, [B * H * (nb-2), 1, K*bs, D]: one index_select over
+    # (head, block) rows copies whole [bs, D] blocks straight into that layout, which is also the layout
+    # the kernel's gradients come back in. The mask depends only on the key (padding, and blocks listed
+    # twice), so one [K*bs] row per (batch, head, block) is broadcast over the block's queries.
+    rows = (torch.arange(h, device=query.device)[:, None, None] * nb + idx).flatten()  # [H * (nb-2) * K]
+    pairs, keys = b * h * (nb - 2), idx.shape[-1] * block_size
 
-    def gather_blocks(t: Tensor) -> Tensor:  # [B, H, nb*bs, D] -> [B*(nb-2), H, K*bs, D]
+    def gather_blocks(t: Tensor) -> Tensor:  # [B, H, nb*bs, D] -> [B*H*(nb-2), 1, K*bs, D]
         blocks = t.contiguous().view(b, h * nb, -1).index_select(1, rows)
-        return blocks.view(b * (nb - 2), h, idx.shape[-1] * block_size, t.shape[-1])
+        return blocks.view(pairs, 1, keys, t.shape[-1])
 
     mb = valid.unflatten(1, (nb, block_size))  # [B, nb, bs]
-    idx_bh, keep_bh = idx.transpose(0, 1), keep.transpose(0, 1)  # [nb-2, H, K]
-    ok = (mb[:, idx_bh] & keep_bh[None, ..., None]).flatten(3, 4).flatten(0, 1)[:, :, None]  # [B*(nb-2), H, 1, K*bs]
-    q_mid = query[:, :, block_size:-block_size].unflatten(2, (nb - 2, block_size)).transpose(1, 2).flatten(0, 1)
-    mid_out = F.scaled_dot_product_attention(q_mid, gather_blocks(key), gather_blocks(value), attn_mask=ok, scale=scale)
-    mid_out = torch.where(ok.any(-1, keepdim=True), mid_out, 0.0)  # queries that see no key output zeros
-    mid_out = mid_out.unflatten(0, (b, nb - 2)).transpose(1, 2)  # [B, H, nb-2, bs, D]
+    visible = (mb[:, idx] & keep[None, ..., None]).view(pairs, 1, 1, keys)
+    q_mid = query[:, :, block_size:-block_size].reshape(pairs, 1, block_size, d)
+    mid_out = F.scaled_dot_product_attention(q_mid, gather_blocks(key), gather_blocks(value),
+                                             attn_mask=visible, scale=scale)
+    mid_out = torch.where(visible.any(-1, keepdim=True), mid_out, 0.0)  # queries that see no key output zeros
+    mid_out = mid_out.view(b, h, (nb - 2) * block_size, value.shape[-1])
 
-    out = torch.cat([glob_out[:, :, :block_size], mid_out.flatten(2, 3), glob_out[:, :, block_size:]], dim=2)
+    out = torch.cat([glob_out[:, :, :block_size], mid_out, glob_out[:, :, block_size:]], dim=2)
     return out[:, :, :n]
 
 
