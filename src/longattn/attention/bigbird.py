@@ -5,7 +5,8 @@ The sequence is cut into blocks of ``block_size`` tokens. Every query block atte
   * the ``global_blocks`` global blocks (the first and the last block by default), and
   * ``random_blocks`` random blocks (3 by default), drawn per head and fixed per layer,
 and the global query blocks attend to every key (BigBird section 2, Fig. 1). Each query sees
-at most (window + global + random) * block_size keys, so memory is linear in N; sequences too
+at most (window + global + random) * block_size keys, gathered per (head, block) and run through
+SDPA's fused kernel, so memory is linear in N; sequences too
 short to be sparse (no more blocks than one query block would see) use full attention, as the
 reference implementation does.
 """
