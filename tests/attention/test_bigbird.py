@@ -20,6 +20,24 @@ def test_sparse_matches_dense_pattern_forward_and_backward(n):
         torch.testing.assert_close(a, r)
 
 
+def test_queries_that_see_no_key_output_zeros_with_finite_gradients():
+    n, bs, h = 161, 16, 2
+    nb = -(-n // bs)
+    ridx = random_block_indices(nb, h, 2, 3, torch.Generator().manual_seed(1))
+    q, k, v = (torch.randn(2, h, n, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[0, 80:96] = True  # only block 5 is real: global rows see it, most middle blocks see nothing
+    kw = dict(random_idx=ridx, block_size=bs, window_blocks=3)
+    out, ref = bigbird_attention(q, k, v, mask, **kw), bigbird_attention_reference(q, k, v, mask, **kw)
+    torch.testing.assert_close(out, ref)
+    blind = out.abs().sum(-1) == 0
+    assert blind[1].all() and 0 < blind[0].sum() < n  # batch 1 is all padding
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a, r)
+
+
 def test_random_blocks_avoid_window_and_global_and_never_repeat():
     nb = 12
     ridx = random_block_indices(nb, 4, 3, 3, torch.Generator().manual_seed(0))

@@ -43,6 +43,36 @@ def test_functional_matches_reference_forward_and_backward(n, window, dilation, 
         torch.testing.assert_close(a, r)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "all_real", "padded_run"])
+@pytest.mark.parametrize("globals_", [(), (0, 23)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_unpadded_chunks_and_queries_that_see_no_key(mask_kind, globals_, causal):
+    # without padding most chunks share the window-band mask and the ends get their own; a padded run
+    # longer than the window (global 0 padded too) leaves queries with no visible key: zeros
+    n = 61
+    q, k, v, gq, gk, gv = tensors(n, 6, seed=3)
+    mask = None if mask_kind == "none" else torch.ones(2, n, dtype=torch.bool)
+    if mask_kind == "padded_run":
+        mask[0, :40] = False
+        mask[1] = False
+    kwargs = dict(
+        attention_window=6, global_positions=globals_,
+        global_query=gq, global_key=gk, global_value=gv, is_causal=causal,
+    )
+    out = longformer_attention(q, k, v, mask, **kwargs)
+    ref = longformer_attention_reference(q, k, v, mask, **kwargs)
+    torch.testing.assert_close(out, ref)
+    if mask_kind == "padded_run":
+        assert (out[0, :, 5:20] == 0).all() and (out[1] == 0).all()
+    grad_out = torch.randn_like(out)
+    wrt = (q, k, v, gq, gk, gv)
+    got = torch.autograd.grad(out, wrt, grad_out, allow_unused=True, materialize_grads=True)
+    want = torch.autograd.grad(ref, wrt, grad_out, allow_unused=True, materialize_grads=True)
+    for a, r in zip(got, want):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a, r)
+
+
 def test_receptive_fields():
     n = 40
     q, k, v = tensors(n, 3)

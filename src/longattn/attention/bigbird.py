@@ -5,7 +5,8 @@ The sequence is cut into blocks of ``block_size`` tokens. Every query block atte
   * the ``global_blocks`` global blocks (the first and the last block by default), and
   * ``random_blocks`` random blocks (3 by default), drawn per head and fixed per layer,
 and the global query blocks attend to every key (BigBird section 2, Fig. 1). Each query sees
-at most (window + global + random) * block_size keys, so memory is linear in N; sequences too
+at most (window + global + random) * block_size keys, gathered per (head, block) and run through
+SDPA's fused kernel, so memory is linear in N; sequences too
 short to be sparse (no more blocks than one query block would see) use full attention, as the
 reference implementation does.
 """
@@ -85,19 +86,28 @@ def bigbird_attention(
     glob_rows = torch.cat([query[:, :, :block_size], query[:, :, -block_size:]], dim=2)
     glob_out = softmax_attention(glob_rows, key, value, valid, scale=scale)
 
-    # Middle query blocks attend to their gathered key blocks.
-    kb, vb = key.unflatten(2, (nb, block_size)), value.unflatten(2, (nb, block_size))
-    mb = valid.unflatten(1, (nb, block_size))  # [B, nb, bs]
-    heads = torch.arange(h, device=query.device)[:, None, None]
-    k_sel = kb[:, heads, idx].flatten(3, 4)  # [B, H, nb-2, K*bs, D]
-    v_sel = vb[:, heads, idx].flatten(3, 4)
-    ok = (mb[:, idx] & keep[None, ..., None]).flatten(3, 4)  # [B, H, nb-2, K*bs]
-    q_mid = query[:, :, block_size:-block_size].unflatten(2, (nb - 2, block_size))
-    scores = torch.einsum("bhnid,bhnjd->bhnij", q_mid, k_sel) * scale
-    scores = scores.masked_fill(~ok[:, :, :, None, :], float("-inf"))
-    mid_out = torch.einsum("bhnij,bhnjd->bhnid", torch.softmax(scores, -1).nan_to_num(0.0), v_sel)
+    # Middle query blocks attend to their gathered key blocks, each (head, block) pair through SDPA's
+    # fused kernel (no [rows, keys] weights are kept for backward). The random blocks differ per head,
+    # so heads and blocks both go to the batch axis, [B * H * (nb-2), 1, K*bs, D]: one index_select over
+    # (head, block) rows copies whole [bs, D] blocks straight into that layout, which is also the layout
+    # the kernel's gradients come back in. The mask depends only on the key (padding, and blocks listed
+    # twice), so one [K*bs] row per (batch, head, block) is broadcast over the block's queries.
+    rows = (torch.arange(h, device=query.device)[:, None, None] * nb + idx).flatten()  # [H * (nb-2) * K]
+    pairs, keys = b * h * (nb - 2), idx.shape[-1] * block_size
 
-    out = torch.cat([glob_out[:, :, :block_size], mid_out.flatten(2, 3), glob_out[:, :, block_size:]], dim=2)
+    def gather_blocks(t: Tensor) -> Tensor:  # [B, H, nb*bs, D] -> [B*H*(nb-2), 1, K*bs, D]
+        blocks = t.contiguous().view(b, h * nb, -1).index_select(1, rows)
+        return blocks.view(pairs, 1, keys, t.shape[-1])
+
+    mb = valid.unflatten(1, (nb, block_size))  # [B, nb, bs]
+    visible = (mb[:, idx] & keep[None, ..., None]).view(pairs, 1, 1, keys)
+    q_mid = query[:, :, block_size:-block_size].reshape(pairs, 1, block_size, d)
+    mid_out = F.scaled_dot_product_attention(q_mid, gather_blocks(key), gather_blocks(value),
+                                             attn_mask=visible, scale=scale)
+    mid_out = torch.where(visible.any(-1, keepdim=True), mid_out, 0.0)  # queries that see no key output zeros
+    mid_out = mid_out.view(b, h, (nb - 2) * block_size, value.shape[-1])
+
+    out = torch.cat([glob_out[:, :, :block_size], mid_out, glob_out[:, :, block_size:]], dim=2)
     return out[:, :, :n]
 
 

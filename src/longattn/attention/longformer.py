@@ -9,8 +9,9 @@
 
 The interface has no per-call global mask, so the global positions are a module option (default:
 the first token, the usual [CLS] choice). Each non-global query sees ``window ∪ globals`` under one
-softmax (a global key inside the window counts once). Memory: O(N (w + G)) per head, computed in
-chunks of ``w/2`` queries against ``w/2 + w * delta`` keys, never N x N.
+softmax (a global key inside the window counts once). Computed in chunks of ``w/2`` queries
+against their ``w/2 + w * delta`` window keys plus the global keys, each chunk through SDPA's fused
+kernel: memory O(N (1 + 2 delta + 2G/w) Dh) per head for the gathered keys, never N x N.
 """
 
 from __future__ import annotations
@@ -62,15 +63,6 @@ def _global_index(global_positions: Sequence[int], length: int, device: torch.de
     return torch.tensor(positions, dtype=torch.long, device=device)
 
 
-def _masked_softmax_(scores: Tensor, visible: Tensor) -> Tensor:
-    """Softmax over the visible entries, masking ``scores`` in place (callers pass a fresh tensor).
-
-    A row with nothing visible comes out uniform over its masked entries; callers zero such rows'
-    outputs, which is cheaper than masking the whole weight matrix again.
-    """
-    return torch.softmax(scores.masked_fill_(~visible, torch.finfo(scores.dtype).min), dim=-1)
-
-
 def longformer_attention(
     query: Tensor,
     key: Tensor,
@@ -114,52 +106,69 @@ def longformer_attention(
     is_global[gidx] = True
 
     # -- sliding-window rows, chunk by chunk: c = w/2 queries see keys [start - reach, start + c + reach)
+    # plus the G global keys, all under one softmax, each chunk through SDPA's fused kernel (no
+    # [rows, keys] weights are kept for backward). Chunks go to the batch axis and are gathered
+    # token-major, [chunks, keys, H, D] (the fused kernel's own layout, seen as [chunks, H, keys, D]),
+    # so one index picks a chunk's keys for every head and one mask per chunk serves all heads.
     half = attention_window // 2
     reach = dilation * half
     chunk = half
     chunks = -(-n // chunk)
     span = chunk + 2 * reach
     tail = chunks * chunk - n
-    q_c = F.pad(query, (0, 0, 0, tail)).view(b, h, chunks, chunk, d)
-    k_win = F.pad(key, (0, 0, reach, tail + reach)).unfold(2, span, chunk).transpose(-1, -2)  # [B,H,C,span,d]
-    v_win = F.pad(value, (0, 0, reach, tail + reach)).unfold(2, span, chunk).transpose(-1, -2)
+    g = gidx.numel()
+
     # key offset relative to the query: (chunk_start - reach + s) - (chunk_start + r) = s - r - reach
     offset = torch.arange(span, device=device)[None, :] - torch.arange(chunk, device=device)[:, None] - reach
     in_window = (offset.abs() <= reach) & (offset % dilation == 0)
     if is_causal:
         in_window = in_window & (offset <= 0)
-    # keys that exist, are real and are not global (global keys are added once, below)
+    # keys that exist, are real and are not global (global keys are added once, at the end)
     key_ok = F.pad(real & ~is_global, (reach, tail + reach)).unfold(1, span, chunk)  # [B, C, span]
-    visible_win = in_window[None, None, None] & key_ok[:, None, :, None, :]  # [B, 1, C, c, span]
-    scores_win = q_c @ k_win.transpose(-1, -2) * scale
-
-    g = gidx.numel()
-    k_glob_s, v_glob_s = key[:, :, gidx], value[:, :, gidx]  # local rows use K_s, V_s on global keys
-    scores_glob = (q_c.flatten(2, 3) @ k_glob_s.transpose(-1, -2) * scale).view(b, h, chunks, chunk, g)
-    visible_glob = real[:, gidx][:, None, None, None, :].expand(b, 1, chunks, chunk, g)
+    visible_glob = real[:, gidx][:, None, None, :].expand(b, chunks, chunk, g)
     if is_causal:
         query_pos = torch.arange(chunks * chunk, device=device).view(chunks, chunk, 1)
         visible_glob = visible_glob & (gidx.view(1, 1, g) <= query_pos)
-    visible = torch.cat([visible_win, visible_glob], -1)
-    weights = _masked_softmax_(torch.cat([scores_win, scores_glob], -1), visible)
-    if dropout_p > 0:
-        weights = F.dropout(weights, p=dropout_p)
-    w_win, w_glob = weights.split([span, g], dim=-1)
-    out = w_win @ v_win + (w_glob.flatten(2, 3) @ v_glob_s).view(b, h, chunks, chunk, -1)
-    out = out.masked_fill(~visible.any(-1, keepdim=True), 0.0)  # queries that see no key give 0
-    out = out.reshape(b, h, chunks * chunk, -1)[:, :, :n]
+
+    # token-major and padded: key position p sits at row p + reach
+    query_t = F.pad(query.transpose(1, 2), (0, 0, 0, 0, 0, tail)).unflatten(1, (chunks, chunk))  # [B, C, c, H, D]
+    key_t, value_t = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, reach, tail + reach)) for t in (key, value))
+
+    def attend_chunks(batch: Tensor, chunk_idx: Tensor, visible: Tensor) -> Tensor:
+        """Chunks (batch[i], chunk_idx[i]) under ``visible`` ([c, span + G] or [M, 1, c, span + G]) -> [M, c, H, D]."""
+        window = chunk_idx[:, None] * chunk + torch.arange(span, device=device)
+        rows = torch.cat([window, (gidx + reach).expand(len(window), g)], dim=1)  # local rows use K_s, V_s on globals
+        k, v = (t[batch[:, None], rows].transpose(1, 2) for t in (key_t, value_t))
+        q = query_t[batch, chunk_idx].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout_p, scale=scale)
+        out = torch.where(visible.any(-1)[..., None], out, 0.0)  # queries that see no key output zeros
+        return out.transpose(1, 2)
+
+    # Most chunks see every key of their span and every global key: their mask is the window band
+    # alone, one [c, span + G] tensor for all of them. Only the others (sequence ends, padding, global
+    # tokens inside the span) get masks of their own, so masks cost O(such chunks), not O(N (w + G)).
+    unmasked = key_ok.all(-1) & visible_glob.flatten(2).all(-1)  # [B, C]
+    out = query_t.new_zeros(b, chunks, chunk, h, value.shape[-1])
+    open_chunks = unmasked.nonzero().unbind(1)
+    if open_chunks[0].numel():
+        band = torch.cat([in_window, in_window.new_ones(chunk, g)], dim=-1)
+        out = out.index_put(open_chunks, attend_chunks(*open_chunks, band))
+    masked_chunks = (~unmasked).nonzero().unbind(1)
+    if masked_chunks[0].numel():
+        visible_win = in_window & key_ok[masked_chunks][:, None, :]  # [M, c, span]
+        visible = torch.cat([visible_win, visible_glob[masked_chunks]], dim=-1)[:, None]  # [M, 1, c, span + G]
+        out = out.index_put(masked_chunks, attend_chunks(*masked_chunks, visible))
+    out = out.flatten(1, 2)[:, :n].transpose(1, 2)  # [B, H, N, D]
     if g == 0:
         return out
 
-    # -- global rows: Q_g of the global tokens against K_g, V_g of every token
-    scores_g = global_query[:, :, gidx] @ global_key.transpose(-1, -2) * scale  # [B, H, G, N]
+    # -- global rows: Q_g of the global tokens against K_g, V_g of every token (full rows)
     visible_g = real[:, None, None, :].expand(b, 1, g, n)
     if is_causal:
         visible_g = visible_g & (torch.arange(n, device=device)[None, :] <= gidx[:, None])
-    weights_g = _masked_softmax_(scores_g, visible_g)
-    if dropout_p > 0:
-        weights_g = F.dropout(weights_g, p=dropout_p)
-    out_g = (weights_g @ global_value).masked_fill(~visible_g.any(-1, keepdim=True), 0.0)
+    out_g = F.scaled_dot_product_attention(global_query[:, :, gidx], global_key, global_value,
+                                           attn_mask=visible_g, dropout_p=dropout_p, scale=scale)
+    out_g = torch.where(visible_g.any(-1, keepdim=True), out_g, 0.0)
     return out.index_copy(2, gidx, out_g)
 
 
