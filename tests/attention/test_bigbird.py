@@ -72,3 +72,18 @@ def test_short_sequences_use_full_attention():
     x = torch.randn(1, 100, 32, dtype=torch.float64)
     q, k, v = layer.proj.qkv(x)
     torch.testing.assert_close(layer(x), layer.proj.out(softmax_attention(q, k, v)))
+
+
+def test_functional_form_rejects_patterns_that_do_not_fit_the_length():
+    from longattn.attention.base import AttentionError
+
+    with pytest.raises(AttentionError, match="too few"):
+        random_block_indices(7, heads=2, random_blocks=3, window_blocks=3, generator=torch.Generator())  # 8 needed
+    q = torch.randn(1, 2, 100, 8)
+    idx = random_block_indices(9, heads=2, random_blocks=3, window_blocks=3, generator=torch.Generator())
+    for n in (100, 9 * 16):  # 1 block of 64, then 9 blocks of 16 but the pattern is for block 64
+        with pytest.raises(AttentionError, match="random_idx"):
+            x = torch.randn(1, 2, n, 8)
+            bigbird_attention(x, x, x, random_idx=idx, block_size=64)
+    assert bigbird_attention(q.repeat(1, 1, 6, 1)[:, :, :9 * 64 - 5], q.repeat(1, 1, 6, 1)[:, :, :9 * 64 - 5],
+                             q.repeat(1, 1, 6, 1)[:, :, :9 * 64 - 5], random_idx=idx).shape == (1, 2, 571, 8)

@@ -27,6 +27,11 @@ def random_block_indices(num_blocks: int, heads: int, random_blocks: int, window
                          generator: torch.Generator) -> Tensor:
     """[heads, num_blocks - 2, random_blocks]: for each middle query block, random key blocks
     outside its window and outside the global (first/last) blocks, without repetition."""
+    if num_blocks < 2 + window_blocks + random_blocks:
+        raise AttentionError(
+            f"{num_blocks} blocks leave too few outside the 2 global and {window_blocks} window blocks to draw "
+            f"{random_blocks} random ones: need at least {2 + window_blocks + random_blocks} (use full attention)"
+        )
     half = window_blocks // 2
     rows = []
     for h in range(heads):
@@ -74,6 +79,11 @@ def bigbird_attention(
     b, h, n, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     nb = -(-n // block_size)
+    if nb < 3 or random_idx.dim() != 3 or random_idx.shape[:2] != (h, nb - 2):
+        raise AttentionError(
+            f"random_idx must be [H={h}, nb - 2, r] for nb = ceil(N / block_size) = {nb} >= 3 blocks, "
+            f"got {list(random_idx.shape)} (see random_block_indices; shorter inputs need full attention)"
+        )
     pad = nb * block_size - n
     valid = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
     if pad:
