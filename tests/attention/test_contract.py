@@ -45,6 +45,24 @@ def test_shapes_finite_and_gradients(name, n):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_training_step_with_padding_stays_finite(name, dtype):
+    """Padded (all-zero) rows and near-constant channels are where half precision overflows or
+    divides 0 by 0 (a norm's eps, 1 / variance); a training step must stay finite."""
+    n = 300
+    torch.manual_seed(0)
+    layer = attention.build(name, dim=DIM, heads=HEADS, max_len=n).to(dtype).train()
+    x = torch.randn(2, n, DIM, dtype=dtype, requires_grad=True)
+    mask = torch.rand(2, n, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[:, 250:] = False  # whole padded positions across the batch as well as scattered ones
+    out = run(layer, x, mask)
+    assert torch.isfinite(out).all()
+    out.float().square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_batch_independence(name):
     n = 257
     layer = make(name, n).eval()

@@ -267,7 +267,10 @@ def lsh_attention(
     layout = _SlotLayout(token.view(-1, m), match_id, key_valid, is_causal, (order + head_offset * rounds * n_total).flatten(),
                          token_row, bh, rounds, n_total)
     # normalising and scaling before the sort touches N rows instead of rounds * N
-    keys = F.normalize(shared_qk, dim=-1)  # shared-QK: unit-length keys
+    # shared-QK: unit-length keys; half inputs are normalised in float32, where the norm's eps (1e-12)
+    # does not round to zero and turn the padded (all-zero) rows into 0 / 0
+    low_precision = shared_qk.dtype in (torch.float16, torch.bfloat16)
+    keys = F.normalize(shared_qk.float() if low_precision else shared_qk, dim=-1).to(shared_qk.dtype)
     out = _ChunkedLSHSoftmax.apply(sort(shared_qk * scale), sort(keys), sort(value), layout)
     return out.view(b, h, n_total, d)[:, :, :n]
 

@@ -113,12 +113,16 @@ class MaskedBatchNorm(nn.Module):
             weight, bias = self.weight, self.bias
             running_mean, running_var = self.running_mean, self.running_var
             count = valid.sum().expand(h.shape[2])  # [C]
-        weights = valid.unsqueeze(-1).to(h.dtype)
         if self.training:
-            safe_count = count.clamp_min(1).to(h.dtype)
+            # statistics of half inputs in float32: 1 / (var + eps) alone passes float16's range
+            # for a (nearly) constant channel, and the backward uses its square
+            stats_dtype = torch.float32 if h.dtype in (torch.float16, torch.bfloat16) else h.dtype
+            safe_count = count.clamp_min(1).to(stats_dtype)
             out, mean, var = _MaskedBatchNormTrain.apply(
-                h, weights, safe_count, weight.to(h.dtype), bias.to(h.dtype), reduce_dims, channel_shape, self.eps
+                h.to(stats_dtype), valid.unsqueeze(-1).to(stats_dtype), safe_count, weight.to(stats_dtype),
+                bias.to(stats_dtype), reduce_dims, channel_shape, self.eps,
             )
+            out = out.to(h.dtype)
             with torch.no_grad():
                 seen = count > 0
                 unbiased = var * safe_count / (safe_count - 1).clamp_min(1)
