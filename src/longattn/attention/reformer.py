@@ -179,6 +179,7 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a second derivative raises instead of being wrong
     def backward(ctx, grad_out: Tensor):
         q, k, v, row_max, scale, out = ctx.saved_tensors
         layout: _SlotLayout = ctx.layout
