@@ -41,6 +41,7 @@ __all__ = [
     "register_attention",
     "check_attention_mask",
     "check_qkv",
+    "compute_dtype",
     "split_heads",
     "merge_heads",
 ]
@@ -230,6 +231,12 @@ def check_attention_mask(mask: Tensor | None, batch: int, length: int, device: t
         )
     if mask.device != device:
         raise AttentionError(f"attention_mask is on {mask.device} but the input is on {device}")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to accumulate sums, norms and statistics in: float32 for half inputs (whose range
+    and precision do not hold them), the input's own dtype otherwise (float64 stays float64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def check_qkv(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> None:

@@ -30,6 +30,7 @@ from longattn.attention.base import (
     AttentionError,
     Capabilities,
     check_qkv,
+    compute_dtype,
     merge_heads,
     register_attention,
     split_heads,
@@ -270,8 +271,7 @@ def lsh_attention(
     # normalising and scaling before the sort touches N rows instead of rounds * N
     # shared-QK: unit-length keys; half inputs are normalised in float32, where the norm's eps (1e-12)
     # does not round to zero and turn the padded (all-zero) rows into 0 / 0
-    low_precision = shared_qk.dtype in (torch.float16, torch.bfloat16)
-    keys = F.normalize(shared_qk.float() if low_precision else shared_qk, dim=-1).to(shared_qk.dtype)
+    keys = F.normalize(shared_qk.to(compute_dtype(shared_qk.dtype)), dim=-1).to(shared_qk.dtype)
     out = _ChunkedLSHSoftmax.apply(sort(shared_qk * scale), sort(keys), sort(value), layout)
     return out.view(b, h, n_total, d)[:, :, :n]
 

@@ -33,6 +33,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    compute_dtype,
     register_attention,
 )
 
@@ -74,11 +75,6 @@ def _slot_mask(counts: Tensor, slots: int) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # The authors run attention in fp32; float64 stays float64 (tests).
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _real_token_mask(attention_mask: Tensor | None, batch: int, length: int, device: torch.device) -> Tensor:
@@ -336,7 +332,7 @@ def _prepare(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor |
     """Cast to the compute dtype and zero padded rows, so padded content cannot reach anything."""
     batch, _, length, _ = key.shape
     real = _real_token_mask(attention_mask, batch, length, key.device)
-    dtype = _compute_dtype(query.dtype)
+    dtype = compute_dtype(query.dtype)  # the authors run attention in fp32
     q, k, v = (t.to(dtype) for t in (query, key, value))
     if attention_mask is not None:
         padded = ~real[:, None, :, None]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention.base import AttentionError, check_attention_mask
+from longattn.attention.base import AttentionError, check_attention_mask, compute_dtype
 
 __all__ = ["Smoother", "MaskedBatchNorm"]
 
@@ -116,7 +116,7 @@ class MaskedBatchNorm(nn.Module):
         if self.training:
             # statistics of half inputs in float32: 1 / (var + eps) alone passes float16's range
             # for a (nearly) constant channel, and the backward uses its square
-            stats_dtype = torch.float32 if h.dtype in (torch.float16, torch.bfloat16) else h.dtype
+            stats_dtype = compute_dtype(h.dtype)
             safe_count = count.clamp_min(1).to(stats_dtype)
             out, mean, var = _MaskedBatchNormTrain.apply(
                 h.to(stats_dtype), valid.unsqueeze(-1).to(stats_dtype), safe_count, weight.to(stats_dtype),
@@ -256,13 +256,12 @@ class Smoother(nn.Module):
     def _fourier_smooth(self, x_zeroed: Tensor) -> Tensor:
         b, n, d = x_zeroed.shape
         # torch.fft has no bfloat16 and only power-of-two float16 lengths: run those in float32
-        low_precision = x_zeroed.dtype in (torch.float16, torch.bfloat16)
-        compute_dtype = torch.float32 if low_precision else x_zeroed.dtype
-        u = self.segment_average_of(x_zeroed.to(compute_dtype))  # [B, N, r]
+        fft_dtype = compute_dtype(x_zeroed.dtype)
+        u = self.segment_average_of(x_zeroed.to(fft_dtype))  # [B, N, r]
         # FFT at max_len: r transforms instead of d, as XS repeats each segment column (eq. 5).
         u_freq = torch.fft.rfft(u, n=self.max_len, dim=1, norm=self.fft_norm)  # [B, F, r]
         repeats = d // self.segments
-        weight = torch.view_as_complex(self.frequency_weight.to(compute_dtype))  # [F, d]
+        weight = torch.view_as_complex(self.frequency_weight.to(fft_dtype))  # [F, d]
         # broadcast each segment's spectrum over its dim/r features inside the product: the
         # result is born contiguous [B, F, r, dim/r] (no expanded copy of u_freq, fwd or bwd)
         product = weight.view(-1, self.segments, repeats) * u_freq.unsqueeze(-1)
