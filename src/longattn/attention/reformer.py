@@ -76,16 +76,18 @@ class _SlotLayout:
     the chunks it looks back to are slices.
     """
 
-    def __init__(self, position: Tensor, match_id: Tensor | None, key_valid: Tensor | None, causal: bool,
-                 round_token_of: Tensor, token_row: Tensor, heads_total: int, rounds: int, n_total: int) -> None:
-        self.position, self.match_id, self.key_valid, self.causal = position, match_id, key_valid, causal
+    def __init__(self, round_token_of: Tensor, bucket_size: int, heads_total: int, rounds: int, n_total: int,
+                 causal: bool) -> None:
         self.round_token_of = round_token_of  # [G*m]: index (bh, round, token) of each slot
         self.slot_of = _inverse(round_token_of)  # [B*H*R*N]: slot holding (bh, round, token)
-        self.token_row = token_row  # [G*m]: row bh*N + token that each slot reads
-        self.heads_total, self.rounds, self.n_total = heads_total, rounds, n_total
-        self.m = position.shape[1]
-        self.chunks_per_head = position.shape[0] // heads_total
-        self.chunks_per_round = n_total // self.m
+        self.token_row = round_token_of // (rounds * n_total) * n_total + round_token_of % n_total  # row bh*N + token
+        self.position = (round_token_of % n_total).view(-1, bucket_size)  # [G, m]: token of each slot
+        self.match_id: Tensor | None = None  # [G, m] bucket-match ids (same-bucket attention)
+        self.key_valid: Tensor | None = None  # [G, m] real-token flags (attention across buckets)
+        self.heads_total, self.rounds, self.n_total, self.causal = heads_total, rounds, n_total, causal
+        self.m = bucket_size
+        self.chunks_per_head = rounds * n_total // bucket_size
+        self.chunks_per_round = n_total // bucket_size
 
     def blocks(self) -> list[tuple[int, int]]:
         per_block = max(1, block_elements(self.position.device) // (2 * self.m * self.m))
@@ -133,9 +135,9 @@ class _SlotLayout:
         return scores
 
     def fill_self(self, scores: Tensor, start: int, stop: int) -> None:
-        """Write SELF_ATTENTION_SCORE where a slot meets its own token. Tokens are distinct within a round, so that is
-        the diagonal of the chunk itself, plus, when the look-back chunk belongs to the previous round
-        (the first chunk of each round), wherever that chunk holds the same token."""
+        """Write SELF_ATTENTION_SCORE where a slot meets its own token. Tokens are distinct within a
+        round, so that is the diagonal of the chunk itself, plus, when the look-back chunk belongs to
+        the previous round (the first chunk of each round), wherever that chunk holds the same token."""
         m = self.m
         scores[:, :, :m].diagonal(dim1=1, dim2=2).fill_(SELF_ATTENTION_SCORE)
         if self.rounds == 1 or self.chunks_per_head == 1:
@@ -250,24 +252,23 @@ def lsh_attention(
 
     # flatten (batch, head): slot s of head-row bh is global slot bh*R*N + s
     bh = b * h
-    head_offset = torch.arange(bh, device=device)[:, None]
     order = order.view(bh, -1)
-    token = order % n_total
-    token_row = (token + head_offset * n_total).flatten()  # row of [B*H*N, D] each slot reads
+    head_offset = torch.arange(bh, device=device)[:, None] * (rounds * n_total)
+    layout = _SlotLayout((order + head_offset).flatten(), m, bh, rounds, n_total, is_causal)
 
     def sort(t: Tensor) -> Tensor:  # [B, H, N, D] -> sorted slots [G, m, D]
-        return t.reshape(bh * n_total, -1).index_select(0, token_row).view(-1, m, t.shape[-1])
+        return t.reshape(bh * n_total, -1).index_select(0, layout.token_row).view(-1, m, t.shape[-1])
 
-    match_id = key_valid = None
-    slot_valid = None if valid is None else valid.repeat_interleave(h, dim=0).gather(1, token).view(-1, m)
+    slot_valid = None
+    if valid is not None:
+        slot_valid = valid.repeat_interleave(h, dim=0).gather(1, order % n_total).view(-1, m)
     if not attend_across_buckets:
         match_id = buckets.reshape(bh, -1).gather(1, order).view(-1, m)
         if slot_valid is not None:  # padded slots match nothing, so only themselves (as the reference)
             match_id = torch.where(slot_valid, match_id, -1 - torch.arange(match_id.numel(), device=device).view(-1, m))
+        layout.match_id = match_id
     else:
-        key_valid = slot_valid
-    layout = _SlotLayout(token.view(-1, m), match_id, key_valid, is_causal, (order + head_offset * rounds * n_total).flatten(),
-                         token_row, bh, rounds, n_total)
+        layout.key_valid = slot_valid
     # normalising and scaling before the sort touches N rows instead of rounds * N
     # shared-QK: unit-length keys; half inputs are normalised in float32, where the norm's eps (1e-12)
     # does not round to zero and turn the padded (all-zero) rows into 0 / 0
