@@ -34,6 +34,7 @@ from longattn.attention.base import (
     register_attention,
     split_heads,
 )
+from longattn.attention.softmax import softmax_attention
 
 __all__ = [
     "LunaAttention",
@@ -70,16 +71,8 @@ def luna_pack(
 
     Padded context tokens get weight exactly 0; a context with no real token packs to zeros.
     """
-    scores = pack_query @ key.transpose(-1, -2) * _scale(key.shape[-1], scale)  # [B, H, l, N]
-    if attention_mask is not None:
-        keep = attention_mask[:, None, None, :]
-        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores, dim=-1) * keep.to(scores.dtype)
-    else:
-        weights = torch.softmax(scores, dim=-1)
-    if dropout_p > 0:
-        weights = F.dropout(weights, p=dropout_p)
-    return weights @ value
+    queries = pack_query.expand(key.shape[0], -1, -1, -1)  # P may be one [1, H, l, Dh] for the whole batch
+    return softmax_attention(queries, key, value, attention_mask, scale=scale, dropout_p=dropout_p)
 
 
 def luna_unpack(
@@ -91,11 +84,7 @@ def luna_unpack(
     dropout_p: float = 0.0,
 ) -> Tensor:
     """Unpack attention: the N queries attend to the l packed tokens -> [B, H, N, Dh]."""
-    scores = query @ packed_key.transpose(-1, -2) * _scale(query.shape[-1], scale)  # [B, H, N, l]
-    weights = torch.softmax(scores, dim=-1)
-    if dropout_p > 0:
-        weights = F.dropout(weights, p=dropout_p)
-    return weights @ packed_value
+    return softmax_attention(query, packed_key, packed_value, scale=scale, dropout_p=dropout_p)
 
 
 def luna_attention(
