@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from longattn.attention.base import (
@@ -28,6 +27,7 @@ from longattn.attention.base import (
     check_qkv,
     register_attention,
 )
+from longattn.attention.linear import causal_kernel_sums, elu_feature_map, kernel_sums
 
 __all__ = [
     "CosformerAttention",
@@ -56,7 +56,7 @@ def _positive_map(x: Tensor, feature_map: str) -> Tensor:
     if feature_map == "relu":
         return torch.relu(x)
     if feature_map == "elu":
-        return F.elu(x) + 1.0
+        return elu_feature_map(x)
     raise AttentionError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
 
 
@@ -72,35 +72,6 @@ def cosformer_features(
         return positive
     theta = _reweight_angles(x.shape[2], max_positions, x)[:, None]
     return torch.cat([positive * torch.cos(theta), positive * torch.sin(theta)], dim=-1)
-
-
-def _causal_linear_attention(
-    phi_q: Tensor, phi_k: Tensor, value: Tensor, chunk_size: int
-) -> tuple[Tensor, Tensor]:
-    """Numerator [B, H, N, dv] and denominator [B, H, N] of causal linear attention, chunked."""
-    b, h, n, f = phi_q.shape
-    dv = value.shape[-1]
-    chunks = -(-n // chunk_size)
-    tail = chunks * chunk_size - n
-    q_c = F.pad(phi_q, (0, 0, 0, tail)).view(b, h, chunks, chunk_size, f)
-    k_c = F.pad(phi_k, (0, 0, 0, tail)).view(b, h, chunks, chunk_size, f)
-    v_c = F.pad(value, (0, 0, 0, tail)).view(b, h, chunks, chunk_size, dv)
-    # inside a chunk: explicit C x C block with the causal (inclusive) mask
-    within = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=phi_q.device).tril()
-    scores = (q_c @ k_c.transpose(-1, -2)).masked_fill(~within, 0.0)
-    numerator = scores @ v_c
-    denominator = scores.sum(-1)
-    # earlier chunks: exclusive prefix sums of phi(K)^T V and of phi(K)
-    kv = k_c.transpose(-1, -2) @ v_c  # [B, H, S, f, dv]
-    kv_before = torch.cumsum(kv, dim=2) - kv
-    k_sum = k_c.sum(3)
-    k_before = torch.cumsum(k_sum, dim=2) - k_sum  # [B, H, S, f]
-    numerator = numerator + q_c @ kv_before
-    denominator = denominator + (q_c @ k_before.unsqueeze(-1)).squeeze(-1)
-    return (
-        numerator.reshape(b, h, chunks * chunk_size, dv)[:, :, :n],
-        denominator.reshape(b, h, chunks * chunk_size)[:, :, :n],
-    )
 
 
 def cosformer_attention(
@@ -131,11 +102,10 @@ def cosformer_attention(
     if attention_mask is not None:
         phi_k = phi_k * attention_mask[:, None, :, None].to(phi_k.dtype)  # padded keys contribute 0
     if is_causal:
-        numerator, denominator = _causal_linear_attention(phi_q, phi_k, value, chunk_size)
+        numerator, denominator = causal_kernel_sums(phi_q, phi_k, value, chunk_size)
     else:
-        numerator = phi_q @ (phi_k.transpose(-1, -2) @ value)
-        denominator = (phi_q @ phi_k.sum(2).unsqueeze(-1)).squeeze(-1)
-    return numerator / denominator.clamp_min(eps).unsqueeze(-1)
+        numerator, denominator = kernel_sums(phi_q, phi_k, value)
+    return numerator / denominator.clamp_min(eps)
 
 
 def cosformer_attention_reference(

@@ -43,17 +43,15 @@ def _mask_keys(phi_k: Tensor, value: Tensor, attention_mask: Tensor | None) -> t
     return phi_k * keep, value * keep
 
 
-def kernel_attention(phi_q: Tensor, phi_k: Tensor, value: Tensor, eps: float) -> Tensor:
-    """Non-causal kernel attention (eq. 5-6) from features; padded keys must already be zeroed."""
+def kernel_sums(phi_q: Tensor, phi_k: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Non-causal numerator phi(Q) (phi(K)^T V) [B, H, N, Dv] and normaliser phi(Q) sum_j phi(K_j)
+    [B, H, N, 1] (eq. 5-6); padded keys' features must already be zero."""
     context = phi_k.transpose(-1, -2) @ value  # [B, H, F, Dv]
-    normaliser = phi_q @ phi_k.sum(dim=-2, keepdim=True).transpose(-1, -2)  # [B, H, N, 1]
-    return (phi_q @ context) / (normaliser + eps)
+    return phi_q @ context, phi_q @ phi_k.sum(dim=-2, keepdim=True).transpose(-1, -2)
 
 
-def causal_kernel_attention(
-    phi_q: Tensor, phi_k: Tensor, value: Tensor, eps: float, chunk: int = CAUSAL_CHUNK
-) -> Tensor:
-    """Causal kernel attention (eq. 8-9): query i sees keys j <= i.
+def causal_kernel_sums(phi_q: Tensor, phi_k: Tensor, value: Tensor, chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
+    """Causal numerator and normaliser (eq. 8-9): query i sees keys j <= i.
 
     The sequence is cut into chunks of ``chunk`` tokens: inside a chunk the (chunk x chunk) masked
     product is exact, across chunks an exclusive prefix sum of per-chunk states sum_j phi(K_j) V_j^T
@@ -78,8 +76,21 @@ def causal_kernel_attention(
     within = (q_c @ k_c.transpose(-1, -2)).tril()  # [B, H, C, chunk, chunk], j <= i inside chunk
     numerator = q_c @ past_states + within @ v_c
     normaliser = q_c @ past_k + within.sum(dim=-1, keepdim=True)
-    out = numerator / (normaliser + eps)
-    return out.reshape(b, h, c * chunk, dv)[:, :, :n]
+    return numerator.reshape(b, h, c * chunk, dv)[:, :, :n], normaliser.reshape(b, h, c * chunk, 1)[:, :, :n]
+
+
+def kernel_attention(phi_q: Tensor, phi_k: Tensor, value: Tensor, eps: float) -> Tensor:
+    """Non-causal kernel attention (eq. 5-6) from features; padded keys must already be zeroed."""
+    numerator, normaliser = kernel_sums(phi_q, phi_k, value)
+    return numerator / (normaliser + eps)
+
+
+def causal_kernel_attention(
+    phi_q: Tensor, phi_k: Tensor, value: Tensor, eps: float, chunk: int = CAUSAL_CHUNK
+) -> Tensor:
+    """Causal kernel attention (eq. 8-9), chunked (see :func:`causal_kernel_sums`)."""
+    numerator, normaliser = causal_kernel_sums(phi_q, phi_k, value, chunk)
+    return numerator / (normaliser + eps)
 
 
 def linear_attention(
