@@ -7,7 +7,6 @@ Every forecaster maps ``x`` [B, seq_len, C] (and optional calendar marks [B, seq
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longattn import attention as attention_registry
+from longattn.models.registry import build_model, register_model
 
 
 def window_normalise(x: Tensor, var_offset: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,6 +127,7 @@ def forecast_head(kind: str, seq_len: int, pred_len: int, harmonics: int | None 
     raise ValueError(f"head must be 'fourier' or 'linear', got {kind!r}")
 
 
+@register_model("skt", family="forecaster")
 class SKTForecaster(nn.Module):
     """The SKT forecaster of Algorithm 3 (SKTformer / S^3 attention).
 
@@ -179,6 +180,7 @@ class SKTForecaster(nn.Module):
         return y * std + mean
 
 
+@register_model("encoder", family="forecaster")
 class EncoderForecaster(nn.Module):
     """A generic Transformer-encoder forecaster over any registered attention, for like-for-like comparisons.
 
@@ -244,6 +246,7 @@ def moving_average(x: Tensor, kernel_size: int) -> Tensor:
     return F.avg_pool1d(padded.transpose(1, 2), kernel_size, stride=1).transpose(1, 2)
 
 
+@register_model("dlinear", family="forecaster")
 class DLinear(nn.Module):
     """DLinear (Zeng et al., 2023): trend = moving average (kernel 25), seasonal = x - trend, each mapped
     seq_len -> pred_len by a linear layer over time (shared by channels, or one per channel with
@@ -273,16 +276,6 @@ class DLinear(nn.Module):
         return out.transpose(1, 2)
 
 
-FORECASTERS: dict[str, type[nn.Module]] = {"skt": SKTForecaster, "encoder": EncoderForecaster, "dlinear": DLinear}
-
-
 def build_forecaster(name: str, channels: int, seq_len: int, pred_len: int, **options: Any) -> nn.Module:
-    """Build forecaster ``name`` ('skt', 'encoder', 'dlinear'); unknown options raise instead of being ignored."""
-    if name not in FORECASTERS:
-        raise ValueError(f"unknown forecaster {name!r}; available: {', '.join(FORECASTERS)}")
-    cls = FORECASTERS[name]
-    valid = set(inspect.signature(cls.__init__).parameters) - {"self", "channels", "seq_len", "pred_len"}
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for forecaster {name!r}; valid: {', '.join(sorted(valid))}")
-    return cls(channels=channels, seq_len=seq_len, pred_len=pred_len, **options)
+    """Build registered forecaster ``name``; unknown names and options raise instead of being ignored."""
+    return build_model(name, family="forecaster", channels=channels, seq_len=seq_len, pred_len=pred_len, **options)
