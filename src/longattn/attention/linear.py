@@ -14,6 +14,8 @@ different feature map).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -43,11 +45,19 @@ def _mask_keys(phi_k: Tensor, value: Tensor, attention_mask: Tensor | None) -> t
     return phi_k * keep, value * keep
 
 
-def kernel_sums(phi_q: Tensor, phi_k: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+def kernel_sums(
+    phi_q: Tensor, phi_k: Tensor, value: Tensor, sum_over_keys: Callable[[Tensor], Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
     """Non-causal numerator phi(Q) (phi(K)^T V) [B, H, N, Dv] and normaliser phi(Q) sum_j phi(K_j)
-    [B, H, N, 1] (eq. 5-6); padded keys' features must already be zero."""
+    [B, H, N, 1] (eq. 5-6); padded keys' features must already be zero.
+
+    ``sum_over_keys`` completes the two sums over the keys held here (longattn.parallel passes an
+    all-reduce: with the sequence split across processes each holds part of the keys)."""
     context = phi_k.transpose(-1, -2) @ value  # [B, H, F, Dv]
-    return phi_q @ context, phi_q @ phi_k.sum(dim=-2, keepdim=True).transpose(-1, -2)
+    key_sum = phi_k.sum(dim=-2, keepdim=True)  # [B, H, 1, F]
+    if sum_over_keys is not None:
+        context, key_sum = sum_over_keys(context), sum_over_keys(key_sum)
+    return phi_q @ context, phi_q @ key_sum.transpose(-1, -2)
 
 
 def causal_kernel_sums(phi_q: Tensor, phi_k: Tensor, value: Tensor, chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
@@ -79,9 +89,11 @@ def causal_kernel_sums(phi_q: Tensor, phi_k: Tensor, value: Tensor, chunk: int =
     return numerator.reshape(b, h, c * chunk, dv)[:, :, :n], normaliser.reshape(b, h, c * chunk, 1)[:, :, :n]
 
 
-def kernel_attention(phi_q: Tensor, phi_k: Tensor, value: Tensor, eps: float) -> Tensor:
+def kernel_attention(
+    phi_q: Tensor, phi_k: Tensor, value: Tensor, eps: float, sum_over_keys: Callable[[Tensor], Tensor] | None = None
+) -> Tensor:
     """Non-causal kernel attention (eq. 5-6) from features; padded keys must already be zeroed."""
-    numerator, normaliser = kernel_sums(phi_q, phi_k, value)
+    numerator, normaliser = kernel_sums(phi_q, phi_k, value, sum_over_keys)
     return numerator / (normaliser + eps)
 
 
@@ -133,7 +145,7 @@ def linear_attention_reference(
 
 @register_attention(
     "linear",
-    capabilities=Capabilities(causal=True),
+    capabilities=Capabilities(causal=True, sequence_parallel=True),
     functional=linear_attention,
     reference=linear_attention_reference,
     paper="Transformers are RNNs: Fast Autoregressive Transformers with Linear Attention (Katharopoulos et al., 2020)",

@@ -179,7 +179,7 @@ def nystrom_attention_reference(
 
 @register_attention(
     "nystrom",
-    capabilities=Capabilities(),
+    capabilities=Capabilities(sequence_parallel=True),
     functional=nystrom_attention,
     reference=nystrom_attention_reference,
     paper="Nystromformer: A Nystrom-Based Algorithm for Approximating Self-Attention (Xiong et al., AAAI 2021)",

@@ -19,6 +19,7 @@ the constant carries no gradient because it cancels exactly.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -65,7 +66,11 @@ def orthogonal_random_features(
 
 
 def _positive_features(
-    x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None
+    x: Tensor,
+    projection: Tensor,
+    stabiliser_dims: tuple[int, ...],
+    real: Tensor | None,
+    max_over_shards: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """phi(x) of Lemma 1 up to a constant that cancels (see module doc). x: [B, H, N, d] already scaled."""
     projected = x @ projection.T.to(x.dtype)  # [B, H, N, m]
@@ -75,6 +80,8 @@ def _positive_features(
         if real is not None:
             exponent = exponent.masked_fill(~real, float("-inf"))
         shift = exponent.amax(dim=stabiliser_dims, keepdim=True)
+        if max_over_shards is not None:  # keys split across processes: one shift for all of them
+            shift = max_over_shards(shift)
         shift = shift.masked_fill(~torch.isfinite(shift), 0.0)  # a fully padded row / head
         del exponent
     # exp(w.x - |x|^2/2 - shift) / sqrt(m), with every per-row term folded into one [.., N, 1] offset
@@ -84,13 +91,20 @@ def _positive_features(
 
 
 def favor_features(
-    query: Tensor, key: Tensor, projection: Tensor, attention_mask: Tensor | None
+    query: Tensor,
+    key: Tensor,
+    projection: Tensor,
+    attention_mask: Tensor | None,
+    max_over_shards: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """phi(Q), phi(K) for FAVOR+ with padded keys' features set to zero."""
+    """phi(Q), phi(K) for FAVOR+ with padded keys' features set to zero.
+
+    ``max_over_shards`` (longattn.parallel: an all-reduce max) makes the keys' stabilising shift
+    the one of the whole sequence when each process holds part of the keys."""
     data_scale = query.shape[-1] ** -0.25  # x.y = q.k / sqrt(d)
     real_keys = None if attention_mask is None else attention_mask[:, None, :, None]
     phi_q = _positive_features(query * data_scale, projection, (-1,), None)
-    phi_k = _positive_features(key * data_scale, projection, (-1, -2), real_keys)
+    phi_k = _positive_features(key * data_scale, projection, (-1, -2), real_keys, max_over_shards)
     return phi_q, phi_k
 
 
@@ -151,7 +165,7 @@ def performer_attention_reference(
 
 @register_attention(
     "performer",
-    capabilities=Capabilities(causal=True),
+    capabilities=Capabilities(causal=True, sequence_parallel=True),
     functional=performer_attention,
     reference=performer_attention_reference,
     paper="Rethinking Attention with Performers (Choromanski et al., ICLR 2021)",

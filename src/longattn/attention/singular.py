@@ -218,12 +218,18 @@ def orthogonal_loss(alpha_u: Tensor, alpha_v_t: Tensor, attention_mask: Tensor |
     ``(1/r^2) ||(alpha_U^T alpha_U) o (1 - I)||_F^2 + (1/r^2) ||(alpha_V^T alpha_V) o (1 - I)||_F^2``,
     averaged over the batch. Padded rows of alpha_U are left out (alpha_V^T is zero there already).
     """
-    rank = alpha_u.shape[-1]
     if attention_mask is not None:
         alpha_u = alpha_u * attention_mask.unsqueeze(-1).to(alpha_u.dtype)
-    off_diagonal = 1.0 - torch.eye(rank, dtype=alpha_u.dtype, device=alpha_u.device)
     gram_u = alpha_u.transpose(1, 2) @ alpha_u  # [B, r, r]
     gram_v = alpha_v_t @ alpha_v_t.transpose(1, 2)  # [B, r, r]
+    return orthogonal_loss_from_grams(gram_u, gram_v)
+
+
+def orthogonal_loss_from_grams(gram_u: Tensor, gram_v: Tensor) -> Tensor:
+    """Eq. 15 from the two [B, r, r] Gram matrices (sums over the tokens, so a sequence split
+    across processes sums its shards' Grams first)."""
+    rank = gram_u.shape[-1]
+    off_diagonal = 1.0 - torch.eye(rank, dtype=gram_u.dtype, device=gram_u.device)
     energy_u = (gram_u * off_diagonal).square().sum((-1, -2))
     energy_v = (gram_v * off_diagonal).square().sum((-1, -2))
     return ((energy_u + energy_v) / rank**2).mean()
@@ -239,7 +245,7 @@ def diagonal_loss(a_prime: Tensor) -> Tensor:
 
 @register_attention(
     "singular",
-    capabilities=Capabilities(aux_losses=True, uses_layer_state=True, subquadratic=True),
+    capabilities=Capabilities(aux_losses=True, uses_layer_state=True, subquadratic=True, sequence_parallel=True),
     functional=singular_attention,
     reference=singular_attention_reference,
     paper="Singularformer: Learning to Decompose Self-Attention to Linearize the Complexity of "
@@ -316,6 +322,24 @@ class SingularAttention(AttentionBase):
             pseudo_q = _dropout(factors.alpha_q_t, p) @ x
             pseudo_k = _dropout(factors.alpha_k_t, p) @ x
             pseudo_v = _dropout(factors.alpha_v_t, p) @ x
+        return self.attend_pseudo_tokens(pseudo_q, pseudo_k, pseudo_v, factors.alpha_u, layer_state, p, attention_mask, factors)
+
+    def attend_pseudo_tokens(
+        self,
+        pseudo_q: Tensor,
+        pseudo_k: Tensor,
+        pseudo_v: Tensor,
+        alpha_u: Tensor,
+        layer_state: dict | None,
+        p: float,
+        attention_mask: Tensor | None,
+        factors: SingularFactors | None,
+        aux_share: float = 1.0,
+    ) -> Tensor:
+        """Eq. 9 among the r pseudo tokens [B, r, dim], then alpha_U unfolds them (eqs. 3, 8), and the
+        auxiliary losses of eq. 17 while training. A sequence split across processes
+        (longattn.parallel) passes ``factors=None`` with its own orthogonality loss and each
+        process's ``aux_share`` of the losses, so that their sum over the processes is the loss."""
         prev = None
         if self.residual_scores and layer_state is not None:
             prev = layer_state.get(SCORES_KEY)
@@ -330,14 +354,14 @@ class SingularAttention(AttentionBase):
         if self.residual_scores and layer_state is not None:
             layer_state[SCORES_KEY] = scores
         # Output projection on the r pseudo tokens, then alpha_U unfolds them to n (eqs. 3, 8).
-        out = _dropout(factors.alpha_u, p) @ self.to_out(merge_heads(context))
+        out = _dropout(alpha_u, p) @ self.to_out(merge_heads(context))
         if self.training:
             # eq. 17: this layer's share of the loss; collect_aux_losses sums layers exactly once.
-            if self.gamma_orthogonal:
+            if self.gamma_orthogonal and factors is not None:
                 ortho = orthogonal_loss(factors.alpha_u, factors.alpha_v_t, attention_mask)
                 self.add_aux_loss("singular_orthogonal", self.gamma_orthogonal * ortho)
             if self.gamma_diagonal:
-                self.add_aux_loss("singular_diagonal", self.gamma_diagonal * diagonal_loss(a_prime))
+                self.add_aux_loss("singular_diagonal", self.gamma_diagonal * aux_share * diagonal_loss(a_prime))
         return out
 
     def extra_repr(self) -> str:

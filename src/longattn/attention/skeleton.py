@@ -21,6 +21,7 @@ no N x N tensor exists at any step.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -198,23 +199,26 @@ def _skeleton_from_samples(
     row_norm: tuple[Tensor | None, Tensor | None] | None,
     column_norm: tuple[Tensor | None, Tensor | None] | None,
     norm_eps: float = 1e-5,
+    row_valid: Tensor | None = None,
+    sum_over_tokens: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Both branches from the queries [B, N, H*Dh] and only the K, V entries they read: the
     sampled rows [B, H, s1, Dh] and the sampled columns [B, N, H*s2] (None = branch off).
-    Returns LN_1(V_1)/2 + LN_2(V_2)/2 as [B, N, H*Dh]."""
+    Returns LN_1(V_1)/2 + LN_2(V_2)/2 as [B, N, H*Dh].
+
+    For a sequence split across processes (longattn.parallel) the caller passes ``row_valid``
+    (bool [B, s1]: the sample is a real token; the samples live on other processes) and
+    ``sum_over_tokens``, an all-reduce completing the column branch's sums over the tokens."""
     batch, length, _ = merged_query.shape
     out = None
 
     if row_keys is not None:
         s1, head_dim = row_keys.shape[2:]
-        valid = _row_sample_validity(row_indices, attention_mask, batch, length)  # [B, s1]
-        if attention_mask is not None:  # padded K and V are zeroed (only the sampled rows are read)
-            sample_keep = attention_mask[:, row_indices.clamp(max=length - 1)][:, None, :, None].to(row_keys.dtype)
-            row_keys, row_values = row_keys * sample_keep, row_values * sample_keep
-        if not mask_padded_samples:
-            # padded (or beyond-N) samples become zero keys and values: score 0, weight exp(0)
-            sample_valid = valid[:, None, :, None].to(row_keys.dtype)
-            row_keys, row_values = row_keys * sample_valid, row_values * sample_valid
+        valid = _row_sample_validity(row_indices, attention_mask, batch, length) if row_valid is None else row_valid
+        # padded (or beyond-N) samples: zero keys and values (then score 0, weight exp(0) when
+        # mask_padded_samples is False; left out of the softmax below otherwise)
+        sample_valid = valid[:, None, :, None].to(row_keys.dtype)
+        row_keys, row_values = row_keys * sample_valid, row_values * sample_valid
         scale = 1.0 / math.sqrt(head_dim) if row_scale is None else row_scale
         # Q (P1 K)^T / sqrt(Dh) for every head at once: [B, N, H*s1] -> [B, N, H, s1]
         scores = (merged_query @ _block_diagonal((row_keys * scale).transpose(-1, -2))).view(batch, length, heads, s1)
@@ -237,7 +241,10 @@ def _skeleton_from_samples(
         scale = _column_scale_tensor(column_scale, length, merged_query)
         # Q^T K P2 of every head pair in one product; the diagonal blocks are the per-head ones
         all_pairs = (merged_query.transpose(1, 2) @ column_keys).view(batch, heads, head_dim, heads, s2)
-        scores = all_pairs.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2) * scale  # [B, H, Dh, s2]
+        scores = all_pairs.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # [B, H, Dh, s2]
+        if sum_over_tokens is not None:
+            scores = sum_over_tokens(scores)
+        scores = scores * scale
         weights = torch.softmax(scores, dim=-1)  # softmax over the s2 samples
         weights = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
         column_out = column_values @ _block_diagonal(weights.transpose(-1, -2))  # V P2 softmax(...): [B, N, H*Dh]
@@ -313,7 +320,7 @@ def skeleton_attention_reference(
 
 @register_attention(
     "skeleton",
-    capabilities=Capabilities(needs_max_len=True),
+    capabilities=Capabilities(needs_max_len=True, sequence_parallel=True),
     functional=skeleton_attention,
     reference=skeleton_attention_reference,
     paper="SKTformer: A Skeleton Transformer for Long Sequence Data (ICLR 2023 submission); "

@@ -22,6 +22,7 @@ N < max_len tokens is treated exactly like the same sequence padded to max_len.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -100,13 +101,17 @@ class MaskedBatchNorm(nn.Module):
         self.register_buffer("running_mean", torch.zeros(num_channels))
         self.register_buffer("running_var", torch.ones(num_channels))
 
-    def forward(self, h: Tensor, valid: Tensor) -> Tensor:
-        """``h``: [B, N, C]; ``valid``: float [B, N] with 1 = real token. Returns [B, N, C]."""
+    def forward(self, h: Tensor, valid: Tensor, offset: int = 0) -> Tensor:
+        """``h``: [B, N, C]; ``valid``: float [B, N] with 1 = real token. Returns [B, N, C].
+
+        ``offset``: position of h's first token in the sequence (a shard of a sequence split
+        across processes); with ``over="positions"`` it selects the channels of h's positions."""
         n = h.shape[1]
         if self.over == "positions":
             reduce_dims, channel_shape = (0, 2), (1, n, 1)
-            weight, bias = self.weight[:n], self.bias[:n]
-            running_mean, running_var = self.running_mean[:n], self.running_var[:n]
+            positions = slice(offset, offset + n)
+            weight, bias = self.weight[positions], self.bias[positions]
+            running_mean, running_var = self.running_mean[positions], self.running_var[positions]
             count = valid.sum(0) * h.shape[2]  # [N]
         else:
             reduce_dims, channel_shape = (0, 1), (1, 1, h.shape[2])
@@ -253,20 +258,29 @@ class Smoother(nn.Module):
         valid = self._valid(x, attention_mask)
         return self._fourier_smooth(x * valid.unsqueeze(-1))
 
-    def _fourier_smooth(self, x_zeroed: Tensor) -> Tensor:
+    def _fourier_smooth(
+        self, x_zeroed: Tensor, offset: int = 0, sum_spectra: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """X^smooth at the rows of ``x_zeroed``. A sequence split across processes (longattn.parallel)
+        passes its shard's ``offset`` in the sequence and ``sum_spectra``, an all-reduce: by
+        linearity the sequence's spectrum is the sum of the shards' spectra at their positions."""
         b, n, d = x_zeroed.shape
         # torch.fft has no bfloat16 and only power-of-two float16 lengths: run those in float32
         fft_dtype = compute_dtype(x_zeroed.dtype)
         u = self.segment_average_of(x_zeroed.to(fft_dtype))  # [B, N, r]
+        if offset:
+            u = F.pad(u, (0, 0, offset, 0))  # the shard's tokens at their positions in the sequence
         # FFT at max_len: r transforms instead of d, as XS repeats each segment column (eq. 5).
         u_freq = torch.fft.rfft(u, n=self.max_len, dim=1, norm=self.fft_norm)  # [B, F, r]
+        if sum_spectra is not None:
+            u_freq = sum_spectra(u_freq)
         repeats = d // self.segments
         weight = torch.view_as_complex(self.frequency_weight.to(fft_dtype))  # [F, d]
         # broadcast each segment's spectrum over its dim/r features inside the product: the
         # result is born contiguous [B, F, r, dim/r] (no expanded copy of u_freq, fwd or bwd)
         product = weight.view(-1, self.segments, repeats) * u_freq.unsqueeze(-1)
         smoothed = torch.fft.irfft(product.reshape(b, -1, d), n=self.max_len, dim=1, norm=self.fft_norm)
-        return smoothed[:, :n].to(x_zeroed.dtype)
+        return smoothed[:, offset : offset + n].to(x_zeroed.dtype)
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:

@@ -76,7 +76,7 @@ def softmax_attention_reference(
 
 @register_attention(
     "softmax",
-    capabilities=Capabilities(causal=True, subquadratic=False),
+    capabilities=Capabilities(causal=True, subquadratic=False, sequence_parallel=True),
     functional=softmax_attention,
     reference=softmax_attention_reference,
     paper="Attention Is All You Need (Vaswani et al., 2017)",
