@@ -177,43 +177,57 @@ class SeasonalLayerNorm(nn.Module):
 # ----------------------------------------------------------------------------- attention wrappers
 
 
-class FullCrossAttention(nn.Module):
-    """Multi-head softmax attention of queries ``x`` [B, L, d] on ``memory`` [B, S, d] (SDPA)."""
-
-    def __init__(self, d_model: int, heads: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.inner = ProjectedInner(self._attend, d_model, heads)
-        self.dropout = dropout
-
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # ProjectedInner works on [B, L, H, E]; SDPA on [B, H, L, E].
-        out = softmax_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                dropout_p=self.dropout if self.training else 0.0)
-        return out.transpose(1, 2)
-
-    def forward(self, x: Tensor, memory: Tensor) -> Tensor:
-        return self.inner(x, memory, memory)
-
-
 class ProjectedInner(nn.Module):
     """Linear projections to queries, keys, values in heads [B, L, H, E] around an inner operator
-    (Autoformer's AutoCorrelationLayer, also FEDformer's wrapper of its frequency blocks), and the output map."""
+    (Autoformer's AutoCorrelationLayer, also FEDformer's wrapper of its frequency blocks), and the output map.
 
-    def __init__(self, inner: Callable[[Tensor, Tensor, Tensor], Tensor], d_model: int, heads: int) -> None:
+    An inner operator that reads only some of its inputs says so with a ``uses`` attribute (e.g. ``"q"`` for
+    FEDformer's Fourier block); the projections it does not read are not created (the authors' code keeps them,
+    unused, which only adds parameters without gradients) and it receives None in their place.
+    """
+
+    def __init__(self, inner: nn.Module, d_model: int, heads: int) -> None:
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
         self.inner, self.heads = inner, heads
-        self.to_q, self.to_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
-        self.to_v, self.to_out = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        uses = getattr(inner, "uses", "qkv")
+        self.to_q = nn.Linear(d_model, d_model) if "q" in uses else None
+        self.to_k = nn.Linear(d_model, d_model) if "k" in uses else None
+        self.to_v = nn.Linear(d_model, d_model) if "v" in uses else None
+        self.to_out = nn.Linear(d_model, d_model)
 
-    def _split(self, t: Tensor) -> Tensor:
-        return t.reshape(t.shape[0], t.shape[1], self.heads, -1)
+    def _project(self, projection: nn.Linear | None, t: Tensor) -> Tensor | None:
+        return None if projection is None else projection(t).reshape(t.shape[0], t.shape[1], self.heads, -1)
 
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         b, n, _ = queries.shape
-        out = self.inner(self._split(self.to_q(queries)), self._split(self.to_k(keys)), self._split(self.to_v(values)))
+        out = self.inner(self._project(self.to_q, queries), self._project(self.to_k, keys),
+                         self._project(self.to_v, values))
         return self.to_out(out.reshape(b, n, -1))
+
+
+class SoftmaxInner(nn.Module):
+    """Multi-head softmax attention on [B, L, H, E] heads (SDPA)."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = softmax_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                dropout_p=self.dropout if self.training else 0.0)
+        return out.transpose(1, 2)
+
+
+class FullCrossAttention(ProjectedInner):
+    """Multi-head softmax attention of queries ``x`` [B, L, d] on ``memory`` [B, S, d]."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__(SoftmaxInner(dropout), d_model, heads)
+
+    def forward(self, x: Tensor, memory: Tensor) -> Tensor:  # type: ignore[override]
+        return super().forward(x, memory, memory)
 
 
 # ----------------------------------------------------------------------------- Informer-family layers
@@ -346,7 +360,7 @@ class GenerativeTransformer(nn.Module):
 
 # ----------------------------------------------------------------------------- Autoformer / FEDformer scaffold
 
-InnerFactory = Callable[[], Callable[[Tensor, Tensor, Tensor], Tensor]]
+InnerFactory = Callable[[], nn.Module]
 """Builds a fresh inner operator on (queries, keys, values) [B, L, H, E] -> [B, L_q, H, E] (an nn.Module)."""
 
 
