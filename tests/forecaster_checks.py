@@ -49,7 +49,7 @@ def check_rejects_bad_input(model: nn.Module, seq_len: int, channels: int) -> No
 
 
 def overfit_ratio(model: nn.Module, seq_len: int, pred_len: int, channels: int, steps: int = 40,
-                  lr: float = 1e-3) -> float:
+                  lr: float = 3e-3) -> float:
     """Final / initial training MSE after ``steps`` Adam steps on one fixed synthetic batch (eval-mode losses)."""
     x, y = synthetic_batch(16, seq_len, pred_len, channels)
 
