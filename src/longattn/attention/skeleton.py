@@ -36,7 +36,7 @@ from longattn.attention.base import (
     register_attention,
     split_heads,
 )
-from longattn.attention.smoother import Smoother
+from longattn.attention.smoother import PRECISIONS, Smoother
 
 __all__ = ["SkeletonAttention", "skeleton_attention", "skeleton_attention_reference", "draw_skeleton_indices"]
 
@@ -175,10 +175,16 @@ def _column_samples(x: Tensor, column_indices: Tensor) -> Tensor:
     return x.transpose(1, 2)[..., column_indices].reshape(batch, length, heads * column_indices.numel())
 
 
-def _project_features(linear: nn.Linear, x: Tensor, features: Tensor) -> Tensor:
-    """The output features ``features`` of ``linear(x)`` alone: [B, N, len(features)]."""
-    bias = None if linear.bias is None else linear.bias[features]
-    return F.linear(x, linear.weight[features], bias)
+def _project(linear: nn.Linear, x: Tensor, features: Tensor | None = None, gemm_dtype: torch.dtype | None = None) -> Tensor:
+    """``linear(x)``, or its output features ``features`` alone ([B, N, len(features)]); with
+    ``gemm_dtype`` the product takes factors of that dtype (the GEMM accumulates in float32) and
+    the bias is added in x's dtype."""
+    weight = linear.weight if features is None else linear.weight[features]
+    bias = linear.bias if features is None or linear.bias is None else linear.bias[features]
+    if gemm_dtype is None or gemm_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    out = F.linear(x.to(gemm_dtype), weight.to(gemm_dtype)).to(x.dtype)
+    return out if bias is None else out + bias
 
 
 def _skeleton_from_samples(
@@ -216,16 +222,22 @@ def _skeleton_from_samples(
             sample_valid = valid[:, None, :, None].to(row_keys.dtype)
             row_keys, row_values = row_keys * sample_valid, row_values * sample_valid
         scale = 1.0 / math.sqrt(head_dim) if row_scale is None else row_scale
-        # Q (P1 K)^T / sqrt(Dh) for every head at once: [B, N, H*s1] -> [B, N, H, s1]
-        scores = (merged_query @ _block_diagonal((row_keys * scale).transpose(-1, -2))).view(batch, length, heads, s1)
-        if mask_padded_samples:
+        # (Q (P1 K)^T / sqrt(Dh))^T for every head at once, sample-major [B, H*s1, N] -> [B, H, s1, N]:
+        # the softmax over the s1 samples then runs along a long contiguous axis (over a
+        # last axis of length s1 it is an order of magnitude slower on CPU)
+        scores = (_block_diagonal(row_keys * scale) @ merged_query.transpose(1, 2)).view(batch, heads, s1, length)
+        if mask_padded_samples and not bool(valid.all()):
             # a finite fill keeps all-padded rows NaN-free (uniform, then zeroed below)
-            scores = scores.masked_fill(~valid[:, None, None, :], torch.finfo(scores.dtype).min)
-            weights = torch.softmax(scores, dim=-1) * valid[:, None, None, :].to(scores.dtype)
+            scores = scores.masked_fill(~valid[:, None, :, None], torch.finfo(scores.dtype).min)
+            weights = torch.softmax(scores, dim=2) * valid[:, None, :, None].to(scores.dtype)
         else:
-            weights = torch.softmax(scores, dim=-1)
-        weights = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-        row_out = weights.view(batch, length, heads * s1) @ _block_diagonal(row_values)  # [B, N, H*Dh]
+            weights = torch.softmax(scores, dim=2)
+        if dropout_p > 0:
+            # the draws F.dropout makes on the token-major [B, N, H, s1] layout, applied here
+            noise = weights.new_empty(batch, length, heads, s1).bernoulli_(1 - dropout_p).div_(1 - dropout_p)
+            weights = weights * noise.permute(0, 2, 3, 1)
+        # V_1 = weights P1 V: [B, N, H*s1] (a transposed view) @ [B, H*s1, H*Dh] -> [B, N, H*Dh]
+        row_out = weights.view(batch, heads * s1, length).transpose(1, 2) @ _block_diagonal(row_values)
         out = _half_layer_norm(row_out, row_norm, norm_eps)
 
     if column_keys is not None:
@@ -335,6 +347,10 @@ class SkeletonAttention(AttentionBase):
         row_attention, column_attention, fourier_conv, conv_stem: Table 6 ablation switches.
         smoother: put the Smoother in front (default); ``smoother_*`` are its options.
         bias: bias of the Q/K/V/output projections.
+        precision: "full" (default) or "bf16": opt-in reduced precision for float32 inputs, the
+            Q/K/V/output projections and the Smoother's stem GEMMs with bfloat16 factors and
+            float32 accumulation; FFT, normalisations, softmaxes and outputs stay float32
+            (error against float32 in docs/performance.md).
     """
 
     def __init__(
@@ -363,6 +379,7 @@ class SkeletonAttention(AttentionBase):
         smoother_fft_norm: str = "backward",
         smoother_batchnorm_over: str = "positions",
         bias: bool = True,
+        precision: str = "full",
     ) -> None:
         super().__init__(dim, heads, max_len, causal)
         if max_len is None:
@@ -390,6 +407,9 @@ class SkeletonAttention(AttentionBase):
         self.mask_padded_samples = mask_padded_samples
         self.row_attention = row_attention
         self.column_attention = column_attention
+        if precision not in PRECISIONS:
+            raise AttentionError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.precision = precision
         # with both smoother parts ablated the Smoother is the identity: leave it out
         self.smoother = (
             Smoother(
@@ -404,6 +424,7 @@ class SkeletonAttention(AttentionBase):
                 dropout=smoother_dropout,
                 fft_norm=smoother_fft_norm,
                 batchnorm_over=smoother_batchnorm_over,
+                precision=precision,
             )
             if smoother and (fourier_conv or conv_stem)
             else None
@@ -424,10 +445,13 @@ class SkeletonAttention(AttentionBase):
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         if self.training and self.resample_each_step:
             self.resample()
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # every token real: the same numbers without any mask pass
         if self.smoother is not None:
             x = self.smoother(x, attention_mask)
         proj, length = self.proj, x.shape[1]
-        query = proj.to_q(x)  # [B, N, H*Dh]
+        gemm_dtype = torch.bfloat16 if self.precision == "bf16" and x.dtype == torch.float32 else None
+        query = _project(proj.to_q, x, gemm_dtype=gemm_dtype)  # [B, N, H*Dh]
         # The branches read K and V only at the s1 sampled tokens and at the s2 sampled feature
         # columns of each head, so only those entries are projected (the same numbers as
         # projecting everything and then sampling, at a fraction of the cost).
@@ -439,8 +463,8 @@ class SkeletonAttention(AttentionBase):
         if self.column_attention:
             head_offsets = torch.arange(self.heads, device=x.device)[:, None] * self.head_dim
             features = (head_offsets + self.column_indices).flatten()  # h*Dh + the P2 columns
-            column_keys = _project_features(proj.to_k, x, features)  # [B, N, H*s2]
-            column_values = _project_features(proj.to_v, x, features)
+            column_keys = _project(proj.to_k, x, features, gemm_dtype)  # [B, N, H*s2]
+            column_values = _project(proj.to_v, x, features, gemm_dtype)
         if self.column_scale == "max_len":
             column_scale: float | Tensor = 1.0 / math.sqrt(self.max_len)
         elif self.column_scale == "valid":
@@ -463,7 +487,7 @@ class SkeletonAttention(AttentionBase):
             row_norm=None if self.row_norm is None else (self.row_norm.weight, self.row_norm.bias),
             column_norm=None if self.column_norm is None else (self.column_norm.weight, self.column_norm.bias),
         )
-        return proj.to_out(out)
+        return _project(proj.to_out, out, gemm_dtype=gemm_dtype)
 
     def extra_repr(self) -> str:
         return (
