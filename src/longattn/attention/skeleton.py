@@ -175,16 +175,77 @@ def _column_samples(x: Tensor, column_indices: Tensor) -> Tensor:
     return x.transpose(1, 2)[..., column_indices].reshape(batch, length, heads * column_indices.numel())
 
 
-def _project(linear: nn.Linear, x: Tensor, features: Tensor | None = None, gemm_dtype: torch.dtype | None = None) -> Tensor:
-    """``linear(x)``, or its output features ``features`` alone ([B, N, len(features)]); with
-    ``gemm_dtype`` the product takes factors of that dtype (the GEMM accumulates in float32) and
-    the bias is added in x's dtype."""
-    weight = linear.weight if features is None else linear.weight[features]
-    bias = linear.bias if features is None or linear.bias is None else linear.bias[features]
+class _SampledProjections(torch.autograd.Function):
+    """Q = x W_q^T + b_q, the sampled feature columns of K and V (x W_k[P2]^T + b_k[P2], the
+    same for V) and the sampled token rows x[P1], with one hand-written backward: the three
+    input-gradient GEMMs accumulate in place into one buffer and the rows' gradient is added
+    there by index (autograd would allocate a full-size gradient per use of x and sum them).
+    Outputs for a disabled branch are None. With ``gemm_dtype`` the GEMMs take factors of that
+    dtype (float32 accumulation), biases and outputs stay in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight_q, bias_q, weight_k, bias_k, weight_v, bias_v, features, rows, gemm_dtype):  # type: ignore[override]
+        gemm_dtype = gemm_dtype or x.dtype
+        gemm_x = x.to(gemm_dtype)
+        weights = [weight_q] + ([weight_k[features], weight_v[features]] if features is not None else [])
+        biases = [bias_q] + ([None if b is None else b[features] for b in (bias_k, bias_v)] if features is not None else [])
+        outputs = []
+        for weight, bias in zip(weights, biases):
+            out = F.linear(gemm_x, weight.to(gemm_dtype)).to(x.dtype)
+            outputs.append(out if bias is None else out.add_(bias))
+        ctx.save_for_backward(x, *weights, *(() if features is None else (features,)), *(() if rows is None else (rows,)))
+        ctx.config = (features is not None, rows is not None, bias_q is not None, gemm_dtype)
+        query, column_keys, column_values = outputs + [None] * (3 - len(outputs))
+        sampled = None if rows is None else x[:, rows]
+        return query, column_keys, column_values, sampled
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_q, grad_k, grad_v, grad_sampled):  # type: ignore[override]
+        has_columns, has_rows, has_bias, gemm_dtype = ctx.config
+        x, weight_q, *rest = ctx.saved_tensors
+        weight_k, weight_v, features = rest[:3] if has_columns else (None, None, None)
+        rows = rest[-1] if has_rows else None
+        dim = x.shape[-1]
+        pairs = [(grad_q, weight_q)] + ([(grad_k, weight_k), (grad_v, weight_v)] if has_columns else [])
+        gemm_x = x.to(gemm_dtype).reshape(-1, dim)
+        grad_x = torch.zeros_like(x) if grad_q is None else None
+        weight_grads, bias_grads = [], []
+        for grad, weight in pairs:
+            if grad is None:
+                weight_grads.append(torch.zeros_like(weight))
+                bias_grads.append(weight.new_zeros(weight.shape[0]))
+                continue
+            gemm_grad = grad.to(gemm_dtype)
+            part = (gemm_grad @ weight.to(gemm_dtype)).to(x.dtype)
+            grad_x = part if grad_x is None else grad_x.add_(part)
+            weight_grads.append((gemm_grad.reshape(-1, grad.shape[-1]).t() @ gemm_x).to(x.dtype))
+            bias_grads.append(grad.sum((0, 1)))
+        if grad_sampled is not None:
+            grad_x.index_add_(1, rows, grad_sampled)
+
+        def full(rows_grad: Tensor | None) -> Tensor | None:  # gradient of W_k / b_k from that of their rows
+            if rows_grad is None:
+                return None
+            return rows_grad.new_zeros((dim,) + rows_grad.shape[1:]).index_add_(0, features, rows_grad)
+
+        grad_k_weight = grad_k_bias = grad_v_weight = grad_v_bias = None
+        if has_columns:
+            grad_k_weight, grad_v_weight = full(weight_grads[1]), full(weight_grads[2])
+            if has_bias:
+                grad_k_bias, grad_v_bias = full(bias_grads[1]), full(bias_grads[2])
+        grad_q_bias = bias_grads[0] if has_bias else None
+        return (grad_x, weight_grads[0], grad_q_bias, grad_k_weight, grad_k_bias, grad_v_weight, grad_v_bias,
+                None, None, None)
+
+
+def _linear(linear: nn.Linear, x: Tensor, gemm_dtype: torch.dtype | None) -> Tensor:
+    """``linear(x)``; with ``gemm_dtype`` the product takes factors of that dtype (the GEMM
+    accumulates in float32) and the bias is added in x's dtype."""
     if gemm_dtype is None or gemm_dtype == x.dtype:
-        return F.linear(x, weight, bias)
-    out = F.linear(x.to(gemm_dtype), weight.to(gemm_dtype)).to(x.dtype)
-    return out if bias is None else out + bias
+        return linear(x)
+    out = F.linear(x.to(gemm_dtype), linear.weight.to(gemm_dtype)).to(x.dtype)
+    return out if linear.bias is None else out + linear.bias
 
 
 def _skeleton_from_samples(
@@ -451,20 +512,22 @@ class SkeletonAttention(AttentionBase):
             x = self.smoother(x, attention_mask)
         proj, length = self.proj, x.shape[1]
         gemm_dtype = torch.bfloat16 if self.precision == "bf16" and x.dtype == torch.float32 else None
-        query = _project(proj.to_q, x, gemm_dtype=gemm_dtype)  # [B, N, H*Dh]
         # The branches read K and V only at the s1 sampled tokens and at the s2 sampled feature
         # columns of each head, so only those entries are projected (the same numbers as
         # projecting everything and then sampling, at a fraction of the cost).
-        row_keys = row_values = column_keys = column_values = None
-        if self.row_attention:
-            sampled_tokens = x[:, self.row_indices.clamp(max=length - 1)]  # [B, s1, dim]
-            row_keys = split_heads(proj.to_k(sampled_tokens), self.heads)  # [B, H, s1, Dh]
-            row_values = split_heads(proj.to_v(sampled_tokens), self.heads)
+        rows = self.row_indices.clamp(max=length - 1) if self.row_attention else None
+        features = None
         if self.column_attention:
             head_offsets = torch.arange(self.heads, device=x.device)[:, None] * self.head_dim
             features = (head_offsets + self.column_indices).flatten()  # h*Dh + the P2 columns
-            column_keys = _project(proj.to_k, x, features, gemm_dtype)  # [B, N, H*s2]
-            column_values = _project(proj.to_v, x, features, gemm_dtype)
+        query, column_keys, column_values, sampled_tokens = _SampledProjections.apply(
+            x, proj.to_q.weight, proj.to_q.bias, proj.to_k.weight, proj.to_k.bias, proj.to_v.weight,
+            proj.to_v.bias, features, rows, gemm_dtype,
+        )  # [B, N, H*Dh], [B, N, H*s2] twice, [B, s1, dim]
+        row_keys = row_values = None
+        if self.row_attention:
+            row_keys = split_heads(proj.to_k(sampled_tokens), self.heads)  # [B, H, s1, Dh]
+            row_values = split_heads(proj.to_v(sampled_tokens), self.heads)
         if self.column_scale == "max_len":
             column_scale: float | Tensor = 1.0 / math.sqrt(self.max_len)
         elif self.column_scale == "valid":
@@ -487,7 +550,7 @@ class SkeletonAttention(AttentionBase):
             row_norm=None if self.row_norm is None else (self.row_norm.weight, self.row_norm.bias),
             column_norm=None if self.column_norm is None else (self.column_norm.weight, self.column_norm.bias),
         )
-        return _project(proj.to_out, out, gemm_dtype=gemm_dtype)
+        return _linear(proj.to_out, out, gemm_dtype)
 
     def extra_repr(self) -> str:
         return (
