@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from longattn.attention.base import AttentionBase, AttentionError, split_heads
-from longattn.attention.skeleton import _project_features, _skeleton_from_samples
+from longattn.attention.skeleton import _linear, _SampledProjections, _skeleton_from_samples
 from longattn.attention.smoother import _ACTIVATIONS, Smoother
 from longattn.parallel.api import register_form
 from longattn.parallel.comm import Shard, all_reduce_sum, exchange_halos
@@ -68,27 +68,31 @@ def skeleton_form(layer: AttentionBase, x: Tensor, attention_mask: Tensor | None
     if layer.smoother is not None:
         x = smoother_form(layer.smoother, x, attention_mask, shard)
     proj, n = layer.proj, x.shape[1]
-    query = proj.to_q(x)
-    row_keys = row_values = row_valid = column_keys = column_values = None
+    gemm_dtype = torch.bfloat16 if layer.precision == "bf16" and x.dtype == torch.float32 else None
+    local_rows = features = None
     if layer.row_attention:
         rows = layer.row_indices.clamp(max=shard.total - 1)  # positions >= N count as padding
-        local = rows - shard.offset
-        owned = (local >= 0) & (local < n)
-        local = local.clamp(0, n - 1)
+        local_rows = rows - shard.offset
+        owned = (local_rows >= 0) & (local_rows < n)
+        local_rows = local_rows.clamp(0, n - 1)
+    if layer.column_attention:
+        head_offsets = torch.arange(layer.heads, device=x.device)[:, None] * layer.head_dim
+        features = (head_offsets + layer.column_indices).flatten()  # h*Dh + the P2 columns
+    query, column_keys, column_values, local_samples = _SampledProjections.apply(
+        x, proj.to_q.weight, proj.to_q.bias, proj.to_k.weight, proj.to_k.bias, proj.to_v.weight,
+        proj.to_v.bias, features, local_rows, gemm_dtype,
+    )
+    row_keys = row_values = row_valid = None
+    if layer.row_attention:
         real = owned & (layer.row_indices < shard.total)
         if attention_mask is not None:
-            real = real & attention_mask[:, local]
+            real = real & attention_mask[:, local_rows]
         real = real.expand(x.shape[0], -1).to(x.dtype)  # [B, s1]
-        mine = x[:, local] * owned[None, :, None].to(x.dtype)  # [B, s1, dim]: my samples, zeros elsewhere
+        mine = local_samples * owned[None, :, None].to(x.dtype)  # [B, s1, dim]: my samples, zeros elsewhere
         gathered = all_reduce_sum(torch.cat((mine, real.unsqueeze(-1)), dim=-1), shard)
         sampled_tokens, row_valid = gathered[..., :-1], gathered[..., -1] > 0
         row_keys = split_heads(proj.to_k(sampled_tokens), layer.heads)
         row_values = split_heads(proj.to_v(sampled_tokens), layer.heads)
-    if layer.column_attention:
-        head_offsets = torch.arange(layer.heads, device=x.device)[:, None] * layer.head_dim
-        features = (head_offsets + layer.column_indices).flatten()
-        column_keys = _project_features(proj.to_k, x, features)
-        column_values = _project_features(proj.to_v, x, features)
     if layer.column_scale == "max_len":
         column_scale: float | Tensor = 1.0 / math.sqrt(layer.max_len)
     elif layer.column_scale == "valid":
@@ -113,4 +117,4 @@ def skeleton_form(layer: AttentionBase, x: Tensor, attention_mask: Tensor | None
         row_valid=row_valid,
         sum_over_tokens=partial(all_reduce_sum, shard=shard),
     )
-    return proj.to_out(out)
+    return _linear(proj.to_out, out, gemm_dtype)
