@@ -194,3 +194,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     foot.add_argument("--head-dim", type=int, default=32)
     foot.add_argument("--out", default="runs/bench-footprint")
     foot.set_defaults(func=_footprint)
+
+    from longattn.commands import bench_seqpar
+
+    bench_seqpar.register(sub)

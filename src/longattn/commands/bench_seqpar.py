@@ -1,0 +1,62 @@
+"""``longattn bench seqpar``: sequence-parallel attention, bytes / time / memory against N and P."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from longattn.bench import seqpar
+from longattn.commands.bench import _int_list, _write
+
+
+def _run(args: argparse.Namespace) -> int:
+    from longattn.parallel import parallel_forms
+
+    names = args.attention or list(seqpar.DEFAULT_ATTENTIONS)
+    unknown = sorted(set(names) - set(parallel_forms()))
+    if unknown:
+        raise ValueError(f"no sequence-parallel form for {unknown}; choose from {', '.join(parallel_forms())}")
+    options = dict(seqpar.MECHANISM_OPTIONS)
+    for name, extra in json.loads(args.options).items():
+        options[name] = {**options.get(name, {}), **extra}
+    rows = []
+    configs = []
+    for procs in _int_list(args.procs):
+        config = seqpar.SeqparConfig(
+            attentions=names, lengths=_int_list(args.lengths), processes=procs, batch=args.batch, dim=args.dim,
+            heads=args.heads, max_len=args.max_len, threads=args.threads, warmup=args.warmup, repeats=args.repeats,
+            seed=args.seed, quadratic_max_length=args.quadratic_max_length, options=options,
+        )
+        configs.append(seqpar.config_dict(config))
+        rows += seqpar.run_seqpar(config)
+    summary = seqpar.summarise(rows)
+    growth = seqpar.bytes_growth(summary)
+    table = seqpar.seqpar_table(summary) + "\n\n" + seqpar.growth_table(growth)
+    out = Path(args.out)
+    _write(out, "seqpar", summary, table, {"configs": configs, "per_rank": rows, "bytes_growth": growth})
+    seqpar.plot_seqpar(summary, out / "seqpar.png")
+    print(f"wrote {out / 'seqpar.png'}")
+    return 0
+
+
+def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "seqpar", help="sequence-parallel attention: bytes communicated, time and memory per rank vs N and processes")
+    parser.add_argument("--attention", nargs="*", help=f"mechanisms (default: {' '.join(seqpar.DEFAULT_ATTENTIONS)})")
+    parser.add_argument("--lengths", default=seqpar.DEFAULT_LENGTHS, help="comma list, k/m suffixes")
+    parser.add_argument("--procs", default=seqpar.DEFAULT_PROCESSES, help="comma list of process counts")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--max-len", type=int, default=None,
+                        help="max_len of layers that need one (default: the largest N, the same layer for every N)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quadratic-max-length", type=int, default=seqpar.DEFAULT_QUADRATIC_MAX_LENGTH,
+                        help="skip quadratic mechanisms (softmax) above this N")
+    parser.add_argument("--options", default="{}", help='JSON build options per mechanism, e.g. \'{"skeleton": {"smoother": false}}\'')
+    parser.add_argument("--out", default="runs/bench-seqpar")
+    parser.set_defaults(func=_run)
