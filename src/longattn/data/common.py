@@ -138,3 +138,23 @@ def holdout_split(n: int, split: str, val_fraction: float, seed: int | None) -> 
     order = np.arange(n) if seed is None else np.random.default_rng(seed).permutation(n)
     chosen = order[n - num_val:] if split == "val" else order[: n - num_val]
     return np.sort(chosen)
+
+
+def pad_sequences(sequences: Sequence[torch.Tensor], pad_id: int, pad_to: int | None = None, key: str = "tokens"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D integer tensors into a LongTensor [B, N] and its bool mask (True = real token).
+
+    pad_to fixes N (an error naming `key` if an item is longer); otherwise N is the longest item.
+    """
+    lengths = [len(s) for s in sequences]
+    width = max(lengths, default=0)
+    if pad_to is not None:
+        if width > pad_to:
+            raise DatasetError(f"collate: an item's {key!r} has {width} tokens, more than pad_to={pad_to}")
+        width = pad_to
+    tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, sequence in enumerate(sequences):
+        tokens[row, : len(sequence)] = sequence
+        mask[row, : len(sequence)] = True
+    return tokens, mask
