@@ -28,7 +28,6 @@ document that the training set does not have raises an error naming where it is.
 from __future__ import annotations
 
 import csv
-import io
 import re
 import tarfile
 import zipfile
@@ -43,7 +42,7 @@ from torch.utils.data import Dataset
 
 from ..registry import Registry
 from . import wordpiece
-from .common import DatasetError, Packed, check_split, pad_sequences
+from .common import DatasetError, Packed, check_split, holdout_test, pad_sequences, stratified_folds
 
 PAD_ID, UNK_ID = 0, 1  # word and amino-acid vocabularies; MiniLM's WordPiece has its own [PAD] = 0
 TOKENIZERS = ("word", "wordpiece", "char")
@@ -274,41 +273,6 @@ for _spec in (
 
 def get_textcls(name: str) -> TextClsSpec:
     return TEXTCLS_DATASETS.get(name)
-
-
-# ----------------------------------------------------------------------------- splits
-
-def stratified_folds(labels: Sequence, num_folds: int = 5, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Deterministic (train indices, validation indices) of each fold, by scikit-learn's shuffled
-    StratifiedKFold (KFold for multi-label indicator rows, which StratifiedKFold does not support)."""
-    from sklearn.model_selection import KFold, StratifiedKFold
-
-    labels = np.asarray(labels)
-    if num_folds < 2 or num_folds > len(labels):
-        raise DatasetError(f"num_folds must be in [2, {len(labels)}], got {num_folds}")
-    if labels.ndim == 2:
-        splitter = KFold(num_folds, shuffle=True, random_state=seed)
-    else:
-        counts = Counter(labels.tolist())
-        if max(counts.values()) < num_folds:
-            raise DatasetError(f"no class has {num_folds} documents: cannot stratify into {num_folds} folds")
-        splitter = StratifiedKFold(num_folds, shuffle=True, random_state=seed)
-    return [(np.sort(train), np.sort(val)) for train, val in splitter.split(np.zeros(len(labels)), labels)]
-
-
-def holdout_test(labels: Sequence, test_fraction: float = 0.2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, test indices): a seeded stratified holdout (scikit-learn's train_test_split) for
-    datasets without an official test set; classes with a single document stay in train."""
-    from sklearn.model_selection import train_test_split
-
-    if not 0.0 < test_fraction < 1.0:
-        raise DatasetError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    labels = np.asarray(labels)
-    counts = Counter(labels.tolist())
-    several = np.array([counts[label] > 1 for label in labels.tolist()])
-    index = np.flatnonzero(several)
-    train, test = train_test_split(index, test_size=test_fraction, random_state=seed, stratify=labels[index])
-    return np.sort(np.concatenate([train, np.flatnonzero(~several)])), np.sort(test)
 
 
 # ----------------------------------------------------------------------------- tokenisation
