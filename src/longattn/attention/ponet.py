@@ -32,6 +32,7 @@ from longattn.attention.base import (
     Capabilities,
     check_qkv,
     compute_dtype,
+    padding_safe,
     merge_heads,
     register_attention,
     split_heads,
@@ -81,6 +82,7 @@ def _real(attention_mask: Tensor | None, like: Tensor) -> Tensor:
     return attention_mask[:, None, :, None]
 
 
+@padding_safe
 def ponet_mixing(
     query: Tensor,
     key: Tensor,
@@ -104,6 +106,7 @@ def ponet_mixing(
     batch, heads, length, head_dim = query.shape
     _check_segment_ids(segment_ids, batch, length, query.device)
     real = _real(attention_mask, query)
+    gate = gate.masked_fill(~real, 0.0)  # replaced, not multiplied: whatever padding holds stays out
     # eq. 1: g = mean of H_Q over the real tokens
     count = real.sum(2, keepdim=True).clamp_min(1).to(query.dtype)
     g = query.masked_fill(~real, 0.0).sum(2, keepdim=True) / count  # [B, H, 1, Dh]
@@ -133,6 +136,7 @@ def ponet_mixing(
     return ((g_prime + seg) * gate + loc).masked_fill(~real, 0.0)
 
 
+@padding_safe
 def ponet_mixing_reference(
     query: Tensor,
     key: Tensor,
