@@ -35,6 +35,10 @@ CASES = [
     ("linear-causal", "linear", dict(causal=True), False),
     ("performer", "performer", dict(nb_features=16), True),
     ("performer-causal", "performer", dict(causal=True, nb_features=16), False),
+    ("cosformer", "cosformer", {}, False),
+    ("cosformer-causal", "cosformer", dict(causal=True, max_positions=50, chunk_size=4), False),
+    ("linformer", "linformer", dict(max_len=45, k=6), True),
+    ("linformer-unshared-heads", "linformer", dict(max_len=40, k=5, headwise=False, share_kv=True), False),
     ("softmax", "softmax", {}, False),
     ("softmax-causal", "softmax", dict(causal=True), False),
 ]

@@ -38,15 +38,16 @@ __all__ = [
 ]
 
 
-def _reweight_angles(length: int, max_positions: int | None, like: Tensor) -> Tensor:
-    """pi/2 * i / M for positions i = 1..N (only differences i - j matter); M = N by default."""
+def _reweight_angles(length: int, max_positions: int | None, like: Tensor, offset: int = 0) -> Tensor:
+    """pi/2 * i / M for positions i = offset+1..offset+N (only differences i - j matter); M = N by
+    default. ``offset``: a shard's start in a sequence split across processes (longattn.parallel)."""
     m = length if max_positions is None else max_positions
-    if not isinstance(m, int) or isinstance(m, bool) or m < length:
+    if not isinstance(m, int) or isinstance(m, bool) or m < offset + length:
         raise AttentionError(
-            f"max_positions (M of eq. 9) must be an int >= the sequence length {length}, "
+            f"max_positions (M of eq. 9) must be an int >= the sequence length {offset + length}, "
             f"got {max_positions!r}"
         )
-    return (math.pi / 2) * torch.arange(1, length + 1, dtype=like.dtype, device=like.device) / m
+    return (math.pi / 2) * torch.arange(offset + 1, offset + length + 1, dtype=like.dtype, device=like.device) / m
 
 
 FEATURE_MAPS = ("relu", "elu")
@@ -62,7 +63,7 @@ def _positive_map(x: Tensor, feature_map: str) -> Tensor:
 
 
 def cosformer_features(
-    x: Tensor, max_positions: int | None = None, reweight: bool = True, feature_map: str = "relu"
+    x: Tensor, max_positions: int | None = None, reweight: bool = True, feature_map: str = "relu", offset: int = 0
 ) -> Tensor:
     """phi(x) of eq. 10 on [B, H, N, d]: [ReLU(x) cos(theta_i), ReLU(x) sin(theta_i)] -> [B, H, N, 2d].
 
@@ -71,7 +72,7 @@ def cosformer_features(
     positive = _positive_map(x, feature_map)
     if not reweight:
         return positive
-    theta = _reweight_angles(x.shape[2], max_positions, x)[:, None]
+    theta = _reweight_angles(x.shape[2], max_positions, x, offset)[:, None]
     return torch.cat([positive * torch.cos(theta), positive * torch.sin(theta)], dim=-1)
 
 
@@ -140,7 +141,7 @@ def cosformer_attention_reference(
 
 @register_attention(
     "cosformer",
-    capabilities=Capabilities(causal=True, subquadratic=True),
+    capabilities=Capabilities(causal=True, subquadratic=True, sequence_parallel=True),
     functional=cosformer_attention,
     reference=cosformer_attention_reference,
     paper="cosFormer: Rethinking Softmax in Attention (Qin et al., ICLR 2022)",

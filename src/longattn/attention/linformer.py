@@ -116,7 +116,7 @@ def linformer_attention_reference(
 
 @register_attention(
     "linformer",
-    capabilities=Capabilities(needs_max_len=True),
+    capabilities=Capabilities(needs_max_len=True, sequence_parallel=True),
     functional=linformer_attention,
     reference=linformer_attention_reference,
     paper="Linformer: Self-Attention with Linear Complexity (Wang et al., 2020)",

@@ -6,7 +6,7 @@ pseudo tokens, the K^T V sums of the kernel methods) or, for softmax, all keys a
 See docs/sequence_parallel.md.
 """
 
-from longattn.parallel import kernel, nystrom, singular, skeleton, softmax  # noqa: F401  (register the forms)
+from longattn.parallel import kernel, linformer, nystrom, singular, skeleton, softmax  # noqa: F401  (register the forms)
 from longattn.parallel.api import (
     SequenceParallelAttention,
     gather_sequence,
