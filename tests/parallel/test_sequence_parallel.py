@@ -113,6 +113,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         failures = [f for case in CASES for padded in (False, True) if (f := _check_case(*case, padded))]
         assert not failures, "\n".join(failures)
         _check_helpers_and_errors()
+        _check_inside_ddp()
     finally:
         dist.destroy_process_group()
 
@@ -137,6 +138,26 @@ def _check_helpers_and_errors() -> None:
         sequence_parallel(attention.build("bigbird", dim=DIM, heads=HEADS))
     with pytest.raises(AttentionError, match="exceeds max_len"):
         sharded(torch.randn(1, 200, DIM))
+
+
+def _check_inside_ddp() -> None:
+    """DDP over the sequence-parallel group averages gradients: with each rank's loss scaled by the
+    group size the parameters get the single-process gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    world = dist.get_world_size()
+    torch.manual_seed(2)
+    layer = attention.build("nystrom", dim=DIM, heads=HEADS, num_landmarks=4, conv_kernel=3).double()
+    reference = copy.deepcopy(layer)
+    x = torch.randn(BATCH, LENGTH, DIM, dtype=torch.float64)
+    x_local, mask_local = shard_sequence(x)
+    pad = x_local.shape[1] * world - LENGTH  # the reference sees the same padded sequence
+    mask = torch.arange(LENGTH + pad).expand(BATCH, -1) < LENGTH
+    reference(torch.cat((x, x.new_zeros(BATCH, pad, DIM)), 1), mask).square().sum().backward()
+    model = DistributedDataParallel(sequence_parallel(layer))
+    (model(x_local, mask_local).square().sum() * world).backward()
+    for (pname, p_ref), p in zip(reference.named_parameters(), layer.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"{pname}: {m}")
 
 
 @pytest.mark.parametrize("world", [2, 3])
