@@ -79,6 +79,8 @@ def _check_case(label: str, name: str, options: dict, training: bool, padded: bo
     loss = (out_ref * cotangent).sum() + sum(attention.collect_aux_losses(reference).values())
     loss.backward()
 
+    if padded:  # padded contents never matter, not even NaN
+        x_local = x_local.masked_fill(~mask_local.unsqueeze(-1), float("nan"))
     x_mine = x_local.clone().requires_grad_()
     sharded = sequence_parallel(layer)
     out = sharded(x_mine, mask_local)

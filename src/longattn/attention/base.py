@@ -422,6 +422,18 @@ class AttentionBase(nn.Module):
         attention_mask: Tensor | None = None,
         layer_state: dict | None = None,
     ) -> Tensor:
+        return self.forward_with(self.attend, x, attention_mask, layer_state)
+
+    def forward_with(
+        self,
+        attend: Callable[[Tensor, Tensor | None, dict | None], Tensor],
+        x: Tensor,
+        attention_mask: Tensor | None = None,
+        layer_state: dict | None = None,
+    ) -> Tensor:
+        """:meth:`forward` around another ``attend`` of the same signature: the input checks, the
+        padding replacement and the zeroed padded outputs (longattn.parallel runs a layer's
+        sequence-parallel form through it)."""
         self.check_input(x, attention_mask)
         self._aux_losses = {}
         if x.shape[0] == 0:
@@ -433,7 +445,7 @@ class AttentionBase(nn.Module):
             _raise_if_not_finite("input", x, token_dim=1)
         token = _INPUT_MASKED.set(True)
         try:
-            out = self.attend(x, attention_mask, layer_state)
+            out = attend(x, attention_mask, layer_state)
         finally:
             _INPUT_MASKED.reset(token)
         if attention_mask is not None:

@@ -81,18 +81,15 @@ class SequenceParallelAttention(nn.Module):
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None, layer_state: dict | None = None) -> Tensor:
         layer = self.layer
-        layer.check_input(x, attention_mask)
+        layer.check_input(x, attention_mask)  # before the first collective: a bad input fails here
         shard = locate_shard(x.shape[1], self.group, x.device)
         if layer.capabilities.needs_max_len and shard.total > layer.max_len:
             raise AttentionError(
                 f"sequence length {shard.total} (all shards) exceeds max_len={layer.max_len} of this "
                 f"{layer.name!r} layer"
             )
-        layer._aux_losses = {}
-        out = _FORMS[layer.name](layer, x, attention_mask, layer_state, shard)
-        if attention_mask is not None:
-            out = out * attention_mask.unsqueeze(-1).to(out.dtype)
-        return out
+        form = _FORMS[layer.name]
+        return layer.forward_with(lambda *args: form(layer, *args, shard), x, attention_mask, layer_state)
 
     def extra_repr(self) -> str:
         return f"group={'WORLD' if self.group is None else self.group}"
