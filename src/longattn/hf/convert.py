@@ -224,7 +224,7 @@ def convert(
             mechanism = build(name, dim=heads * head_dim, heads=heads, max_len=max_len, causal=causal, **options)
         projections = _attach(mechanism, module, family, fresh, name)
         param = next(module.parameters())
-        mechanism.to(device=param.device, dtype=param.dtype)
+        mechanism.to(device=param.device, dtype=param.dtype).train(module.training)
         mechanism.__dict__["_longattn_runtime"] = _Runtime(projections, holder, ignore_dropout)
         module.longattn = mechanism
         module.register_forward_pre_hook(_before_attention, with_kwargs=True)
