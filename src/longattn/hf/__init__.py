@@ -22,6 +22,8 @@ from longattn.hf.bridge import (
     key_padding_mask,
     register,
     register_all,
+    registered,
+    unregister,
 )
 from longattn.hf.convert import NO_QKV_MAPPING, attention_modules, convert, from_pretrained
 from longattn.hf.minilm import load_bert, load_tokenizer, minilm_path
@@ -43,4 +45,6 @@ __all__ = [
     "minilm_path",
     "register",
     "register_all",
+    "registered",
+    "unregister",
 ]

@@ -41,6 +41,8 @@ __all__ = [
     "implementation_key",
     "register",
     "register_all",
+    "registered",
+    "unregister",
 ]
 
 PREFIX = "longattn_"
@@ -305,7 +307,7 @@ def register(name: str, *, ignore_dropout: bool = False, seed: int = 0, **option
         if _REGISTERED[key] != settings:
             raise AttentionError(
                 f"{key} is already registered with {_REGISTERED[key]}; a second registration with {settings} "
-                "would change every model using it"
+                f"would change every model using it (longattn.hf.unregister({name!r}) first)"
             )
         return key
     _function_mechanism(name, options, causal=False)  # fails now, not at the model's first forward
@@ -340,6 +342,21 @@ def register(name: str, *, ignore_dropout: bool = False, seed: int = 0, **option
     AttentionMaskInterface.register(key, key_padding_mask)
     _REGISTERED[key] = settings
     return key
+
+
+def unregister(name: str) -> None:
+    """Remove ``longattn_<name>`` (or the key itself) from both transformers interfaces."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    key = name if name.startswith(PREFIX) else implementation_key(name)
+    for interface in (AttentionInterface, AttentionMaskInterface):
+        interface._global_mapping.pop(key, None)  # transformers has no public removal
+    _REGISTERED.pop(key, None)
+
+
+def registered() -> list[str]:
+    """The keys longattn registered with transformers so far."""
+    return sorted(_REGISTERED)
 
 
 def register_all() -> list[str]:
