@@ -33,6 +33,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    padding_safe,
     register_attention,
 )
 
@@ -89,6 +90,7 @@ def _real_segment_sums(query: Tensor, key: Tensor, real: Tensor, m: int) -> tupl
     return q_sum, k_sum, counts[:, None, :m, None]
 
 
+@padding_safe
 def nystrom_attention(
     query: Tensor,
     key: Tensor,
@@ -124,12 +126,11 @@ def nystrom_attention(
         k_sum = F.pad(key_real, (0, 0, 0, pad)).reshape(b, h, m, segment, d).sum(dim=-2)
         counts = F.pad(real, (0, pad), value=False).reshape(b, 1, m, segment).sum(dim=-1, keepdim=True)
     else:
-        pad = 1  # landmarks may be invalid
         q_sum, k_sum, counts = _real_segment_sums(query_real, key_real, real, m)
     q_land = q_sum / counts.clamp(min=1).to(q_sum.dtype) * scale  # the scale on the small side
     k_land = k_sum / counts.clamp(min=1).to(k_sum.dtype)
     valid = counts[..., 0] > 0  # [B, 1, m]: landmark has at least one real token
-    landmark_mask = None if attention_mask is None and pad == 0 else valid[:, :, None, :]
+    landmark_mask = None if attention_mask is None and n % m == 0 else valid[:, :, None, :]
     key_mask = None if attention_mask is None else real[:, None, None, :]
 
     kernel_2 = _masked_softmax(q_land @ k_land.transpose(-1, -2), landmark_mask)  # [B, H, m, m]
@@ -146,6 +147,7 @@ def nystrom_attention(
     return out
 
 
+@padding_safe
 def nystrom_attention_reference(
     query: Tensor,
     key: Tensor,
