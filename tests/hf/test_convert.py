@@ -131,6 +131,7 @@ PADDED_LENGTH_DEPENDENT = {
     "fnet": None,  # the DFT runs over the padded length: inherent to FNet
     "bigbird": None,  # random blocks are drawn per number of blocks and the last block is global
     "sinkhorn": None,  # the learned sorting permutes every block of the padded length
+    "ponet": None,  # segment max-pooling splits the padded length into segment_num runs (authors' LRA code)
 }
 SMALL = {"skeleton": {"s1": 8, "s2": 8}, "nystrom": {"num_landmarks": 4}, "linformer": {"k": 16},
          "luna": {"pack_length": 8}, "bigbird": {"block_size": 4}, "local": {"window_size": 4},

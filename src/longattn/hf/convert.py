@@ -9,7 +9,7 @@ output projections under their original keys: the mechanism uses them in place o
 * Mechanisms that project the hidden states themselves (skeleton after its Smoother, singular, fsat,
   fat, luna) get the model's linear layers as their Q/K/V projections, on models with absolute
   positions (a rotary model would lose its positions: that raises).
-* Mechanisms with no Q/K/V to map (synthesizer, fnet, reformer's shared QK) refuse unless
+* Mechanisms with no Q/K/V to map (synthesizer, fnet, reformer's shared QK, ponet, flash) refuse unless
   ``fresh=True``, which gives them their own freshly initialised projections.
 
 The conversion is recorded in ``model.config.longattn``; :func:`from_pretrained` rebuilds a saved model
@@ -50,8 +50,10 @@ _OWN_LINEARS: dict[str, dict[str, str]] = {
     "luna": {"unpack_q": "q", "pack_k": "k", "pack_v": "v"},
     "vmean": {"to_v": "v"},
 }
-# Mechanisms whose projections have no counterpart in a pretrained model.
-NO_QKV_MAPPING = frozenset({"synthesizer", "fnet", "reformer"})
+# Mechanisms whose projections have no counterpart in a pretrained model: synthesized or Fourier token
+# mixing, reformer's shared QK, PoNet's fused pooling branches, FLASH's gated unit (which also
+# replaces the feed-forward network in longattn's models; in a converted model the FFN stays).
+NO_QKV_MAPPING = frozenset({"synthesizer", "fnet", "reformer", "ponet", "flash"})
 
 # Attribute names of the query, key, value and output projections per model family.
 _FAMILIES = {
@@ -115,8 +117,7 @@ def _attach(mechanism: AttentionBase, module: nn.Module, family: str, fresh: boo
     if mapping is None:
         raise AttentionError(
             f"{mechanism.name} has no query/key/value projections to take the pretrained ones "
-            f"({', '.join(sorted(NO_QKV_MAPPING))} mix tokens otherwise): pass fresh=True to start it "
-            "from freshly initialised projections"
+            "to map: pass fresh=True to start it from freshly initialised projections"
         )
     for attribute, role in mapping.items():
         if getattr(mechanism, attribute, None) is not None:
