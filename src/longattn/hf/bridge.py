@@ -98,6 +98,7 @@ class ModelProjections(nn.Module):
         self._qkv: tuple[Tensor, Tensor, Tensor] | None = None
         self._rotary = False  # this call's model rotates q and k after its projections
         self._rescaled = False  # this call's queries were rescaled to the model's scaling
+        self.reads_hidden_states = False  # the mechanism projected the hidden states itself
 
     def load(self, query: Tensor | None, key: Tensor | None = None, value: Tensor | None = None, *,
              rotary: bool = False, rescaled: bool = False) -> None:
@@ -130,6 +131,7 @@ class ModelProjections(nn.Module):
                 "would skip this model's rotary position embedding: convert it on models with absolute "
                 "positions (BERT family), or pick a mechanism that takes the model's q, k, v"
             )
+        self.reads_hidden_states = True
         return self._linears[role]
 
     to_q = property(lambda self: self._linear("to_q"))
@@ -164,6 +166,16 @@ def _check_mask(mask: Any, batch: int, kv_len: int) -> Tensor | None:
     return mask
 
 
+def repeat_kv(key: Tensor, value: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    """Grouped-query attention: repeat each key/value head for the heads // kv_heads queries it serves."""
+    kv_heads = key.shape[1]
+    if heads % kv_heads:
+        raise AttentionError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
+    if kv_heads == heads:
+        return key, value
+    return key.repeat_interleave(heads // kv_heads, dim=1), value.repeat_interleave(heads // kv_heads, dim=1)
+
+
 def run_mechanism(
     mechanism: AttentionBase,
     projections: ModelProjections | None,
@@ -183,15 +195,11 @@ def run_mechanism(
     """One attention call of a transformers module through ``mechanism``; returns [B, N, H, Dh]."""
     name = mechanism.name
     b, heads, q_len, head_dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
+    kv_len = key.shape[2]
     if getattr(module, "is_cross_attention", False) or "crossattention" in type(module).__name__.lower():
         raise AttentionError(f"longattn_{name} handles self-attention only, not {type(module).__name__}")
     mask = _check_mask(attention_mask, b, kv_len)
-    if heads % kv_heads:
-        raise AttentionError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
-    if kv_heads != heads:  # grouped-query attention: each key/value head serves heads // kv_heads queries
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    key, value = repeat_kv(key, value, heads)
     if q_len != kv_len:
         if name == "softmax" and q_len == 1:
             # decoding with a KV cache: the one new query sees every cached key, no causal mask needed
@@ -270,6 +278,8 @@ def _function_mechanism(name: str, options: dict[str, Any], causal: bool, heads:
     spec = get_spec(name)
     if spec.capabilities.needs_max_len:
         raise AttentionError(f"{name} learns a fixed-length map (needs max_len): use longattn.hf.convert")
+    if spec.capabilities.uses_layer_state:
+        raise AttentionError(f"{name} passes state between layers (layer_state): use longattn.hf.convert")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the same random features / blocks for every run of the model
         mechanism = build(name, dim=heads * head_dim, heads=heads, causal=causal, **options)
@@ -332,7 +342,7 @@ def register(name: str, *, ignore_dropout: bool = False, seed: int = 0, **option
             mask = _check_mask(attention_mask, query.shape[0], key_.shape[2])
             if key_.shape[2] != query.shape[2]:
                 raise AttentionError(f"longattn_{name} needs as many queries as keys")
-            value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+            value = repeat_kv(value, value, query.shape[1])[1]
             return get_spec(name).functional(query, value, value, mask).transpose(1, 2).contiguous(), None
         out = run_mechanism(mechanism, projections, module, query, key_, value, attention_mask,
                             dropout=dropout, scaling=scaling, ignore_dropout=ignore_dropout)
@@ -401,9 +411,7 @@ def _register_converted() -> None:
         if not isinstance(getattr(module, "longattn", None), AttentionBase):  # a layer left out of the conversion (layers=...): exact softmax attention
             b, heads = query.shape[:2]
             mask = _check_mask(attention_mask, b, key.shape[2])
-            if key.shape[1] != heads:
-                key = key.repeat_interleave(heads // key.shape[1], dim=1)
-                value = value.repeat_interleave(heads // value.shape[1], dim=1)
+            key, value = repeat_kv(key, value, heads)
             causal = _causal_of(module, kwargs) and query.shape[2] == key.shape[2]
             out = softmax_attention(query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
