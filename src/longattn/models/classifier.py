@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from longattn.models.encoder import LRAEncoder
+from longattn.models.registry import register_model
 
 HEADS = ("mlp", "singular")
 
@@ -80,6 +81,7 @@ class LRADualClassifier(nn.Module):
         return self.head(torch.cat([x0, x1, x0 * x1, x0 - x1], dim=-1))
 
 
+@register_model("lra_classifier", family="classifier")
 def build_classifier(
     vocab_size: int,
     num_classes: int,
