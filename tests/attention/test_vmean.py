@@ -32,7 +32,8 @@ def test_output_is_the_mean_of_the_real_values_and_ignores_padding():
     poisoned[0, 0, ~mask[0]] = float("nan")
     out = vmean_attention(poisoned, poisoned, poisoned, mask)
     expected = v[0, 0, mask[0]].mean(0)  # rows 0, 2, 5
-    torch.testing.assert_close(out[0, 0], expected.expand(6, 2))
+    torch.testing.assert_close(out[0, 0, mask[0]], expected.expand(3, 2))
+    assert torch.all(out[0, 0, ~mask[0]] == 0)  # padded query rows are zeros
 
 
 def test_all_padded_sequence_gives_zeros():

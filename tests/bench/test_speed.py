@@ -22,8 +22,26 @@ def test_every_configuration_is_measured(rows):
     for r in rows:
         assert r["status"] == "ok", r
         assert 0 < r["forward_s"] and 0 < r["forward_backward_s"]
-        assert r["traffic_floor_s"] > 0 and r["floor_ratio"] > 0
+        # single-thread CPU run: the compared figure is process CPU time, wall time beside it
+        assert r["forward_backward_s"] == r["forward_backward_cpu_s"] and r["forward_backward_wall_s"] > 0
+        assert r["floor_s"] > 0 and r["floor_ratio"] > 0 and r["gemm_flop_per_s"] > 0 and r["copy_bytes_per_s"] > 0
         assert r["parameters"] == 4 * (32 * 32 + 32)
+
+
+def test_sdpa_is_measured_in_the_same_process_only_for_other_targets(rows):
+    by = {(r["target"], r["length"]): r for r in rows}
+    assert "sdpa_forward_backward_s" not in by[("softmax", 256)]
+    math_row = by[("softmax_math", 256)]
+    assert "sdpa_forward_backward_s" not in math_row  # SDPA's own paths are the baseline, not compared
+
+
+def test_flop_count_matches_the_analytic_count_of_sdpa(rows):
+    by = {(r["target"], r["length"]): r for r in rows}
+    b, h, n, d = 2, 2, 1024, 16
+    projections = 2 * b * n * 32 * 32 * 4 * 3  # four dim x dim projections, forward + two backward GEMMs
+    # math path: two GEMMs forward, four backward; the fused kernel's backward also recomputes the scores
+    assert by[("softmax_math", 1024)]["flops"] == projections + 2 * b * h * n * n * d * (2 + 4)
+    assert by[("softmax", 1024)]["flops"] == projections + 2 * b * h * n * n * d * (2 + 5)
 
 
 def test_peak_memory_sees_the_math_paths_score_matrix(rows):
@@ -35,7 +53,8 @@ def test_peak_memory_sees_the_math_paths_score_matrix(rows):
 
 def test_table_growth_and_plot(rows, tmp_path):
     table = speed_table(rows)
-    assert table.count("\n") == 1 + len(rows)
+    assert table.startswith("Times: median, process CPU time, 1 thread")
+    assert table.count("\n") == 3 + len(rows)
     assert "| softmax | 1024 |" in table and "| 1.00 |" in table
     g = growth(rows)
     assert set(g) == {"softmax", "softmax_math"} and g["softmax"]["from"] == 256
@@ -66,6 +85,23 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
     data = json.loads((out / "speed.json").read_text())
     assert {r["target"] for r in data["rows"]} == {"softmax", "softmax_math"}
     assert (out / "speed.md").exists() and (out / "speed.png").exists()
+
+
+def test_a_target_is_compared_with_sdpa_measured_beside_it(tmp_path):
+    out = tmp_path / "speed"
+    assert main(["bench", "speed", "--attention", "local", "--lengths", "256,512", "--repeats", "1", "--no-math",
+                 "--no-peers", "--options", '{"window_size": 64}', "--reference-max-length", "256", "--out", str(out)]) == 0
+    rows = {(r["target"], r["length"]): r for r in json.loads((out / "speed.json").read_text())["rows"]}
+    near = rows[("local", 256)]
+    assert near["options"] == {"window_size": 64}
+    assert near["speedup_vs_sdpa"] == near["sdpa_forward_backward_s"] / near["forward_backward_s"]
+    assert rows[("softmax", 512)]["status"].startswith("skipped")
+    assert rows[("local", 512)]["status"] == "ok" and "speedup_vs_sdpa" not in rows[("local", 512)]
+
+
+def test_cli_rejects_malformed_options(tmp_path, capsys):
+    assert main(["bench", "speed", "--attention", "local", "--options", "[1]", "--out", str(tmp_path)]) == 2
+    assert "--options must be a JSON object" in capsys.readouterr().err
 
 
 def test_cli_rejects_unknown_target(tmp_path, capsys):

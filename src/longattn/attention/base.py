@@ -10,6 +10,15 @@ Conventions (documented once, used everywhere):
   False marks padding (the Hugging Face convention). Padding may sit anywhere, not only at the
   end. Padded positions never influence real positions; the module form returns zeros at
   padded positions.
+* Padded positions are *replaced* by zeros (never multiplied: NaN * 0 is NaN) before they enter
+  any computation, in the module form (:meth:`AttentionBase.forward`) and in every functional
+  form (:func:`padding_safe`), so any value there (NaN, inf, 1e30) leaves real outputs and
+  gradients unchanged, and padded positions come out as zeros.
+* Dtypes: the module form raises :class:`AttentionError` when the input's dtype differs from its
+  parameters' (convert one of them), except under ``torch.autocast``, which casts per operation.
+* An empty batch (B = 0) gives an empty result of the same shape.
+* ``with check_finite():`` turns on an opt-in check that raises on NaN or inf at real positions
+  of any attention input (off by default: the check reads the tensors back, a GPU sync).
 * Auxiliary losses (e.g. Singularformer's orthogonality losses) are recorded by the module
   with :meth:`AttentionBase.add_aux_loss` during a training forward pass and read (and
   cleared) by the training loop with :func:`collect_aux_losses`. Each forward pass replaces
@@ -21,6 +30,9 @@ Conventions (documented once, used everywhere):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
@@ -40,7 +52,9 @@ __all__ = [
     "get_spec",
     "register_attention",
     "check_attention_mask",
+    "check_finite",
     "check_qkv",
+    "padding_safe",
     "compute_dtype",
     "split_heads",
     "merge_heads",
@@ -64,6 +78,8 @@ class Capabilities:
         subquadratic: promises no N x N intermediate in forward or backward.
         uses_layer_state: reads/writes ``layer_state`` to talk to neighbouring layers.
         max_seq_len: hard upper bound on N independent of ``max_len`` (None: unbounded).
+        replaces_ffn: the layer is attention and feed-forward network in one (FLASH's GAU);
+            models leave out their own FFN around it.
     """
 
     causal: bool = False
@@ -73,6 +89,7 @@ class Capabilities:
     subquadratic: bool = True
     uses_layer_state: bool = False
     max_seq_len: int | None = None
+    replaces_ffn: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -262,6 +279,86 @@ def check_qkv(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor 
     check_attention_mask(attention_mask, key.shape[0], key.shape[2], key.device)
 
 
+_CHECK_FINITE: contextvars.ContextVar[bool] = contextvars.ContextVar("longattn_check_finite", default=False)
+# True while a module's forward runs: its input is already masked, so functional forms called
+# inside it (on projections of that input) need not mask again.
+_INPUT_MASKED: contextvars.ContextVar[bool] = contextvars.ContextVar("longattn_input_masked", default=False)
+
+
+@contextlib.contextmanager
+def check_finite(enabled: bool = True):
+    """Opt-in check mode: inside ``with check_finite():`` every attention layer and functional form
+    raises :class:`AttentionError` when a real (unpadded) input position holds NaN or inf.
+
+    Off by default because the check reads the values back (a device synchronisation on GPUs);
+    padded positions are never checked, whatever they hold.
+    """
+    token = _CHECK_FINITE.set(enabled)
+    try:
+        yield
+    finally:
+        _CHECK_FINITE.reset(token)
+
+
+def _raise_if_not_finite(label: str, t: Tensor, token_dim: int) -> None:
+    """``t`` is already masked (padded positions are zeros); raise naming the first bad position."""
+    bad = ~torch.isfinite(t)
+    if bad.any():
+        index = bad.nonzero()[0].tolist()
+        raise AttentionError(
+            f"{label} holds a non-finite value ({t[tuple(index)].item()}) at a real position "
+            f"(batch {index[0]}, token {index[token_dim]}); check_finite mode is on"
+        )
+
+
+def padding_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator of a functional form ``fn(query, key, value, attention_mask=None, **options)``.
+
+    Its sequence tensors (the positional parameters before ``attention_mask``) are replaced by
+    zeros at padded positions before ``fn`` sees them, and the output rows of padded queries are
+    returned as zeros; in check-finite mode their real positions are checked. The key mask applies
+    to the queries too when they have the keys' length (self-attention, the library's convention);
+    queries of another length are left as they are. Inside a module's forward, whose input is
+    already masked, and inside another functional form, it adds no work.
+    """
+    signature = inspect.signature(fn)
+    parameters = list(signature.parameters)
+    sequence_names = parameters[: parameters.index("attention_mask")]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _INPUT_MASKED.get():
+            return fn(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        mask = bound.arguments.get("attention_mask")
+        usable = isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.dim() == 2
+        masked_names = []
+        for name in sequence_names:
+            t = bound.arguments.get(name)
+            if not (isinstance(t, Tensor) and t.is_floating_point() and t.dim() == 4):
+                continue  # fn's own checks give the clear error
+            if usable and (t.shape[0], t.shape[2]) == tuple(mask.shape) and t.device == mask.device:
+                t = t.masked_fill(~mask[:, None, :, None], 0.0)
+                bound.arguments[name] = t
+                masked_names.append(name)
+            if _CHECK_FINITE.get():
+                _raise_if_not_finite(name, t, token_dim=2)
+        token = _INPUT_MASKED.set(True)  # functional forms that fn calls see masked inputs
+        try:
+            out = fn(*bound.args, **bound.kwargs)
+        finally:
+            _INPUT_MASKED.reset(token)
+        queries = bound.arguments.get(sequence_names[0])
+        if not masked_names or not (queries is None or sequence_names[0] in masked_names):
+            return out  # no mask, or queries of another length than the keys: no padded query rows
+        keep = mask[:, None, :, None]
+        if isinstance(out, tuple):
+            return (out[0].masked_fill(~keep, 0.0), *out[1:])
+        return out.masked_fill(~keep, 0.0) if isinstance(out, Tensor) else out
+
+    return wrapper
+
+
 def split_heads(x: Tensor, heads: int) -> Tensor:
     """[B, N, H*Dh] -> [B, H, N, Dh]."""
     b, n, d = x.shape
@@ -324,9 +421,20 @@ class AttentionBase(nn.Module):
     ) -> Tensor:
         self.check_input(x, attention_mask)
         self._aux_losses = {}
-        out = self.attend(x, attention_mask, layer_state)
+        if x.shape[0] == 0:
+            return x.clone()  # an empty batch: an empty result of the same shape
         if attention_mask is not None:
-            out = out * attention_mask.unsqueeze(-1).to(out.dtype)
+            # Replaced, not multiplied: NaN * 0 is NaN, so a multiplied inf/nan would still leak.
+            x = x.masked_fill(~attention_mask.unsqueeze(-1), 0.0)
+        if _CHECK_FINITE.get():
+            _raise_if_not_finite("input", x, token_dim=1)
+        token = _INPUT_MASKED.set(True)
+        try:
+            out = self.attend(x, attention_mask, layer_state)
+        finally:
+            _INPUT_MASKED.reset(token)
+        if attention_mask is not None:
+            out = out.masked_fill(~attention_mask.unsqueeze(-1), 0.0)
         return out
 
     def check_input(self, x: Tensor, attention_mask: Tensor | None) -> None:
@@ -349,6 +457,13 @@ class AttentionBase(nn.Module):
         if limit is not None and n > limit:
             raise AttentionError(f"{self.name!r} supports sequences up to {limit} tokens, got {n}")
         check_attention_mask(attention_mask, b, n, x.device)
+        param_dtype = next((p.dtype for p in self.parameters() if p.is_floating_point()), None)
+        if param_dtype not in (None, x.dtype) and not torch.is_autocast_enabled(x.device.type):
+            raise AttentionError(
+                f"input dtype {x.dtype} differs from the {param_dtype} parameters of this {self.name!r} "
+                f"layer; convert one of them (layer.to({x.dtype}) or x.to({param_dtype})) or run "
+                "under torch.autocast"
+            )
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, dim={self.dim}, heads={self.heads}, max_len={self.max_len}"

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention.base import AttentionBase, AttentionError, Capabilities, QKVProjection, check_qkv, register_attention
+from longattn.attention.base import AttentionBase, AttentionError, Capabilities, QKVProjection, check_qkv, padding_safe, register_attention
 from longattn.attention.softmax import softmax_attention
 
 
@@ -62,6 +62,7 @@ def key_block_indices(num_blocks: int, random_idx: Tensor, window_blocks: int) -
     return idx, in_range & first
 
 
+@padding_safe
 def bigbird_attention(
     query: Tensor,
     key: Tensor,
@@ -121,6 +122,7 @@ def bigbird_attention(
     return out[:, :, :n]
 
 
+@padding_safe
 def bigbird_attention_reference(
     query: Tensor,
     key: Tensor,

@@ -25,6 +25,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    padding_safe,
     register_attention,
 )
 from longattn.attention.linear import causal_kernel_sums, elu_feature_map, kernel_sums
@@ -74,6 +75,7 @@ def cosformer_features(
     return torch.cat([positive * torch.cos(theta), positive * torch.sin(theta)], dim=-1)
 
 
+@padding_safe
 def cosformer_attention(
     query: Tensor,
     key: Tensor,
@@ -108,6 +110,7 @@ def cosformer_attention(
     return numerator / denominator.clamp_min(eps)
 
 
+@padding_safe
 def cosformer_attention_reference(
     query: Tensor,
     key: Tensor,

@@ -18,14 +18,14 @@ from longattn.attention.base import AttentionBase, Capabilities, register_attent
 def fourier_mix(x: Tensor, attention_mask: Tensor | None = None, fft_norm: str = "backward") -> Tensor:
     """Re(FFT_seq(FFT_hidden(x))) on [B, N, D] (FNet eq. 3), padding zeroed first."""
     if attention_mask is not None:
-        x = x * attention_mask.unsqueeze(-1).to(x.dtype)
+        x = x.masked_fill(~attention_mask.unsqueeze(-1), 0.0)  # replaced, not multiplied: NaN * 0 is NaN
     return torch.fft.fft2(x.to(torch.promote_types(x.dtype, torch.float32)), dim=(-2, -1), norm=fft_norm).real.to(x.dtype)
 
 
 def fourier_mix_reference(x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """The same transform with explicit DFT matrices (O(N^2)); tests only."""
     if attention_mask is not None:
-        x = x * attention_mask.unsqueeze(-1).to(x.dtype)
+        x = x.masked_fill(~attention_mask.unsqueeze(-1), 0.0)  # replaced, not multiplied: NaN * 0 is NaN
     n, d = x.shape[-2:]
     dft = lambda m: torch.exp(-2j * torch.pi * torch.outer(torch.arange(m), torch.arange(m)).double() / m)  # noqa: E731
     return (dft(n).to(torch.complex128) @ x.to(torch.complex128) @ dft(d).T).real.to(x.dtype)

@@ -30,6 +30,7 @@ from longattn.attention.base import (
     Capabilities,
     check_qkv,
     merge_heads,
+    padding_safe,
     register_attention,
     split_heads,
 )
@@ -229,6 +230,7 @@ def _check_sparse_inputs(query: Tensor, key: Tensor, dominant_index: Tensor, ran
             )
 
 
+@padding_safe
 def fsat_sparse_attention(
     query: Tensor,
     key: Tensor,
@@ -320,6 +322,7 @@ def fsat_sparse_attention(
     return out.view(b, h, n, dh)
 
 
+@padding_safe
 def fsat_sparse_attention_reference(
     query: Tensor,
     key: Tensor,

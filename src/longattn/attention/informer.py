@@ -30,6 +30,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    padding_safe,
     register_attention,
 )
 
@@ -91,6 +92,7 @@ def _sparsity_measure(query: Tensor, key: Tensor, key_samples: Tensor, sample_co
     return torch.cat(measures, dim=-1)
 
 
+@padding_safe
 def probsparse_attention(
     query: Tensor,
     key: Tensor,
@@ -142,6 +144,7 @@ def probsparse_attention(
     return out.scatter(2, top[..., None].expand(b, h, n_top, value.shape[-1]), active_out)
 
 
+@padding_safe
 def probsparse_attention_reference(
     query: Tensor,
     key: Tensor,

@@ -24,6 +24,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    padding_safe,
     register_attention,
 )
 
@@ -93,6 +94,7 @@ def causal_kernel_attention(
     return numerator / (normaliser + eps)
 
 
+@padding_safe
 def linear_attention(
     query: Tensor,
     key: Tensor,
@@ -113,6 +115,7 @@ def linear_attention(
     return kernel_attention(phi_q, phi_k, value, eps)
 
 
+@padding_safe
 def linear_attention_reference(
     query: Tensor,
     key: Tensor,

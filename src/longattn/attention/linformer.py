@@ -34,6 +34,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    padding_safe,
     register_attention,
 )
 from longattn.attention.softmax import softmax_attention, softmax_attention_reference
@@ -58,6 +59,7 @@ def _project_sequence(x: Tensor, proj: Tensor) -> Tensor:
     return (proj.T @ flat).view(b, -1, h, d).transpose(1, 2)
 
 
+@padding_safe
 def linformer_attention(
     query: Tensor,
     key: Tensor,
@@ -83,6 +85,7 @@ def linformer_attention(
     return torch.nn.functional.scaled_dot_product_attention(query, small_k, small_v, dropout_p=dropout_p, scale=scale)
 
 
+@padding_safe
 def linformer_attention_reference(
     query: Tensor,
     key: Tensor,
@@ -167,6 +170,7 @@ def gaussian_sketch(n: int, sketch_dim: int, *, dtype: torch.dtype, device: torc
     return torch.randn(n, sketch_dim, dtype=dtype, device=device) / math.sqrt(sketch_dim)
 
 
+@padding_safe
 def linformer_jl_attention(
     query: Tensor,
     key: Tensor,
@@ -187,6 +191,7 @@ def linformer_jl_attention(
     return softmax_attention(query, key, sketched_value, attention_mask, scale=scale)
 
 
+@padding_safe
 def linformer_jl_attention_reference(
     query: Tensor,
     key: Tensor,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention.base import AttentionBase, AttentionError, Capabilities, QKVProjection, check_qkv, register_attention
+from longattn.attention.base import AttentionBase, AttentionError, Capabilities, QKVProjection, check_qkv, padding_safe, register_attention
 
 
 def _blocks(x: Tensor, block: int) -> Tensor:
@@ -33,6 +33,7 @@ def look_around(x: Tensor, backward: int, forward: int, fill: float | bool = 0) 
     return torch.cat([padded[..., i:i + nb, :, :] for i in range(backward + forward + 1)], dim=-2)
 
 
+@padding_safe
 def local_attention(
     query: Tensor,
     key: Tensor,
@@ -88,6 +89,7 @@ def local_attention(
     return out.unflatten(0, (b, -1)).transpose(1, 2).flatten(2, 3)[:, :, :n]
 
 
+@padding_safe
 def local_attention_reference(
     query: Tensor,
     key: Tensor,

@@ -29,6 +29,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    padding_safe,
     register_attention,
     split_heads,
 )
@@ -63,6 +64,7 @@ def _global_index(global_positions: Sequence[int], length: int, device: torch.de
     return torch.tensor(positions, dtype=torch.long, device=device)
 
 
+@padding_safe
 def longformer_attention(
     query: Tensor,
     key: Tensor,
@@ -172,6 +174,7 @@ def longformer_attention(
     return out.index_copy(2, gidx, out_g)
 
 
+@padding_safe
 def longformer_attention_reference(
     query: Tensor,
     key: Tensor,

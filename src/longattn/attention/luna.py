@@ -31,6 +31,7 @@ from longattn.attention.base import (
     Capabilities,
     check_qkv,
     merge_heads,
+    padding_safe,
     register_attention,
     split_heads,
 )
@@ -87,6 +88,7 @@ def luna_unpack(
     return softmax_attention(query, packed_key, packed_value, scale=scale, dropout_p=dropout_p)
 
 
+@padding_safe
 def luna_attention(
     query: Tensor,
     key: Tensor,
@@ -130,6 +132,7 @@ def _plain_attention(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, s
     return weights / total.masked_fill(total == 0, 1.0) @ v
 
 
+@padding_safe
 def luna_attention_reference(
     query: Tensor,
     key: Tensor,

@@ -32,6 +32,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    padding_safe,
     register_attention,
 )
 
@@ -73,6 +74,7 @@ def _masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
     return torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1)
 
 
+@padding_safe
 def nystrom_attention(
     query: Tensor,
     key: Tensor,
@@ -126,6 +128,7 @@ def nystrom_attention(
     return out
 
 
+@padding_safe
 def nystrom_attention_reference(
     query: Tensor,
     key: Tensor,

@@ -29,6 +29,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    padding_safe,
     register_attention,
 )
 from longattn.attention.linear import causal_kernel_attention, kernel_attention
@@ -94,6 +95,7 @@ def favor_features(
     return phi_q, phi_k
 
 
+@padding_safe
 def performer_attention(
     query: Tensor,
     key: Tensor,
@@ -122,6 +124,7 @@ def performer_attention(
     return kernel_attention(phi_q, phi_k, value, eps)
 
 
+@padding_safe
 def performer_attention_reference(
     query: Tensor,
     key: Tensor,

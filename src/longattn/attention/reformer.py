@@ -32,6 +32,7 @@ from longattn.attention.base import (
     check_qkv,
     compute_dtype,
     merge_heads,
+    padding_safe,
     register_attention,
     split_heads,
 )
@@ -211,6 +212,7 @@ def _inverse(permutation: Tensor) -> Tensor:
     return torch.empty_like(permutation).scatter_(0, permutation, torch.arange(len(permutation), device=permutation.device))
 
 
+@padding_safe
 def lsh_attention(
     shared_qk: Tensor,
     value: Tensor,
@@ -277,6 +279,7 @@ def lsh_attention(
     return out.view(b, h, n_total, d)[:, :, :n]
 
 
+@padding_safe
 def lsh_attention_reference(
     shared_qk: Tensor,
     value: Tensor,

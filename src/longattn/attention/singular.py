@@ -33,6 +33,7 @@ from longattn.attention.base import (
     Capabilities,
     check_qkv,
     merge_heads,
+    padding_safe,
     register_attention,
     split_heads,
 )
@@ -139,6 +140,7 @@ def _default_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
+@padding_safe
 def singular_attention(
     query: Tensor,
     key: Tensor,
@@ -174,6 +176,7 @@ def singular_attention(
     return (out, scores) if return_scores else out
 
 
+@padding_safe
 def singular_attention_reference(
     query: Tensor,
     key: Tensor,

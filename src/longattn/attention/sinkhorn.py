@@ -29,6 +29,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    padding_safe,
     register_attention,
 )
 
@@ -117,6 +118,7 @@ def _block_attention(
     return out.masked_fill(~visible.any(-1, keepdim=True), 0.0)
 
 
+@padding_safe
 def sinkhorn_attention(
     query: Tensor,
     key: Tensor,
@@ -185,6 +187,7 @@ def sinkhorn_attention(
     return out.reshape(b, h, blocks * block_size, -1)[:, :, :n]
 
 
+@padding_safe
 def sinkhorn_attention_reference(
     query: Tensor,
     key: Tensor,

@@ -34,6 +34,7 @@ from longattn.attention.base import (
     QKVProjection,
     check_qkv,
     compute_dtype,
+    padding_safe,
     register_attention,
 )
 
@@ -376,6 +377,7 @@ def _check_sample(sample: SkeinSample, real: Tensor, heads: int, row_normalizati
 # ----------------------------------------------------------------------------- public functions
 
 
+@padding_safe
 def skein_sample(
     query: Tensor,
     key: Tensor,
@@ -430,6 +432,7 @@ def _draw_sample(
     return sample, pilot_out
 
 
+@padding_safe
 def skein_attention_from_sample(
     query: Tensor,
     key: Tensor,
@@ -444,7 +447,7 @@ def skein_attention_from_sample(
     """Deterministic Skeinformer attention given the drawn indices (Alg. 1 lines 6-12).
 
     Computed in fp32 for half/bfloat16 inputs and cast back. Outputs at padded query positions
-    are finite but meaningless (the module form zeroes them).
+    are zeros (:func:`padding_safe`).
     """
     check_qkv(query, key, value, attention_mask)
     _check_output_options(row_normalization, pilot_reuse)
@@ -455,6 +458,7 @@ def skein_attention_from_sample(
     return out.to(query.dtype)
 
 
+@padding_safe
 def skein_attention(
     query: Tensor,
     key: Tensor,
@@ -489,6 +493,7 @@ def skein_attention(
     return out.to(query.dtype)
 
 
+@padding_safe
 def skein_attention_reference(
     query: Tensor,
     key: Tensor,

@@ -33,6 +33,7 @@ from longattn.attention.base import (
     QKVProjection,
     check_qkv,
     merge_heads,
+    padding_safe,
     register_attention,
     split_heads,
 )
@@ -102,6 +103,7 @@ def _block_diagonal(blocks: Tensor) -> Tensor:
     return (blocks[:, :, :, None, :] * eye[None, :, None, :, None]).reshape(batch, heads * p, heads * q)
 
 
+@padding_safe
 def skeleton_attention(
     query: Tensor,
     key: Tensor,
@@ -246,6 +248,7 @@ def _skeleton_from_samples(
     return out
 
 
+@padding_safe
 def skeleton_attention_reference(
     query: Tensor,
     key: Tensor,

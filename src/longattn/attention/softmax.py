@@ -13,6 +13,7 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    padding_safe,
     register_attention,
 )
 
@@ -22,6 +23,7 @@ def _sdpa_mask(attention_mask: Tensor | None) -> Tensor | None:
     return None if attention_mask is None else attention_mask[:, None, None, :]
 
 
+@padding_safe
 def softmax_attention(
     query: Tensor,
     key: Tensor,
@@ -51,6 +53,7 @@ def softmax_attention(
     return out
 
 
+@padding_safe
 def softmax_attention_reference(
     query: Tensor,
     key: Tensor,

@@ -31,6 +31,7 @@ from longattn.attention.base import (
     Capabilities,
     check_attention_mask,
     merge_heads,
+    padding_safe,
     register_attention,
     split_heads,
 )
@@ -66,6 +67,7 @@ def _check_inputs(
     check_attention_mask(attention_mask, b, n, value.device)
 
 
+@padding_safe
 def synthesizer_attention(
     query: Tensor | None,
     key: Tensor | None,
@@ -109,6 +111,7 @@ def synthesizer_attention(
     return out
 
 
+@padding_safe
 def synthesizer_attention_reference(
     query: Tensor | None,
     key: Tensor | None,

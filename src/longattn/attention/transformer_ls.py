@@ -35,6 +35,7 @@ from longattn.attention.base import (
     QKVProjection,
     check_qkv,
     merge_heads,
+    padding_safe,
     register_attention,
     split_heads,
 )
@@ -133,6 +134,7 @@ def _causal_long_term(
     return key_c.flatten(2, 3), value_c.flatten(2, 3), visible
 
 
+@padding_safe
 def long_short_attention(
     query: Tensor,
     key: Tensor,
@@ -202,6 +204,7 @@ def long_short_attention(
     return out.reshape(b, h, segments * w, d)[:, :, :n]
 
 
+@padding_safe
 def long_short_attention_reference(
     query: Tensor,
     key: Tensor,

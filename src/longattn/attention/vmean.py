@@ -13,11 +13,13 @@ from longattn.attention.base import (
     Capabilities,
     check_qkv,
     merge_heads,
+    padding_safe,
     register_attention,
     split_heads,
 )
 
 
+@padding_safe
 def vmean_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """(1/m) 1 1^T V over the m real tokens of each sequence, [B, H, N, Dh].
 
@@ -34,6 +36,7 @@ def vmean_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: T
     return mean.expand_as(value)
 
 
+@padding_safe
 def vmean_attention_reference(
     query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None
 ) -> Tensor:

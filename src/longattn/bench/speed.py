@@ -3,8 +3,15 @@
 Each (target, length) configuration runs in a fresh subprocess so that its peak memory can be
 read from the process's peak RSS on CPU (``max_memory_allocated`` on GPU) without interference,
 and so that running out of memory is recorded as such instead of crashing the whole run.
-Times are medians over repeats after warm-up: ``torch.utils.benchmark`` with an explicit thread
-count on CPU, CUDA events on GPU.
+
+Times survive a loaded machine: every call is timed in wall time and in process CPU time
+(``time.process_time``: on a single-thread CPU run it is the time the computation took whatever
+else the machine runs); on GPU with CUDA events. Figures are medians of repeats after warm-up.
+The SDPA baseline is measured again inside each configuration's process, its calls interleaved
+with the target's repeat by repeat, so the speed-up of a row is a ratio of two medians taken side
+by side under the same conditions. The floor of a row is what its counted FLOPs and its
+unavoidable memory traffic cost at the GEMM rate and copy bandwidth the benchmark measures on
+the machine (``machine_rates``).
 """
 
 from __future__ import annotations
@@ -16,13 +23,23 @@ import resource
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from longattn.bench.targets import SDPA, make_target
+from longattn.bench.targets import SDPA, SDPA_MATH, make_target
+
+# Defaults of ``longattn bench speed`` / ``bench model`` live here only; the command reads them.
+DEFAULT_LENGTHS = "1k,4k,16k"
+DEFAULT_TIMEOUT_S = 600.0
+# SDPA is quadratic: beyond this length the in-process baseline (and the SDPA rows) are skipped,
+# and no ratio is reported for those lengths.
+DEFAULT_REFERENCE_MAX_LENGTH = 16384
+MODEL_LENGTHS = "1k,2k,3k,4k"
+MODEL_TIMEOUT_S = 900.0
 
 
 @dataclass
@@ -34,7 +51,8 @@ class SpeedConfig:
     head_dim: int = 32
     device: str = "cpu"
     dtype: str = "float32"
-    threads: int = 2
+    # one thread by default: process CPU time is then the honest cost on a shared machine
+    threads: int = 1
     warmup: int = 1
     repeats: int = 5
     seed: int = 0
@@ -43,10 +61,20 @@ class SpeedConfig:
     # model-level benchmark, the standard LRA text classifier (2 layers, dim 64, vocab 257):
     # forward is inference, forward_backward one full training step with AdamW.
     kind: str = "layer"
+    # time SDPA in the same process, interleaved with the target (layer kind, target != SDPA)
+    reference: bool = True
 
     @property
     def dim(self) -> int:
         return self.heads * self.head_dim
+
+    @property
+    def cpu_time_is_cost(self) -> bool:
+        """Single-thread CPU runs are reported (and compared) in process CPU time."""
+        return self.device == "cpu" and self.threads == 1
+
+
+MODEL_DEFAULTS = SpeedConfig(target="", length=0, batch=32, repeats=3, kind="lra_text")
 
 
 def _status_bytes(field_name: str) -> int:
@@ -63,31 +91,39 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _median_seconds(fn, config: SpeedConfig) -> float:
-    if config.device.startswith("cuda"):
-        times = []
-        for _ in range(config.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+def _time_interleaved(calls: dict[str, Callable[[], None]], config: SpeedConfig) -> dict[str, dict[str, float | None]]:
+    """Median wall and process-CPU seconds of each call over ``config.repeats`` rounds; each
+    round runs every call once, so a change of machine load hits all of them alike."""
+    wall: dict[str, list[float]] = {name: [] for name in calls}
+    cpu: dict[str, list[float]] = {name: [] for name in calls}
+    cuda = config.device.startswith("cuda")
+    for _ in range(config.repeats):
+        for name, fn in calls.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                wall[name].append(start.elapsed_time(end) / 1000)
+                continue
+            cpu0, wall0 = time.process_time(), time.perf_counter()
             fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        return statistics.median(times)
-    from torch.utils.benchmark import Timer
-
-    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=config.threads)
-    return statistics.median(timer.timeit(number=1).mean for _ in range(config.repeats))
+            wall[name].append(time.perf_counter() - wall0)
+            cpu[name].append(time.process_time() - cpu0)
+    return {name: {"wall_s": statistics.median(wall[name]),
+                   "cpu_s": statistics.median(cpu[name]) if cpu[name] else None} for name in calls}
 
 
-def _lra_text_target(config: SpeedConfig, device: torch.device):
-    """The standard LRA text model with ``config.target`` attention, random byte tokens, AdamW."""
+def _lra_text_calls(config: SpeedConfig, target_name: str, device: torch.device):
+    """The standard LRA text model with ``target_name`` attention, random byte tokens, AdamW."""
     import torch.nn.functional as F
 
     from longattn.models.classifier import build_classifier
 
-    model = build_classifier(vocab_size=257, num_classes=2, max_len=config.length, attention=config.target,
-                             attention_options=config.options, heads=config.heads, dim=config.dim).to(device)
+    options = {} if target_name == SDPA else config.options
+    model = build_classifier(vocab_size=257, num_classes=2, max_len=config.length, attention=target_name,
+                             attention_options=options, heads=config.heads, dim=config.dim).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, 257, (config.batch, config.length), device=device)
     mask = torch.ones_like(tokens, dtype=torch.bool)
@@ -105,18 +141,11 @@ def _lra_text_target(config: SpeedConfig, device: torch.device):
     return model.train(), forward, train_step
 
 
-def measure(config: SpeedConfig) -> dict[str, Any]:
-    """Time forward and forward+backward of one configuration in this process."""
-    torch.manual_seed(config.seed)
-    torch.set_num_threads(config.threads)
-    device = torch.device(config.device)
+def _layer_calls(config: SpeedConfig, target_name: str, device: torch.device):
+    """(module, forward, forward_backward) of one attention layer on random [B, N, dim] input."""
     dtype = getattr(torch, config.dtype)
-    if config.kind == "lra_text":
-        module, forward, forward_backward = _lra_text_target(config, device)
-        return _measure_calls(config, device, module, forward, forward_backward)
-    if config.kind != "layer":
-        raise ValueError(f"unknown benchmark kind {config.kind!r}: 'layer' or 'lra_text'")
-    target = make_target(config.target, config.dim, config.heads, config.length, config.options)
+    options = {} if target_name in (SDPA, SDPA_MATH) else config.options
+    target = make_target(target_name, config.dim, config.heads, config.length, options)
     module = target.module.to(device=device, dtype=dtype).train()
     x = torch.randn(config.batch, config.length, config.dim, device=device, dtype=dtype, requires_grad=True)
     mask = torch.ones(config.batch, config.length, dtype=torch.bool, device=device)
@@ -132,44 +161,123 @@ def measure(config: SpeedConfig) -> dict[str, Any]:
         x.grad = None
         module.zero_grad(set_to_none=True)
 
-    return _measure_calls(config, device, module, forward, forward_backward)
+    return module, forward, forward_backward
 
 
-def _measure_calls(config: SpeedConfig, device: torch.device, module: torch.nn.Module,
-                   forward, forward_backward) -> dict[str, Any]:
-    """Warm up, then peak memory of one forward+backward and median times of both calls."""
+_CALLS = {"layer": _layer_calls, "lra_text": _lra_text_calls}
+
+
+def measure(config: SpeedConfig) -> dict[str, Any]:
+    """Time forward and forward+backward of one configuration in this process (and SDPA's,
+    interleaved, for a layer target other than SDPA when ``config.reference`` is set)."""
+    torch.manual_seed(config.seed)
+    torch.set_num_threads(config.threads)
+    device = torch.device(config.device)
+    if config.kind not in _CALLS:
+        raise ValueError(f"unknown benchmark kind {config.kind!r}: 'layer' or 'lra_text'")
+    module, forward, forward_backward = _CALLS[config.kind](config, config.target, device)
+    result: dict[str, Any] = {"parameters": sum(p.numel() for p in module.parameters())}
     for _ in range(config.warmup):
         forward_backward()
-    # Peak memory of one forward+backward above what is resident before it (model and inputs).
+    result["peak_memory_bytes"] = _peak_memory(forward_backward, device)
+    # counted after the memory step: the counter's dispatch changes which freed blocks the
+    # allocator keeps, and the peak must be that of a plain step
+    result["flops"] = count_flops(forward_backward)
+    calls = {"forward": forward, "forward_backward": forward_backward}
+    if config.reference and config.target not in (SDPA, SDPA_MATH):
+        _, sdpa_forward, sdpa_forward_backward = _CALLS[config.kind](config, SDPA, device)
+        for _ in range(max(1, config.warmup)):
+            sdpa_forward_backward()
+        calls.update(sdpa_forward=sdpa_forward, sdpa_forward_backward=sdpa_forward_backward)
+    for name, times in _time_interleaved(calls, config).items():
+        result[f"{name}_wall_s"] = times["wall_s"]
+        result[f"{name}_cpu_s"] = times["cpu_s"]
+        # the figure a row is compared by: CPU time on single-thread CPU runs, wall time otherwise
+        result[f"{name}_s"] = times["cpu_s"] if config.cpu_time_is_cost else times["wall_s"]
+    if "sdpa_forward_backward_s" in result:
+        result["speedup_vs_sdpa"] = result["sdpa_forward_backward_s"] / result["forward_backward_s"]
+        result["forward_speedup_vs_sdpa"] = result["sdpa_forward_s"] / result["forward_s"]
+    return result
+
+
+def _peak_memory(forward_backward: Callable[[], None], device: torch.device) -> int:
+    """Peak memory of one forward+backward above what is resident before it (model and inputs)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         forward_backward()
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-    else:
-        before = _status_bytes("VmRSS")
-        _reset_peak_rss()
-        forward_backward()
-        peak = _status_bytes("VmHWM") - before
-    result: dict[str, Any] = {
-        "peak_memory_bytes": max(0, peak),
-        "forward_s": _median_seconds(forward, config),
-        "forward_backward_s": _median_seconds(forward_backward, config),
-    }
-    result["parameters"] = sum(p.numel() for p in module.parameters())
-    return result
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    before = _status_bytes("VmRSS")
+    _reset_peak_rss()
+    forward_backward()
+    return max(0, _status_bytes("VmHWM") - before)
+
+
+# ----------------------------------------------------------------------------- FLOP count
+
+
+def _fft_flops(real_length: int, transforms: int, complex_input: bool) -> int:
+    # 5 n log2 n real operations per complex transform of length n (the radix-2 count);
+    # a real-to-complex or complex-to-real transform of length n costs half of that
+    return int((5 if complex_input else 2.5) * real_length * math.log2(max(real_length, 2)) * transforms)
+
+
+def _r2c_flops(input_shape, dim, normalization, onesided, out_shape=None, **kwargs) -> int:
+    n = math.prod(input_shape[d] for d in dim)
+    return _fft_flops(n, math.prod(input_shape) // n, complex_input=False)
+
+
+def _c2r_flops(input_shape, dim, normalization, last_dim_size, out_shape=None, **kwargs) -> int:
+    n = math.prod(out_shape[d] for d in dim)
+    return _fft_flops(n, math.prod(out_shape) // n, complex_input=False)
+
+
+def _c2c_flops(input_shape, dim, normalization, forward, out_shape=None, **kwargs) -> int:
+    n = math.prod(input_shape[d] for d in dim)
+    return _fft_flops(n, math.prod(input_shape) // n, complex_input=True)
+
+
+def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_sdpa_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def count_flops(step: Callable[[], None]) -> int:
+    """FLOPs of one call of ``step`` as torch's FlopCounterMode counts them from each op's shapes
+    (matmuls, convolutions, attention kernels), plus the FFTs and SDPA's CPU kernels it does not
+    know. Elementwise ops and reductions are not counted: they are memory traffic."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    aten = torch.ops.aten
+    custom = {aten._fft_r2c: _r2c_flops, aten._fft_c2r: _c2r_flops, aten._fft_c2c: _c2c_flops,
+              aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+              aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops}
+    with FlopCounterMode(display=False, custom_mapping=custom) as counter:
+        step()
+    return int(counter.get_total_flops())
+
+
+def _child_env(config: SpeedConfig) -> dict[str, str]:
+    # the child imports this very copy of longattn, whatever is installed
+    src_dir = str(Path(__file__).resolve().parents[2])
+    return dict(os.environ, OMP_NUM_THREADS=str(config.threads),
+                PYTHONPATH=os.pathsep.join(filter(None, [src_dir, os.environ.get("PYTHONPATH")])))
 
 
 def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes: int | None) -> dict[str, Any]:
     """Measure ``config`` in a fresh Python process; out-of-memory and time-outs become statuses."""
     row: dict[str, Any] = asdict(config)
     cmd = [sys.executable, "-m", "longattn.bench.speed", json.dumps(asdict(config))]
-    # the child imports this very copy of longattn, whatever is installed
-    src_dir = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, OMP_NUM_THREADS=str(config.threads),
-               PYTHONPATH=os.pathsep.join(filter(None, [src_dir, os.environ.get("PYTHONPATH")])))
+    env = _child_env(config)
     if memory_limit_bytes:
         env["LONGATTN_BENCH_MEMORY_LIMIT"] = str(memory_limit_bytes)
     try:
@@ -196,18 +304,25 @@ def _worker(config_json: str) -> None:
     print(json.dumps({"status": "ok", **measure(config)}), flush=True)
 
 
-# ----------------------------------------------------------------------------- memory traffic floor
+# ----------------------------------------------------------------------------- machine floor
 
 
-def copy_bandwidth(device: str = "cpu", megabytes: int = 256, threads: int = 2) -> float:
-    """Measured copy bandwidth in bytes/s (read + write counted), median of repeats."""
+def machine_rates(device: str = "cpu", dtype: str = "float32", threads: int = 1, repeats: int = 7) -> dict[str, float]:
+    """The machine's float GEMM rate (FLOP/s, a 1024^3 product in ``dtype``) and copy bandwidth
+    (bytes/s, read + write of 256 MiB), medians of repeats, timed like the targets (process CPU
+    time on single-thread CPU runs)."""
     torch.set_num_threads(threads)
-    n = megabytes * 2**20 // 4
-    src = torch.randn(n, device=device)
+    config = SpeedConfig(target="", length=0, device=device, dtype=dtype, threads=threads, repeats=repeats)
+    size = 1024
+    a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
+    src = torch.randn(64 * 2**20, device=device)  # 256 MiB of float32
     dst = torch.empty_like(src)
-    cfg = SpeedConfig(target="", length=0, device=device, threads=threads, repeats=7)
-    seconds = _median_seconds(lambda: dst.copy_(src), cfg)
-    return 2 * src.numel() * src.element_size() / seconds
+    a @ b, dst.copy_(src)  # warm-up
+    times = _time_interleaved({"gemm": lambda: a @ b, "copy": lambda: dst.copy_(src)}, config)
+    key = "cpu_s" if config.cpu_time_is_cost else "wall_s"
+    return {"gemm_flop_per_s": 2 * size**3 / times["gemm"][key],
+            "copy_bytes_per_s": 2 * src.numel() * src.element_size() / times["copy"][key]}
 
 
 def traffic_bytes(config: SpeedConfig, parameters: int) -> int:
@@ -222,6 +337,26 @@ def traffic_bytes(config: SpeedConfig, parameters: int) -> int:
     return 5 * activation + 3 * parameters * item
 
 
+def add_floor(row: dict[str, Any], config: SpeedConfig, rates: dict[str, float]) -> None:
+    """Per-token FLOPs and bytes of a measured layer row, the time they take at the machine's
+    rates (the larger of the two: a roofline), and how far the measured time is above it."""
+    tokens = config.batch * config.length
+    traffic = traffic_bytes(config, row["parameters"])
+    floor = max(row["flops"] / rates["gemm_flop_per_s"], traffic / rates["copy_bytes_per_s"])
+    row.update(flop_per_token=row["flops"] / tokens, bytes_per_token=traffic / tokens,
+               floor_s=floor, floor_ratio=row["forward_backward_s"] / floor)
+
+
+def _machine_rates_in_subprocess(base: SpeedConfig, timeout_s: float) -> dict[str, float]:
+    code = ("import json, sys; from longattn.bench.speed import machine_rates; "
+            "print(json.dumps(machine_rates(*sys.argv[1:3], int(sys.argv[3]))))")
+    proc = subprocess.run([sys.executable, "-c", code, base.device, base.dtype, str(base.threads)],
+                          capture_output=True, text=True, timeout=timeout_s, env=_child_env(base))
+    if proc.returncode != 0:
+        raise RuntimeError(f"measuring the machine's rates failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 # ----------------------------------------------------------------------------- run, report, plot
 
 
@@ -229,31 +364,39 @@ def run_speed(
     targets: list[str],
     lengths: list[int],
     base: SpeedConfig | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     memory_limit_bytes: int | None = None,
     progress: bool = True,
+    reference_max_length: int = DEFAULT_REFERENCE_MAX_LENGTH,
 ) -> list[dict[str, Any]]:
-    """Measure every target at every length (each in its own subprocess)."""
+    """Measure every target at every length (each in its own subprocess).
+
+    SDPA (and its math path) rows beyond ``reference_max_length`` are skipped, and so is the
+    in-process SDPA baseline of the other targets there.
+    """
     from tqdm import tqdm
 
     base = base or SpeedConfig(target="", length=0)
-    bandwidth = copy_bandwidth(base.device, threads=base.threads)
+    rates = _machine_rates_in_subprocess(base, timeout_s) if base.kind == "layer" else {}
     rows = []
     grid = [(t, n) for n in lengths for t in targets]
     skip: set[str] = set()  # once a target runs out of memory or time, longer lengths will too
     for target, length in tqdm(grid, desc="bench speed", disable=not progress):
-        config = SpeedConfig(**{**asdict(base), "target": target, "length": length})
+        beyond_reference = length > reference_max_length
+        config = SpeedConfig(**{**asdict(base), "target": target, "length": length,
+                                "reference": base.reference and not beyond_reference})
         if target in skip:
             rows.append({**asdict(config), "status": "skipped (failed at a shorter length)"})
             continue
+        if target in (SDPA, SDPA_MATH) and beyond_reference:
+            rows.append({**asdict(config), "status": f"skipped (N > {reference_max_length})"})
+            continue
         row = run_in_subprocess(config, timeout_s, memory_limit_bytes)
         if row["status"] == "ok" and config.kind == "layer":
-            floor = traffic_bytes(config, row["parameters"]) / bandwidth
-            row["traffic_floor_s"] = floor
-            row["floor_ratio"] = row["forward_backward_s"] / floor
+            add_floor(row, config, rates)
+            row.update(rates)
         elif row["status"] != "ok":
             skip.add(target)
-        row["copy_bandwidth_bytes_per_s"] = bandwidth
         rows.append(row)
     return rows
 
@@ -262,45 +405,66 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def clock_of(rows: list[dict[str, Any]]) -> str:
+    """What the times of a run are: process CPU time (single-thread CPU) or wall time."""
+    config = next((r for r in rows), None)
+    if config is None:
+        return ""
+    single = SpeedConfig(target="", length=0, device=config["device"], threads=config["threads"]).cpu_time_is_cost
+    return "process CPU time, 1 thread" if single else f"wall time, {config['threads']} threads on {config['device']}"
+
+
+def _speedup(row: dict[str, Any], reference: str) -> float | None:
+    """The row's speed-up over SDPA measured side by side in its own process (1 for SDPA itself)."""
+    return 1.0 if row["target"] == reference else row.get("speedup_vs_sdpa")
+
+
 def speed_table(rows: list[dict[str, Any]], reference: str = SDPA) -> str:
-    """Markdown table: forward+backward time, speed-up and memory ratio to ``reference`` per length."""
+    """Markdown table per target and length: times (median; the clock is named above the table),
+    wall time beside them, SDPA measured in the same process and the ratio of the two, peak memory
+    and its ratio to SDPA's, FLOPs and bytes per token and the time over the machine floor."""
     ref = {r["length"]: r for r in rows if r["target"] == reference and r.get("status") == "ok"}
-    header = (
-        "| target | N | fwd ms | fwd+bwd ms | speed-up vs SDPA | peak MiB | memory vs SDPA | x floor |\n"
-        "|---|---|---|---|---|---|---|---|"
-    )
-    lines = [header]
+    lines = [
+        f"Times: median, {clock_of(rows)}; SDPA re-measured in each row's process.",
+        "",
+        "| target | N | fwd ms | fwd+bwd ms | fwd+bwd wall ms | SDPA fwd+bwd ms | speed-up vs SDPA | peak MiB "
+        "| memory vs SDPA | kFLOP/token | bytes/token | x floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(rows, key=lambda r: (r["target"], r["length"])):
         if r.get("status") != "ok":
-            lines.append(f"| {r['target']} | {r['length']} | {r.get('status')} | | | | | |")
+            lines.append(f"| {r['target']} | {r['length']} | {r.get('status')} |" + " |" * 9)
             continue
         base = ref.get(r["length"])
-        speedup = base["forward_backward_s"] / r["forward_backward_s"] if base else None
         mem = r["peak_memory_bytes"] / base["peak_memory_bytes"] if base and base["peak_memory_bytes"] else None
+        sdpa = r["forward_backward_s"] if r["target"] == reference else r.get("sdpa_forward_backward_s")
         lines.append(
             f"| {r['target']} | {r['length']} | {_fmt(1000 * r['forward_s'], '.1f')} | "
-            f"{_fmt(1000 * r['forward_backward_s'], '.1f')} | {_fmt(speedup, '.2f')} | "
+            f"{_fmt(1000 * r['forward_backward_s'], '.1f')} | {_fmt(1000 * r['forward_backward_wall_s'], '.1f')} | "
+            f"{_fmt(None if sdpa is None else 1000 * sdpa, '.1f')} | {_fmt(_speedup(r, reference), '.2f')} | "
             f"{_fmt(r['peak_memory_bytes'] / 2**20, '.1f')} | {_fmt(mem, '.2f')} | "
-            f"{_fmt(r.get('floor_ratio'), '.1f')} |"
+            f"{_fmt(None if r.get('flop_per_token') is None else r['flop_per_token'] / 1000, '.1f')} | "
+            f"{_fmt(r.get('bytes_per_token'), '.0f')} | {_fmt(r.get('floor_ratio'), '.1f')} |"
         )
     return "\n".join(lines)
 
 
 def model_table(rows: list[dict[str, Any]], reference: str = SDPA) -> str:
     """Markdown table of the model-level benchmark (SKTformer Table 4 layout): training steps per
-    second and peak memory per length, with ratios to the softmax model."""
+    second and peak memory per length, with ratios to the softmax model (its speed measured in
+    the same process, its memory in its own row)."""
     ref = {r["length"]: r for r in rows if r["target"] == reference and r.get("status") == "ok"}
-    lines = ["| attention | N | train steps/s | speed-up vs softmax | peak MiB | memory vs softmax |",
+    lines = [f"Times: median, {clock_of(rows)}.", "",
+             "| attention | N | train steps/s | speed-up vs softmax | peak MiB | memory vs softmax |",
              "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["target"], r["length"])):
         if r.get("status") != "ok":
             lines.append(f"| {r['target']} | {r['length']} | {r.get('status')} | | | |")
             continue
         base = ref.get(r["length"])
-        speedup = base["forward_backward_s"] / r["forward_backward_s"] if base else None
         mem = r["peak_memory_bytes"] / base["peak_memory_bytes"] if base and base["peak_memory_bytes"] else None
-        lines.append(f"| {r['target']} | {r['length']} | {1 / r['forward_backward_s']:.2f} | {_fmt(speedup, '.2f')} | "
-                     f"{r['peak_memory_bytes'] / 2**20:.0f} | {_fmt(mem, '.2f')} |")
+        lines.append(f"| {r['target']} | {r['length']} | {1 / r['forward_backward_s']:.2f} | "
+                     f"{_fmt(_speedup(r, reference), '.2f')} | {r['peak_memory_bytes'] / 2**20:.0f} | {_fmt(mem, '.2f')} |")
     return "\n".join(lines)
 
 

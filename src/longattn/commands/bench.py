@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from longattn import attention
+from longattn.bench import speed as speed_defaults
+from longattn.bench.speed import MODEL_DEFAULTS, SpeedConfig
 from longattn.bench.targets import SDPA, SDPA_MATH, all_target_names, available_peers, peer_of
 
 
@@ -42,14 +43,26 @@ def _write(out: Path, stem: str, rows: list[dict], table: str, extra: dict | Non
     print(f"\nwrote {out / (stem + '.json')} and {out / (stem + '.md')}")
 
 
+def _options(text: str) -> dict:
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--options must be a JSON object, e.g. '{{\"precision\": \"bf16\"}}': {exc}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--options must be a JSON object, got {text!r}")
+    return options
+
+
 def _speed(args: argparse.Namespace) -> int:
-    from longattn.bench.speed import SpeedConfig, growth, plot_speed, run_speed, speed_table
+    from longattn.bench.speed import growth, plot_speed, run_speed, speed_table
 
     base = SpeedConfig(target="", length=0, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                        device=args.device, dtype=args.dtype, threads=args.threads, warmup=args.warmup,
-                       repeats=args.repeats, seed=args.seed)
+                       repeats=args.repeats, seed=args.seed, options=_options(args.options),
+                       reference=args.reference)
     limit = int(args.memory_limit_gb * 2**30) if args.memory_limit_gb else None
-    rows = run_speed(_targets(args), _int_list(args.lengths), base, timeout_s=args.timeout, memory_limit_bytes=limit)
+    rows = run_speed(_targets(args), _int_list(args.lengths), base, timeout_s=args.timeout, memory_limit_bytes=limit,
+                     reference_max_length=args.reference_max_length)
     grow = growth(rows)
     table = speed_table(rows)
     table += "\n\n| target | growth of time vs linear | growth of memory vs linear | lengths |\n|---|---|---|---|\n"
@@ -62,10 +75,10 @@ def _speed(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
-    from longattn.bench.speed import SpeedConfig, model_table, run_speed
+    from longattn.bench.speed import model_table, run_speed
 
-    base = SpeedConfig(target="", length=0, batch=args.batch, heads=2, head_dim=32, device=args.device,
-                       threads=args.threads, warmup=1, repeats=args.repeats, seed=args.seed, kind="lra_text")
+    base = replace(MODEL_DEFAULTS, batch=args.batch, device=args.device, threads=args.threads, repeats=args.repeats,
+                   seed=args.seed)
     names = args.attention or [n for n in attention.available() if n != SDPA]
     targets = [SDPA] + [n for n in names if n != SDPA]
     rows = run_speed(targets, _int_list(args.lengths), base, timeout_s=args.timeout)
@@ -123,17 +136,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     speed = sub.add_parser("speed", help="time and peak memory against sequence length")
     speed.add_argument("--attention", nargs="*", help="mechanisms (default: all registered)")
-    speed.add_argument("--lengths", default="1k,4k,16k", help="comma list, k/m suffixes (default 1k,4k,16k)")
-    speed.add_argument("--batch", type=int, default=2)
-    speed.add_argument("--heads", type=int, default=2)
-    speed.add_argument("--head-dim", type=int, default=32)
-    speed.add_argument("--device", default="cpu")
-    speed.add_argument("--dtype", default="float32")
-    speed.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    speed.add_argument("--warmup", type=int, default=1)
-    speed.add_argument("--repeats", type=int, default=5)
-    speed.add_argument("--seed", type=int, default=0)
-    speed.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration")
+    speed.add_argument("--lengths", default=speed_defaults.DEFAULT_LENGTHS,
+                       help=f"comma list, k/m suffixes (default {speed_defaults.DEFAULT_LENGTHS})")
+    speed.add_argument("--batch", type=int, default=SpeedConfig.batch)
+    speed.add_argument("--heads", type=int, default=SpeedConfig.heads)
+    speed.add_argument("--head-dim", type=int, default=SpeedConfig.head_dim)
+    speed.add_argument("--device", default=SpeedConfig.device)
+    speed.add_argument("--dtype", default=SpeedConfig.dtype)
+    speed.add_argument("--threads", type=int, default=SpeedConfig.threads,
+                       help=f"(default {SpeedConfig.threads}: times are then process CPU time)")
+    speed.add_argument("--warmup", type=int, default=SpeedConfig.warmup)
+    speed.add_argument("--repeats", type=int, default=SpeedConfig.repeats)
+    speed.add_argument("--seed", type=int, default=SpeedConfig.seed)
+    speed.add_argument("--options", default="{}", help="JSON object of mechanism options (not given to SDPA)")
+    speed.add_argument("--timeout", type=float, default=speed_defaults.DEFAULT_TIMEOUT_S, help="seconds per configuration")
+    speed.add_argument("--reference-max-length", type=int, default=speed_defaults.DEFAULT_REFERENCE_MAX_LENGTH,
+                       help="longest N at which SDPA runs (rows and in-process baseline)")
+    speed.add_argument("--no-reference", dest="reference", action="store_false",
+                       help="do not re-measure SDPA inside each row's process")
     speed.add_argument("--memory-limit-gb", type=float, default=None,
                        help="address-space cap per configuration on CPU (default: none)")
     speed.add_argument("--no-math", dest="math", action="store_false", help="skip SDPA's forced math path")
@@ -157,13 +177,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     model = sub.add_parser("model", help="training steps/s and peak memory of the LRA text model (SKTformer Table 4)")
     model.add_argument("--attention", nargs="*", help="mechanisms (default: all registered)")
-    model.add_argument("--lengths", default="1k,2k,3k,4k")
-    model.add_argument("--batch", type=int, default=32)
-    model.add_argument("--device", default="cpu")
-    model.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    model.add_argument("--repeats", type=int, default=3)
-    model.add_argument("--seed", type=int, default=0)
-    model.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
+    model.add_argument("--lengths", default=speed_defaults.MODEL_LENGTHS)
+    model.add_argument("--batch", type=int, default=MODEL_DEFAULTS.batch)
+    model.add_argument("--device", default=MODEL_DEFAULTS.device)
+    model.add_argument("--threads", type=int, default=MODEL_DEFAULTS.threads)
+    model.add_argument("--repeats", type=int, default=MODEL_DEFAULTS.repeats)
+    model.add_argument("--seed", type=int, default=MODEL_DEFAULTS.seed)
+    model.add_argument("--timeout", type=float, default=speed_defaults.MODEL_TIMEOUT_S, help="seconds per configuration")
     model.add_argument("--out", default="runs/bench-model")
     model.set_defaults(func=_model)
 
