@@ -8,6 +8,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from longattn import attention
+from longattn.experiment.results import write_results
 from longattn.bench import speed as speed_defaults
 from longattn.bench.speed import MODEL_DEFAULTS, SpeedConfig
 from longattn.bench.targets import SDPA, SDPA_MATH, all_target_names, available_peers, peer_of
@@ -37,7 +38,7 @@ def _targets(args: argparse.Namespace) -> list[str]:
 
 def _write(out: Path, stem: str, rows: list[dict], table: str, extra: dict | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"rows": rows, **(extra or {})}, indent=2))
+    write_results(out / f"{stem}.json", {"rows": rows, **(extra or {})})
     (out / f"{stem}.md").write_text(table + "\n")
     print(table)
     print(f"\nwrote {out / (stem + '.json')} and {out / (stem + '.md')}")
