@@ -41,6 +41,7 @@ from longattn.registry import nearest
 __all__ = [
     "ConfigError",
     "config_hash",
+    "check_value",
     "from_dict",
     "merge",
     "option",
@@ -92,7 +93,7 @@ def _fix_floats(node: Any) -> Any:
         return [_fix_floats(v) for v in node]
     if isinstance(node, str):
         try:
-            return float(node) if node.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity") else node
+            return float(node)  # also "inf" and "nan": the field's check then says what is wrong
         except ValueError:
             return node
     return node
@@ -216,6 +217,11 @@ def _check_field(f: dataclasses.Field, hint: Any, value: Any, path: str) -> Any:
             if limit is not None and not ok(value, limit):
                 raise ConfigError(f"{path} must be {words}{limit}, got {value!r}")
     return value
+
+
+def check_value(hint: Any, value: Any, path: str) -> Any:
+    """``value`` checked against a type hint (as for a dataclass field); returns it coerced (int 3.0 -> 3)."""
+    return _coerce(hint, value, path)
 
 
 def _coerce(hint: Any, value: Any, path: str) -> Any:

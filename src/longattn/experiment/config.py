@@ -23,12 +23,14 @@ The resolved :class:`RunConfig` is saved as ``config.yaml`` with each run and re
 from __future__ import annotations
 
 import copy
+import inspect
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from longattn import attention as attention_registry
-from longattn.config import ConfigError, config_hash, from_dict, merge, parse_set, read_yaml, to_dict, write_yaml
+from longattn.config import ConfigError, check_value, config_hash, from_dict, merge, parse_set, read_yaml, to_dict, write_yaml
 from longattn.models.registry import MODELS, model_defaults, model_names
 from longattn.registry import nearest
 from longattn.tasks.base import Task, get_task
@@ -177,19 +179,21 @@ def model_options(model_name: str, task_obj: Task) -> dict[str, Any]:
 
 
 def _check_model_keys(config: RunConfig, task_obj: Task) -> None:
+    """Model options must be parameters of the builder, of the builder's annotated types."""
     builder = MODELS.get(config.model_name)
-    import inspect
-
     target = builder.__init__ if isinstance(builder, type) else builder
     params = set(inspect.signature(target).parameters) - {"self"}
+    hints = typing.get_type_hints(target)
     settable = params - _task_supplied(task_obj) - {"attention", "attention_options"}
-    for key in config.model:
+    for key, value in config.model.items():
         if key in ("attention", "attention_options"):
             raise ConfigError(f"model.{key}: choose the attention with `attention:` (--attention) and its "
                               f"options under attention_options.<mechanism>")
         if key not in settable:
             raise ConfigError(f"unknown config key 'model.{key}'{nearest(key, sorted(settable))} for model "
                               f"{config.model_name!r}; valid keys in model: {', '.join(sorted(settable))}")
+        if key in hints:
+            config.model[key] = check_value(hints[key], value, f"model.{key}")
 
 
 def save_config(config: RunConfig, path: str | Path) -> None:

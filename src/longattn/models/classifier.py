@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -95,9 +95,9 @@ def build_classifier(
     heads: int = 2,
     dropout: float = 0.1,
     embedding_dropout: float = 0.1,
-    norm: str = "pre",
-    pooling: str = "mean",
-    head: str = "mlp",
+    norm: Literal["pre", "post"] = "pre",
+    pooling: Literal["mean", "cls", "maxmean"] = "mean",
+    head: Literal["mlp", "singular"] = "mlp",
 ) -> nn.Module:
     """Build the single- or dual-tower LRA model; the keyword names match the config's ``model`` section."""
     encoder = LRAEncoder(
