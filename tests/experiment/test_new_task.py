@@ -44,3 +44,21 @@ def test_unknown_plugin_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setenv("LONGATTN_PLUGINS", "no_such_plugin_module")
     assert main(["train", "--help"]) == 2
     assert "LONGATTN_PLUGINS" in capsys.readouterr().err
+
+
+def test_new_forecaster_needs_no_config_edit(monkeypatch, tmp_path, capsys):
+    from longattn.models.registry import MODELS
+    from test_forecast_csv import write_series
+
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setenv("LONGATTN_PLUGINS", "naive_forecaster")
+    monkeypatch.setattr(MODELS, "_entries", dict(MODELS._entries))
+    monkeypatch.setattr(MODELS, "_metadata", dict(MODELS._metadata))
+    monkeypatch.delitem(sys.modules, "naive_forecaster", raising=False)
+    csv = write_series(tmp_path / "toy.csv")
+    out = tmp_path / "f"
+    assert main(["forecast", "--dataset", str(csv), "--model", "repeat_last", "--pred-len", "4", "--no-plot",
+                 "--set", "data.seq_len=16", "--set", "data.label_len=8", "--set", "train.epochs=1",
+                 "--set", "model.scale=0.5", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == "repeat_last" and results["config"]["model"] == {"scale": 0.5}
