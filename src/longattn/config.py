@@ -34,9 +34,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
-import yaml
-
 from longattn.registry import nearest
+from longattn.utils import optional_import
 
 __all__ = [
     "ConfigError",
@@ -78,6 +77,8 @@ def option(default: Any = dataclasses.MISSING, *, gt: float | None = None, ge: f
 
 def parse_value(text: str) -> Any:
     """A ``--set`` value: YAML (``3``, ``true``, ``[1, 2]``, ``{a: 1}``, ``null``), ``1e-4`` read as a number."""
+    yaml = optional_import("yaml")  # the experiments extra; the library itself needs only torch and numpy
+
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as err:
@@ -119,7 +120,7 @@ def set_path(tree: dict[str, Any], parts: list[str], value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _yaml_problem(err: yaml.YAMLError) -> str:
+def _yaml_problem(err: Exception) -> str:
     mark = getattr(err, "problem_mark", None)
     problem = getattr(err, "problem", None) or str(err).splitlines()[0]
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else str(problem)
@@ -127,6 +128,8 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML mapping from ``path``; a missing file or bad YAML is a one-line :class:`ConfigError`."""
+    yaml = optional_import("yaml")
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist" if not path.exists() else f"{path} is not a file")
@@ -142,6 +145,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def write_yaml(tree: dict[str, Any], path: str | Path) -> None:
+    yaml = optional_import("yaml")
+
     Path(path).write_text(yaml.safe_dump(tree, sort_keys=False))
 
 
