@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError, ModuleNotFoundError) as err:
+    except (ValueError, FileNotFoundError, KeyError, ImportError) as err:
         # User errors (bad config key, missing file, bad option) get one clear line, not a trace.
         print(f"longattn {args.command}: error: {err}", file=sys.stderr)
         return 2
