@@ -11,6 +11,7 @@ from longattn.attention.ponet import (
     ponet_mixing,
     ponet_mixing_reference,
 )
+from longattn.testing import scattered_mask
 
 B, H, DH = 2, 3, 5
 
@@ -19,12 +20,6 @@ def branches(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     names = ("query", "key", "value", "segment", "local", "gate")
     return {k: (torch.randn(B, H, n, DH, generator=g, dtype=torch.float64) * 2).requires_grad_() for k in names}
-
-
-def scattered_mask(n, seed=5):
-    mask = torch.rand(B, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
 
 
 def call(fn, t, mask, segment_ids, kernel_size):
@@ -37,7 +32,7 @@ def call(fn, t, mask, segment_ids, kernel_size):
 @pytest.mark.parametrize("segments", ["fixed", "sentences"])
 def test_fast_path_matches_reference_forward_and_backward(n, kernel_size, segments):
     t = branches(n)
-    mask = scattered_mask(n)
+    mask = scattered_mask(B, n)
     if segments == "fixed":
         ids = fixed_segment_ids(B, n, 4)
     else:  # irregular, non-contiguous, sparse sentence labels, different per row
