@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import DatasetError
+from .common import ARCHIVE_ERRORS, DatasetError, check_tar_complete
 
 BASE_URL_ENV = "LONGATTN_DATA_BASE_URL"
 
@@ -82,6 +82,25 @@ def check_digests(path: str | Path, sha256: str | None = None, md5: str | None =
 def verify(path: str | Path, archive: Archive) -> str:
     """Check a file against the archive's checksums; returns its SHA256."""
     return check_digests(path, archive.sha256, archive.md5)
+
+
+_VERIFIED: dict[tuple[str, int, int], str] = {}
+
+
+def verify_known_archive(path: str | Path, archive: Archive) -> None:
+    """Check a local copy of a known archive (found under its official file name) against the
+    published checksums before it is read; a file is hashed once per process while unchanged."""
+    path = Path(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _VERIFIED:
+        return
+    try:
+        _VERIFIED[key] = verify(path, archive)
+    except DownloadError as error:
+        raise DownloadError(f"{error}: not the official {archive.filename} (damaged or modified); fetch it "
+                            f"again (python -m longattn.data.download {archive.name} DIR) or give a "
+                            "deliberate copy another name") from None
 
 
 def archive_url(archive: Archive, base_url: str | None = None) -> str:
@@ -164,7 +183,8 @@ def _safe_extract(path: Path, dest: Path) -> None:
                     if root not in target.parents and target != root or member.issym() or member.islnk():
                         raise tarfile.TarError(f"unsafe member {member.name!r}")
                 tar.extractall(staging)
-    except (tarfile.TarError, EOFError, OSError) as error:
+            check_tar_complete(tar, path)
+    except (*ARCHIVE_ERRORS, DatasetError) as error:
         shutil.rmtree(staging, ignore_errors=True)
         raise DownloadError(f"{path}: cannot extract ({error})") from error
     for entry in staging.iterdir():
