@@ -139,3 +139,11 @@ def test_skt_with_skeleton_and_smoother():
     out = model(x)
     assert out.shape == (2, 7, 3) and torch.isfinite(out).all()
     out.sum().backward()
+
+
+def test_encoder_forecaster_leaves_out_its_ffn_around_a_gated_attention_unit():
+    torch.manual_seed(0)
+    model = _tiny("encoder", attention="flash", attention_options=dict(chunk_size=8, query_key_dim=8))
+    assert len(model.ffs) == 0 and len(model.ff_norms) == 0 and len(model.attns) == 2
+    out = model(torch.randn(2, 24, 3))
+    assert out.shape == (2, 7, 3) and torch.isfinite(out).all()

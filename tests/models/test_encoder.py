@@ -156,3 +156,21 @@ def test_real_singular_head_plugs_in():
     assert logits.shape == (2, 3)
     shorter = model(tokens[1:, :4], mask[1:, :4])
     torch.testing.assert_close(logits[1:], shorter)
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_a_mechanism_that_replaces_the_ffn_gets_no_ffn(norm):
+    """FLASH's GAU is attention and FFN in one: the block is its single residual sublayer."""
+    torch.manual_seed(0)
+    model = tiny(attention="flash", norm=norm, attention_options=dict(chunk_size=4, query_key_dim=8)).double()
+    softmax_model = tiny(norm=norm)
+    for block in model.encoder.blocks:
+        assert block.ffn is None and block.norm_ffn is None
+    assert not any(isinstance(m, nn.GELU) for m in model.modules())
+    assert any(isinstance(m, nn.GELU) for m in softmax_model.modules())
+    tokens = torch.randint(0, 11, (2, 13))
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[1, 9:] = False
+    logits = model(tokens, mask)
+    assert logits.shape == (2, 3) and torch.isfinite(logits).all()
+    torch.testing.assert_close(model(tokens[1:, :9], mask[1:, :9]), logits[1:])

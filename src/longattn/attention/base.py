@@ -78,6 +78,8 @@ class Capabilities:
         subquadratic: promises no N x N intermediate in forward or backward.
         uses_layer_state: reads/writes ``layer_state`` to talk to neighbouring layers.
         max_seq_len: hard upper bound on N independent of ``max_len`` (None: unbounded).
+        replaces_ffn: the layer is attention and feed-forward network in one (FLASH's GAU);
+            models leave out their own FFN around it.
     """
 
     causal: bool = False
@@ -87,6 +89,7 @@ class Capabilities:
     subquadratic: bool = True
     uses_layer_state: bool = False
     max_seq_len: int | None = None
+    replaces_ffn: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

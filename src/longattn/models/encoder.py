@@ -26,23 +26,28 @@ class FeedForward(nn.Sequential):
 
 
 class EncoderBlock(nn.Module):
-    """One residual block: pre-LN ``x + f(LN(x))`` (default) or post-LN ``LN(x + f(x))``."""
+    """One residual block: pre-LN ``x + f(LN(x))`` (default) or post-LN ``LN(x + f(x))``.
+
+    A mechanism that declares ``replaces_ffn`` (FLASH's GAU) is attention and FFN in one: the
+    block is then its single residual sublayer, without a feed-forward network.
+    """
 
     def __init__(self, attention: nn.Module, dim: int, hidden: int, dropout: float, norm: str) -> None:
         super().__init__()
         self.attention = attention
-        self.ffn = FeedForward(dim, hidden, dropout)
+        has_ffn = not getattr(attention, "capabilities", attention_registry.Capabilities()).replaces_ffn
+        self.ffn = FeedForward(dim, hidden, dropout) if has_ffn else None
         self.norm_attention = nn.LayerNorm(dim)
-        self.norm_ffn = nn.LayerNorm(dim)
+        self.norm_ffn = nn.LayerNorm(dim) if has_ffn else None
         self.dropout = nn.Dropout(dropout)
         self.pre_norm = norm == "pre"
 
     def forward(self, x: Tensor, attention_mask: Tensor, layer_state: dict) -> Tensor:
         if self.pre_norm:
             x = x + self.dropout(self.attention(self.norm_attention(x), attention_mask, layer_state))
-            return x + self.dropout(self.ffn(self.norm_ffn(x)))
+            return x if self.ffn is None else x + self.dropout(self.ffn(self.norm_ffn(x)))
         x = self.norm_attention(x + self.dropout(self.attention(x, attention_mask, layer_state)))
-        return self.norm_ffn(x + self.dropout(self.ffn(x)))
+        return x if self.ffn is None else self.norm_ffn(x + self.dropout(self.ffn(x)))
 
 
 class LRAEncoder(nn.Module):

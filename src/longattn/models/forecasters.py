@@ -215,10 +215,12 @@ class EncoderForecaster(nn.Module):
             attention_registry.build(attention, d_model, heads, max_len=seq_len, **(attention_options or {}))
             for _ in range(layers)
         )
-        self.ff_norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(layers))
+        # a GAU-like mechanism (replaces_ffn) is attention and feed-forward in one: no FFN then
+        ffn_layers = 0 if attention_registry.capabilities(attention).replaces_ffn else layers
+        self.ff_norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(ffn_layers))
         self.ffs = nn.ModuleList(
             nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model))
-            for _ in range(layers)
+            for _ in range(ffn_layers)
         )
         self.dropout = nn.Dropout(dropout)
         self.final_norm = nn.LayerNorm(d_model)
@@ -229,9 +231,10 @@ class EncoderForecaster(nn.Module):
         x, mean, std = window_normalise(x, self.var_offset)
         h = self.embedding(x, marks)
         layer_state: dict = {}
-        for attn_norm, attn, ff_norm, ff in zip(self.attn_norms, self.attns, self.ff_norms, self.ffs):
+        for index, (attn_norm, attn) in enumerate(zip(self.attn_norms, self.attns)):
             h = h + self.dropout(attn(attn_norm(h), layer_state=layer_state))
-            h = h + self.dropout(ff(ff_norm(h)))
+            if self.ffs:
+                h = h + self.dropout(self.ffs[index](self.ff_norms[index](h)))
         y = self.projection(self.final_norm(h))
         y = self.head(y)[:, -self.pred_len :]  # the Fourier head also returns the fitted past
         return y * std + mean
