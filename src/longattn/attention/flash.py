@@ -38,6 +38,7 @@ from longattn.attention.base import (
     Capabilities,
     check_qkv,
     compute_dtype,
+    padding_safe,
     register_attention,
 )
 
@@ -86,6 +87,7 @@ def _relative_bias(position_bias: Tensor, chunk: int, chunk_size: int) -> Tensor
     return position_bias[offsets[None, :] - offsets[:, None] + chunk_size - 1]
 
 
+@padding_safe
 def mixed_chunk_attention(
     query: Tensor,
     key: Tensor,
@@ -150,6 +152,7 @@ def mixed_chunk_attention(
     return (quad + lin).flatten(2, 3)[:, :, :length]
 
 
+@padding_safe
 def mixed_chunk_attention_reference(
     query: Tensor,
     key: Tensor,

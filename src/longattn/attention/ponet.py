@@ -32,6 +32,7 @@ from longattn.attention.base import (
     Capabilities,
     check_qkv,
     compute_dtype,
+    padding_safe,
     merge_heads,
     register_attention,
     split_heads,
@@ -81,6 +82,7 @@ def _real(attention_mask: Tensor | None, like: Tensor) -> Tensor:
     return attention_mask[:, None, :, None]
 
 
+@padding_safe
 def ponet_mixing(
     query: Tensor,
     key: Tensor,
@@ -133,6 +135,7 @@ def ponet_mixing(
     return ((g_prime + seg) * gate + loc).masked_fill(~real, 0.0)
 
 
+@padding_safe
 def ponet_mixing_reference(
     query: Tensor,
     key: Tensor,

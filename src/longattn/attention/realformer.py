@@ -30,6 +30,7 @@ from longattn.attention.base import (
     QKVProjection,
     check_qkv,
     compute_dtype,
+    padding_safe,
     register_attention,
 )
 
@@ -61,6 +62,7 @@ def _zero_padding(t: Tensor, attention_mask: Tensor | None) -> Tensor:
     return t if attention_mask is None else t.masked_fill(~attention_mask[:, None, :, None], 0.0)
 
 
+@padding_safe
 def realformer_attention(
     query: Tensor,
     key: Tensor,
@@ -101,6 +103,7 @@ def realformer_attention(
     return (weights @ value.to(work)).to(value.dtype), scores
 
 
+@padding_safe
 def realformer_attention_reference(
     query: Tensor,
     key: Tensor,
