@@ -116,7 +116,9 @@ def mixed_chunk_attention(
         torch.ones(batch, length, dtype=torch.bool, device=query.device)
         if attention_mask is None else attention_mask
     )
-    value = value.masked_fill(~real[:, None, :, None], 0.0)  # padded tokens contribute nothing
+    padded = ~real[:, None, :, None]  # replaced (not multiplied) by zeros: padding contributes nothing
+    value = value.masked_fill(padded, 0.0)
+    linear_query, linear_key = linear_query.masked_fill(padded, 0.0), linear_key.masked_fill(padded, 0.0)
 
     def chunked(t: Tensor) -> Tensor:  # [B, H, N, w] -> [B, H, G, c, w]
         return F.pad(t, (0, 0, 0, pad)).unflatten(2, (chunks, chunk))
@@ -199,7 +201,8 @@ def mixed_chunk_attention_reference(
         for h_start in seen:
             cols = slice(h_start, min(h_start + chunk, length))
             keep = real[:, :, cols]
-            total = total + (linear_key[:, :, cols] * keep).transpose(-1, -2) @ value[:, :, cols]
+            key_h = torch.where(keep.bool(), linear_key[:, :, cols], 0.0)
+            total = total + key_h.transpose(-1, -2) @ torch.where(keep.bool(), value[:, :, cols], 0.0)
             count = count + keep.sum(2, keepdim=True)
         if scaling == "length":
             total = total / count.clamp_min(1)

@@ -106,6 +106,7 @@ def ponet_mixing(
     batch, heads, length, head_dim = query.shape
     _check_segment_ids(segment_ids, batch, length, query.device)
     real = _real(attention_mask, query)
+    gate = gate.masked_fill(~real, 0.0)  # replaced, not multiplied: whatever padding holds stays out
     # eq. 1: g = mean of H_Q over the real tokens
     count = real.sum(2, keepdim=True).clamp_min(1).to(query.dtype)
     g = query.masked_fill(~real, 0.0).sum(2, keepdim=True) / count  # [B, H, 1, Dh]
