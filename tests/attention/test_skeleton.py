@@ -292,3 +292,79 @@ def test_mu_incoherence_extremes_and_invariances():
         mu_incoherence(x, 17)
     with pytest.raises(ValueError, match="2-D"):
         mu_incoherence(x[None], 4)
+
+
+@pytest.mark.parametrize("length,padded", [(45, True), (64, False), (37, False)])
+def test_fused_smoother_path_is_exact_in_the_full_layer(length, padded, monkeypatch):
+    """The layer with the fused stem against the module-by-module one: float64, every dropout on,
+    several stem tiles, padding holding NaN; output and the gradient of x and of every parameter."""
+    import longattn.attention.smoother as smoother_module
+
+    monkeypatch.setattr(smoother_module, "STEM_TILE", 16)
+    torch.manual_seed(5)
+    options = dict(dim=32, heads=2, max_len=64, dropout=0.2, smoother_dropout=0.3)
+    fused = attention.build("skeleton", **options).double().train()
+    plain = attention.build("skeleton", **options).double().train()
+    plain.load_state_dict(fused.state_dict())
+    plain.smoother.fused = False
+    x = torch.randn(2, length, 32, dtype=torch.float64, requires_grad=True)
+    mask = None
+    if padded:
+        mask = torch.ones(2, length, dtype=torch.bool)
+        mask[1, length - 9:] = False
+        mask[0, 3] = False
+        x.data[~mask] = float("nan")
+    results = []
+    for layer in (fused, plain):
+        torch.manual_seed(11)
+        out = layer(x, mask)
+        g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(2))
+        results.append((out, torch.autograd.grad(out, [x, *layer.parameters()], g)))
+    (out_fused, grads_fused), (out_plain, grads_plain) = results
+    assert torch.isfinite(out_fused).all()
+    torch.testing.assert_close(out_fused, out_plain)
+    for name, a, r in zip(["x"] + [n for n, _ in fused.named_parameters()], grads_fused, grads_plain):
+        torch.testing.assert_close(a, r, msg=lambda m: f"{name}: {m}")
+
+
+def test_reduced_precision_layer_stays_close_to_float32():
+    torch.manual_seed(6)
+    full = attention.build("skeleton", dim=64, heads=2, max_len=512, dropout=0.0, smoother_dropout=0.0).train()
+    reduced = attention.build("skeleton", dim=64, heads=2, max_len=512, dropout=0.0, smoother_dropout=0.0,
+                              precision="bf16").train()
+    reduced.load_state_dict(full.state_dict())
+    x = torch.randn(2, 512, 64, requires_grad=True)
+    out_full, out_reduced = full(x), reduced(x)
+    assert out_reduced.dtype == torch.float32
+    assert 0 < ((out_reduced - out_full).norm() / out_full.norm()) < 2e-2
+    with pytest.raises(AttentionError, match="precision"):
+        attention.build("skeleton", dim=64, heads=2, max_len=8, precision="half")
+
+
+@pytest.mark.parametrize("branches", [{}, {"row_attention": False}, {"column_attention": False}, {"bias": False}])
+def test_module_gradients_match_smoother_projections_and_reference_core(branches):
+    """The module (fused stem, sampled projections with their hand-written backward) against the
+    plain Smoother, full Q/K/V projections and the dense reference core: every gradient, float64."""
+    torch.manual_seed(8)
+    layer = attention.build("skeleton", dim=32, heads=2, max_len=41, dropout=0.0, smoother_dropout=0.0,
+                            **branches).double().train()
+    x = torch.randn(2, 41, 32, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 41) > 0.3
+    out = layer(x, mask)
+    g = torch.randn_like(out)
+    params = [x, *layer.parameters()]
+    fast = torch.autograd.grad(out, params, g)
+    layer.smoother.fused = False
+    q, k, v = layer.proj.qkv(layer.smoother(x, mask))
+    norms = {name: None if getattr(layer, name) is None else (getattr(layer, name).weight, getattr(layer, name).bias)
+             for name in ("row_norm", "column_norm")}
+    core = skeleton_attention_reference(
+        q, k, v, mask, row_indices=layer.row_indices, column_indices=layer.column_indices,
+        column_scale=1 / math.sqrt(41), row_attention=layer.row_attention, column_attention=layer.column_attention,
+        **norms,
+    )
+    expected = layer.proj.out(core) * mask[..., None]
+    torch.testing.assert_close(out, expected)
+    slow = torch.autograd.grad(expected, params, g, allow_unused=True)
+    for name, a, r in zip(["x"] + [n for n, _ in layer.named_parameters()], fast, slow):
+        torch.testing.assert_close(a, torch.zeros_like(a) if r is None else r, msg=lambda m: f"{name}: {m}")

@@ -260,3 +260,64 @@ def test_bfloat16_input_runs_its_fft_in_float32():
     x = torch.randn(2, 21, DIM)
     out = smoother.to(torch.bfloat16)(x.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("fourier", [True, False])
+@pytest.mark.parametrize("kernel_size,n,padded", [(3, 37, True), (5, 29, False), (3, 40, False), (1, 33, True)])
+def test_fused_stem_is_the_module_by_module_stem(monkeypatch, fourier, kernel_size, n, padded):
+    """The fused tile-by-tile stem against the module path, float64, dropout on, several tiles:
+    outputs, every gradient and the running statistics."""
+    import longattn.attention.smoother as smoother_module
+
+    monkeypatch.setattr(smoother_module, "STEM_TILE", 8)  # several tiles, one of them partial
+    torch.manual_seed(3)
+    fused = Smoother(DIM, 41, kernel_size=kernel_size, fourier=fourier, dropout=0.3).double().train()
+    with torch.no_grad():
+        fused.stem_norm.weight.uniform_(0.5, 1.5)
+        fused.stem_norm.bias.uniform_(-0.5, 0.5)
+    plain = smoother_module.Smoother(DIM, 41, kernel_size=kernel_size, fourier=fourier, dropout=0.3).double().train()
+    plain.load_state_dict(fused.state_dict())
+    plain.fused = False
+    x = torch.randn(3, n, DIM, dtype=torch.float64, requires_grad=True)
+    mask = None
+    if padded:
+        mask = torch.rand(3, n) > 0.3
+        mask[0] = True
+        mask[2, : n // 2] = False
+        x.data[~mask] = float("nan")  # padded contents must not leak, NaN included
+    assert fused.uses_fused_stem(x) and not plain.uses_fused_stem(x)
+    outputs, grads = [], []
+    for module in (fused, plain):
+        torch.manual_seed(7)  # the same dropout draws
+        out = module(x, mask)
+        g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+        params = [x] + list(module.parameters())
+        grads.append(torch.autograd.grad(out, params, g))
+        outputs.append(out)
+    torch.testing.assert_close(outputs[0], outputs[1])
+    assert torch.isfinite(outputs[0]).all()
+    for name, a, r in zip(["x"] + [k for k, _ in fused.named_parameters()], *grads):
+        torch.testing.assert_close(a, r, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(fused.stem_norm.running_mean, plain.stem_norm.running_mean)
+    torch.testing.assert_close(fused.stem_norm.running_var, plain.stem_norm.running_var)
+
+
+def test_fused_stem_reduced_precision_stays_close_to_float32():
+    torch.manual_seed(4)
+    full = Smoother(64, 300, dropout=0.0).train()
+    reduced = Smoother(64, 300, dropout=0.0, precision="bf16").train()
+    reduced.load_state_dict(full.state_dict())
+    x = torch.randn(2, 300, 64, requires_grad=True)
+    out_full, out_reduced = full(x), reduced(x)
+    relative = (out_reduced - out_full).norm() / out_full.norm()
+    assert 0 < relative < 2e-2  # bf16 factors: about 3 significant digits
+    g = torch.randn_like(out_full)
+    grad_full, grad_reduced = (torch.autograd.grad(o, [x, m.stem_conv.weight], g)
+                               for o, m in ((out_full, full), (out_reduced, reduced)))
+    for a, r in zip(grad_reduced, grad_full):
+        assert (a - r).norm() / r.norm() < 6e-2  # through the BatchNorm over 2 x 64 values per position
+
+
+def test_precision_must_be_known():
+    with pytest.raises(AttentionError, match="precision"):
+        Smoother(DIM, 10, precision="fp8")

@@ -37,7 +37,7 @@ from longattn.attention.base import (
     register_attention,
     split_heads,
 )
-from longattn.attention.smoother import Smoother
+from longattn.attention.smoother import PRECISIONS, Smoother
 
 __all__ = ["SkeletonAttention", "skeleton_attention", "skeleton_attention_reference", "draw_skeleton_indices"]
 
@@ -177,10 +177,77 @@ def _column_samples(x: Tensor, column_indices: Tensor) -> Tensor:
     return x.transpose(1, 2)[..., column_indices].reshape(batch, length, heads * column_indices.numel())
 
 
-def _project_features(linear: nn.Linear, x: Tensor, features: Tensor) -> Tensor:
-    """The output features ``features`` of ``linear(x)`` alone: [B, N, len(features)]."""
-    bias = None if linear.bias is None else linear.bias[features]
-    return F.linear(x, linear.weight[features], bias)
+class _SampledProjections(torch.autograd.Function):
+    """Q = x W_q^T + b_q, the sampled feature columns of K and V (x W_k[P2]^T + b_k[P2], the
+    same for V) and the sampled token rows x[P1], with one hand-written backward: the three
+    input-gradient GEMMs accumulate in place into one buffer and the rows' gradient is added
+    there by index (autograd would allocate a full-size gradient per use of x and sum them).
+    Outputs for a disabled branch are None. With ``gemm_dtype`` the GEMMs take factors of that
+    dtype (float32 accumulation), biases and outputs stay in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight_q, bias_q, weight_k, bias_k, weight_v, bias_v, features, rows, gemm_dtype):  # type: ignore[override]
+        gemm_dtype = gemm_dtype or x.dtype
+        gemm_x = x.to(gemm_dtype)
+        weights = [weight_q] + ([weight_k[features], weight_v[features]] if features is not None else [])
+        biases = [bias_q] + ([None if b is None else b[features] for b in (bias_k, bias_v)] if features is not None else [])
+        outputs = []
+        for weight, bias in zip(weights, biases):
+            out = F.linear(gemm_x, weight.to(gemm_dtype)).to(x.dtype)
+            outputs.append(out if bias is None else out.add_(bias))
+        ctx.save_for_backward(x, *weights, *(() if features is None else (features,)), *(() if rows is None else (rows,)))
+        ctx.config = (features is not None, rows is not None, bias_q is not None, gemm_dtype)
+        query, column_keys, column_values = outputs + [None] * (3 - len(outputs))
+        sampled = None if rows is None else x[:, rows]
+        return query, column_keys, column_values, sampled
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_q, grad_k, grad_v, grad_sampled):  # type: ignore[override]
+        has_columns, has_rows, has_bias, gemm_dtype = ctx.config
+        x, weight_q, *rest = ctx.saved_tensors
+        weight_k, weight_v, features = rest[:3] if has_columns else (None, None, None)
+        rows = rest[-1] if has_rows else None
+        dim = x.shape[-1]
+        pairs = [(grad_q, weight_q)] + ([(grad_k, weight_k), (grad_v, weight_v)] if has_columns else [])
+        gemm_x = x.to(gemm_dtype).reshape(-1, dim)
+        grad_x = torch.zeros_like(x) if grad_q is None else None
+        weight_grads, bias_grads = [], []
+        for grad, weight in pairs:
+            if grad is None:
+                weight_grads.append(torch.zeros_like(weight))
+                bias_grads.append(weight.new_zeros(weight.shape[0]))
+                continue
+            gemm_grad = grad.to(gemm_dtype)
+            part = (gemm_grad @ weight.to(gemm_dtype)).to(x.dtype)
+            grad_x = part if grad_x is None else grad_x.add_(part)
+            weight_grads.append((gemm_grad.reshape(-1, grad.shape[-1]).t() @ gemm_x).to(x.dtype))
+            bias_grads.append(grad.sum((0, 1)))
+        if grad_sampled is not None:
+            grad_x.index_add_(1, rows, grad_sampled)
+
+        def full(rows_grad: Tensor | None) -> Tensor | None:  # gradient of W_k / b_k from that of their rows
+            if rows_grad is None:
+                return None
+            return rows_grad.new_zeros((dim,) + rows_grad.shape[1:]).index_add_(0, features, rows_grad)
+
+        grad_k_weight = grad_k_bias = grad_v_weight = grad_v_bias = None
+        if has_columns:
+            grad_k_weight, grad_v_weight = full(weight_grads[1]), full(weight_grads[2])
+            if has_bias:
+                grad_k_bias, grad_v_bias = full(bias_grads[1]), full(bias_grads[2])
+        grad_q_bias = bias_grads[0] if has_bias else None
+        return (grad_x, weight_grads[0], grad_q_bias, grad_k_weight, grad_k_bias, grad_v_weight, grad_v_bias,
+                None, None, None)
+
+
+def _linear(linear: nn.Linear, x: Tensor, gemm_dtype: torch.dtype | None) -> Tensor:
+    """``linear(x)``; with ``gemm_dtype`` the product takes factors of that dtype (the GEMM
+    accumulates in float32) and the bias is added in x's dtype."""
+    if gemm_dtype is None or gemm_dtype == x.dtype:
+        return linear(x)
+    out = F.linear(x.to(gemm_dtype), linear.weight.to(gemm_dtype)).to(x.dtype)
+    return out if linear.bias is None else out + linear.bias
 
 
 def _skeleton_from_samples(
@@ -218,16 +285,22 @@ def _skeleton_from_samples(
             sample_valid = valid[:, None, :, None].to(row_keys.dtype)
             row_keys, row_values = row_keys * sample_valid, row_values * sample_valid
         scale = 1.0 / math.sqrt(head_dim) if row_scale is None else row_scale
-        # Q (P1 K)^T / sqrt(Dh) for every head at once: [B, N, H*s1] -> [B, N, H, s1]
-        scores = (merged_query @ _block_diagonal((row_keys * scale).transpose(-1, -2))).view(batch, length, heads, s1)
-        if mask_padded_samples:
+        # (Q (P1 K)^T / sqrt(Dh))^T for every head at once, sample-major [B, H*s1, N] -> [B, H, s1, N]:
+        # the softmax over the s1 samples then runs along a long contiguous axis (over a
+        # last axis of length s1 it is an order of magnitude slower on CPU)
+        scores = (_block_diagonal(row_keys * scale) @ merged_query.transpose(1, 2)).view(batch, heads, s1, length)
+        if mask_padded_samples and not bool(valid.all()):
             # a finite fill keeps all-padded rows NaN-free (uniform, then zeroed below)
-            scores = scores.masked_fill(~valid[:, None, None, :], torch.finfo(scores.dtype).min)
-            weights = torch.softmax(scores, dim=-1) * valid[:, None, None, :].to(scores.dtype)
+            scores = scores.masked_fill(~valid[:, None, :, None], torch.finfo(scores.dtype).min)
+            weights = torch.softmax(scores, dim=2) * valid[:, None, :, None].to(scores.dtype)
         else:
-            weights = torch.softmax(scores, dim=-1)
-        weights = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-        row_out = weights.view(batch, length, heads * s1) @ _block_diagonal(row_values)  # [B, N, H*Dh]
+            weights = torch.softmax(scores, dim=2)
+        if dropout_p > 0:
+            # the draws F.dropout makes on the token-major [B, N, H, s1] layout, applied here
+            noise = weights.new_empty(batch, length, heads, s1).bernoulli_(1 - dropout_p).div_(1 - dropout_p)
+            weights = weights * noise.permute(0, 2, 3, 1)
+        # V_1 = weights P1 V: [B, N, H*s1] (a transposed view) @ [B, H*s1, H*Dh] -> [B, N, H*Dh]
+        row_out = weights.view(batch, heads * s1, length).transpose(1, 2) @ _block_diagonal(row_values)
         out = _half_layer_norm(row_out, row_norm, norm_eps)
 
     if column_keys is not None:
@@ -338,6 +411,10 @@ class SkeletonAttention(AttentionBase):
         row_attention, column_attention, fourier_conv, conv_stem: Table 6 ablation switches.
         smoother: put the Smoother in front (default); ``smoother_*`` are its options.
         bias: bias of the Q/K/V/output projections.
+        precision: "full" (default) or "bf16": opt-in reduced precision for float32 inputs, the
+            Q/K/V/output projections and the Smoother's stem GEMMs with bfloat16 factors and
+            float32 accumulation; FFT, normalisations, softmaxes and outputs stay float32
+            (error against float32 in docs/performance.md).
     """
 
     def __init__(
@@ -366,6 +443,7 @@ class SkeletonAttention(AttentionBase):
         smoother_fft_norm: str = "backward",
         smoother_batchnorm_over: str = "positions",
         bias: bool = True,
+        precision: str = "full",
     ) -> None:
         super().__init__(dim, heads, max_len, causal)
         if max_len is None:
@@ -393,6 +471,9 @@ class SkeletonAttention(AttentionBase):
         self.mask_padded_samples = mask_padded_samples
         self.row_attention = row_attention
         self.column_attention = column_attention
+        if precision not in PRECISIONS:
+            raise AttentionError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.precision = precision
         # with both smoother parts ablated the Smoother is the identity: leave it out
         self.smoother = (
             Smoother(
@@ -407,6 +488,7 @@ class SkeletonAttention(AttentionBase):
                 dropout=smoother_dropout,
                 fft_norm=smoother_fft_norm,
                 batchnorm_over=smoother_batchnorm_over,
+                precision=precision,
             )
             if smoother and (fourier_conv or conv_stem)
             else None
@@ -427,23 +509,28 @@ class SkeletonAttention(AttentionBase):
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         if self.training and self.resample_each_step:
             self.resample()
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # every token real: the same numbers without any mask pass
         if self.smoother is not None:
             x = self.smoother(x, attention_mask)
         proj, length = self.proj, x.shape[1]
-        query = proj.to_q(x)  # [B, N, H*Dh]
+        gemm_dtype = torch.bfloat16 if self.precision == "bf16" and x.dtype == torch.float32 else None
         # The branches read K and V only at the s1 sampled tokens and at the s2 sampled feature
         # columns of each head, so only those entries are projected (the same numbers as
         # projecting everything and then sampling, at a fraction of the cost).
-        row_keys = row_values = column_keys = column_values = None
-        if self.row_attention:
-            sampled_tokens = x[:, self.row_indices.clamp(max=length - 1)]  # [B, s1, dim]
-            row_keys = split_heads(proj.to_k(sampled_tokens), self.heads)  # [B, H, s1, Dh]
-            row_values = split_heads(proj.to_v(sampled_tokens), self.heads)
+        rows = self.row_indices.clamp(max=length - 1) if self.row_attention else None
+        features = None
         if self.column_attention:
             head_offsets = torch.arange(self.heads, device=x.device)[:, None] * self.head_dim
             features = (head_offsets + self.column_indices).flatten()  # h*Dh + the P2 columns
-            column_keys = _project_features(proj.to_k, x, features)  # [B, N, H*s2]
-            column_values = _project_features(proj.to_v, x, features)
+        query, column_keys, column_values, sampled_tokens = _SampledProjections.apply(
+            x, proj.to_q.weight, proj.to_q.bias, proj.to_k.weight, proj.to_k.bias, proj.to_v.weight,
+            proj.to_v.bias, features, rows, gemm_dtype,
+        )  # [B, N, H*Dh], [B, N, H*s2] twice, [B, s1, dim]
+        row_keys = row_values = None
+        if self.row_attention:
+            row_keys = split_heads(proj.to_k(sampled_tokens), self.heads)  # [B, H, s1, Dh]
+            row_values = split_heads(proj.to_v(sampled_tokens), self.heads)
         if self.column_scale == "max_len":
             column_scale: float | Tensor = 1.0 / math.sqrt(self.max_len)
         elif self.column_scale == "valid":
@@ -466,7 +553,7 @@ class SkeletonAttention(AttentionBase):
             row_norm=None if self.row_norm is None else (self.row_norm.weight, self.row_norm.bias),
             column_norm=None if self.column_norm is None else (self.column_norm.weight, self.column_norm.bias),
         )
-        return proj.to_out(out)
+        return _linear(proj.to_out, out, gemm_dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -34,6 +34,7 @@ __all__ = ["Smoother", "MaskedBatchNorm"]
 _ACTIVATIONS = {"relu": F.relu, "elu": F.elu, "gelu": F.gelu}
 _FFT_NORMS = ("backward", "ortho", "forward")
 _BATCHNORM_AXES = ("positions", "features")
+PRECISIONS = ("full", "bf16")
 
 
 class _MaskedBatchNormTrain(torch.autograd.Function):
@@ -75,6 +76,163 @@ class _MaskedBatchNormTrain(torch.autograd.Function):
             correction = torch.addcmul(a.view(channel_shape), centred, b.view(channel_shape)) * weights
             grad_h = torch.addcmul(correction, grad, scale.view(channel_shape))
         return grad_h, None, None, grad_weight, grad_bias, None, None, None
+
+
+# Positions per tile of the fused stem: temporaries are [B, tile, dim] (a few MiB), so long
+# sequences never allocate whole-sequence scratch buffers beyond the ones saved for backward.
+STEM_TILE = 4096
+
+
+class _FusedReluStem(torch.autograd.Function):
+    """Convolution stem -> masked BatchNorm over positions (training) -> ReLU -> dropout ->
+    zero padding, tile by tile along the sequence, with a hand-written backward.
+
+    The same numbers as ``stem_conv`` -> ``MaskedBatchNorm`` -> ReLU -> ``_dropout_and_zero_padding``
+    (tested in float64, forward and every gradient): the Conv1d is k token-major GEMMs per input
+    (tap j adds ``input[n + j - k//2] @ W_j^T`` to output row n), so neither the concatenated
+    channel-first input nor a channel-first output or gradient is ever formed; the BatchNorm
+    statistics of a position only involve that position, so every step is local to a tile. Saved
+    for backward: the inputs (held by the caller anyway), the centred conv output and one bool
+    mask [B, N, dim] for ReLU, dropout and padding together.
+    """
+
+    @staticmethod
+    def forward(ctx, smoothed, x, conv_weight, conv_bias, bn_weight, bn_bias, valid, dropout_keep, dropout_p,
+                eps, gemm_dtype):  # type: ignore[override]
+        inputs = [t for t in (smoothed, x) if t is not None]
+        batch, length, dim = x.shape
+        taps = _stem_taps(conv_weight, len(inputs), gemm_dtype)  # [k][input] -> W^T [dim_in, dim]
+        gemm_inputs = [t.to(gemm_dtype) for t in inputs]
+        centred = torch.empty_like(x)
+        passes = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        out = torch.empty_like(x)
+        mean, var, rstd, count = (x.new_empty(length) for _ in range(4))
+        for start in range(0, length, STEM_TILE):
+            stop = min(start + STEM_TILE, length)
+            h = _stem_conv_tile(gemm_inputs, taps, conv_bias, start, stop, x.dtype)  # [B, T, dim]
+            w = None if valid is None else valid[:, start:stop, None].to(x.dtype)
+            if w is None:
+                count[start:stop] = batch * dim
+                tile_mean = h.sum((0, 2)) / count[start:stop]
+            else:
+                count[start:stop] = (w.sum((0, 2)) * dim).clamp_min(1)
+                tile_mean = (h * w).sum((0, 2)) / count[start:stop]
+            tile_centred = torch.sub(h, tile_mean[None, :, None], out=centred[:, start:stop])
+            squares = tile_centred.square() if w is None else tile_centred.square() * w
+            tile_var = squares.sum((0, 2)) / count[start:stop]
+            tile_rstd = torch.rsqrt(tile_var + eps)
+            mean[start:stop], var[start:stop], rstd[start:stop] = tile_mean, tile_var, tile_rstd
+            scale = (bn_weight[start:stop] * tile_rstd)[None, :, None]
+            y = torch.addcmul(bn_bias[start:stop, None], tile_centred, scale)
+            tile_passes = torch.gt(y, 0, out=passes[:, start:stop])
+            if dropout_keep is not None:
+                tile_passes &= dropout_keep[:, start:stop]
+            if valid is not None:
+                tile_passes &= valid[:, start:stop, None]
+            factor = 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0
+            torch.mul(y.masked_fill_(~tile_passes, 0), factor, out=out[:, start:stop])
+        ctx.save_for_backward(*inputs, conv_weight, bn_weight, centred, passes, rstd, count,
+                              *(() if valid is None else (valid,)))
+        ctx.config = (len(inputs), valid is not None, 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0,
+                      gemm_dtype)
+        ctx.mark_non_differentiable(mean, var)
+        return out, mean, var
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_mean, _grad_var):  # type: ignore[override]
+        n_inputs, masked, factor, gemm_dtype = ctx.config
+        saved = ctx.saved_tensors
+        inputs, (conv_weight, bn_weight, centred, passes, rstd, count) = saved[:n_inputs], saved[n_inputs:n_inputs + 6]
+        valid = saved[-1] if masked else None
+        length = centred.shape[1]
+        taps = _stem_taps(conv_weight, n_inputs, gemm_dtype, transpose=False)  # [k][input] -> W [dim, dim_in]
+        gemm_inputs = [t.to(gemm_dtype) for t in inputs]
+        grad_inputs = [torch.zeros(t.shape, dtype=torch.float32 if gemm_dtype != t.dtype else t.dtype,
+                                   device=t.device) for t in inputs]
+        grad_taps = [[torch.zeros(w.shape[::-1], dtype=grad_inputs[0].dtype, device=w.device) for w in row]
+                     for row in taps]  # dW_j^T accumulators
+        grad_conv_bias = centred.new_zeros(centred.shape[-1])
+        grad_bn_weight, grad_bn_bias = centred.new_empty(length), centred.new_empty(length)
+        for start in range(0, length, STEM_TILE):
+            stop = min(start + STEM_TILE, length)
+            tile_centred, tile_rstd, tile_count = centred[:, start:stop], rstd[start:stop], count[start:stop]
+            grad_y = grad_out[:, start:stop].masked_fill(~passes[:, start:stop], 0)
+            if factor != 1.0:
+                grad_y *= factor
+            # masked BatchNorm backward (see _MaskedBatchNormTrain)
+            sum_grad = grad_y.sum((0, 2))
+            sum_grad_centred = (grad_y * tile_centred).sum((0, 2))
+            grad_bn_bias[start:stop] = sum_grad
+            grad_bn_weight[start:stop] = sum_grad_centred * tile_rstd
+            scale = bn_weight[start:stop] * tile_rstd
+            a = -scale * sum_grad / tile_count
+            b = -scale * tile_rstd.square() * sum_grad_centred / tile_count
+            correction = torch.addcmul(a[None, :, None], tile_centred, b[None, :, None])
+            if valid is not None:
+                correction *= valid[:, start:stop, None]
+            grad_h = torch.addcmul(correction, grad_y, scale[None, :, None])
+            grad_conv_bias += grad_h.sum((0, 1))
+            _stem_conv_tile_backward(grad_h.to(gemm_dtype), gemm_inputs, taps, grad_inputs, grad_taps, start, stop)
+        grad_conv_weight = torch.stack([torch.cat([g.t() for g in row], dim=1) for row in grad_taps], dim=-1)
+        grads = [g.to(t.dtype) for g, t in zip(grad_inputs, inputs)]
+        grad_smoothed, grad_x = (None, grads[0]) if n_inputs == 1 else grads
+        return (grad_smoothed, grad_x, grad_conv_weight.to(conv_weight.dtype), grad_conv_bias, grad_bn_weight,
+                grad_bn_bias, None, None, None, None, None)
+
+
+def _stem_taps(conv_weight: Tensor, n_inputs: int, dtype: torch.dtype, transpose: bool = True) -> list[list[Tensor]]:
+    """Conv1d weight [dim, n_inputs * dim_in, k] -> per tap, per input, W^T [dim_in, dim] (or W)."""
+    per_input = conv_weight.to(dtype).chunk(n_inputs, dim=1)
+    return [[(w[:, :, j].t() if transpose else w[:, :, j]).contiguous() for w in per_input]
+            for j in range(conv_weight.shape[-1])]
+
+
+def _tap_rows(offset: int, start: int, stop: int, length: int) -> tuple[int, int]:
+    """Output rows [lo, hi) of the tile whose tap input row n + offset lies inside the sequence."""
+    return max(start, -offset), min(stop, length - offset)
+
+
+def _stem_conv_tile(inputs: list[Tensor], taps: list[list[Tensor]], bias: Tensor, start: int, stop: int,
+                    dtype: torch.dtype) -> Tensor:
+    """Conv1d output rows [start, stop) token-major, [B, T, dim], accumulated in ``dtype``."""
+    batch, length, _ = inputs[0].shape
+    half = len(taps) // 2
+    h = bias.to(dtype).expand(batch, stop - start, bias.shape[0]).contiguous()
+    for j, row in enumerate(taps):
+        lo, hi = _tap_rows(j - half, start, stop, length)
+        if lo >= hi:
+            continue
+        for source, weight_t in zip(inputs, row):
+            for b in range(batch):
+                _add_product(h[b, lo - start:hi - start], source[b, lo + j - half:hi + j - half], weight_t)
+    return h
+
+
+def _stem_conv_tile_backward(grad_h: Tensor, inputs: list[Tensor], taps: list[list[Tensor]],
+                             grad_inputs: list[Tensor], grad_taps: list[list[Tensor]], start: int, stop: int) -> None:
+    """Accumulate the input and weight gradients of the conv rows [start, stop) (token-major GEMMs)."""
+    batch, length, _ = inputs[0].shape
+    half = len(taps) // 2
+    for j, row in enumerate(taps):
+        lo, hi = _tap_rows(j - half, start, stop, length)
+        if lo >= hi:
+            continue
+        for source, weight, grad_source, grad_weight_t in zip(inputs, row, grad_inputs, grad_taps[j]):
+            for b in range(batch):
+                g = grad_h[b, lo - start:hi - start]
+                rows = slice(lo + j - half, hi + j - half)
+                _add_product(grad_source[b, rows], g, weight)
+                _add_product(grad_weight_t, source[b, rows].t(), g)
+
+
+def _add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out += a @ b in place; with reduced-precision factors the product (accumulated in float32
+    by the GEMM) is rounded once to their dtype and added in ``out``'s precision."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    else:
+        out += a @ b
 
 
 class MaskedBatchNorm(nn.Module):
@@ -122,18 +280,23 @@ class MaskedBatchNorm(nn.Module):
                 h.to(stats_dtype), valid.unsqueeze(-1).to(stats_dtype), safe_count, weight.to(stats_dtype),
                 bias.to(stats_dtype), reduce_dims, channel_shape, self.eps,
             )
-            out = out.to(h.dtype)
-            with torch.no_grad():
-                seen = count > 0
-                unbiased = var * safe_count / (safe_count - 1).clamp_min(1)
-                new_mean = torch.lerp(running_mean, mean.to(running_mean.dtype), self.momentum)
-                new_var = torch.lerp(running_var, unbiased.to(running_var.dtype), self.momentum)
-                running_mean.copy_(torch.where(seen, new_mean, running_mean))
-                running_var.copy_(torch.where(seen, new_var, running_var))
-            return out
+            self.update_running_statistics(mean, var, count, running_mean, running_var)
+            return out.to(h.dtype)
         mean, var = running_mean.to(h.dtype), running_var.to(h.dtype)
         scale = weight.to(h.dtype) * torch.rsqrt(var + self.eps)
         return (h - mean.view(channel_shape)) * scale.view(channel_shape) + bias.to(h.dtype).view(channel_shape)
+
+    @torch.no_grad()
+    def update_running_statistics(self, mean: Tensor, var: Tensor, count: Tensor, running_mean: Tensor,
+                                  running_var: Tensor) -> None:
+        """Momentum update with the unbiased variance; channels with no real token (count 0) keep theirs."""
+        safe_count = count.clamp_min(1).to(var.dtype)
+        unbiased = var * safe_count / (safe_count - 1).clamp_min(1)
+        new_mean = torch.lerp(running_mean, mean.to(running_mean.dtype), self.momentum)
+        new_var = torch.lerp(running_var, unbiased.to(running_var.dtype), self.momentum)
+        seen = count > 0
+        running_mean.copy_(torch.where(seen, new_mean, running_mean))
+        running_var.copy_(torch.where(seen, new_var, running_var))
 
     def extra_repr(self) -> str:
         return f"channels={self.weight.numel()}, over={self.over!r}, eps={self.eps}, momentum={self.momentum}"
@@ -160,6 +323,8 @@ class Smoother(nn.Module):
             option exists for fidelity with the authors' time-series code.
         batchnorm_over: "positions" (authors' code: BatchNorm1d(max_len) over [B, N, dim]) or
             "features" (the usual BatchNorm over feature channels).
+        precision: "full" (GEMMs in the input's dtype) or "bf16" (the fused stem's GEMMs take
+            bfloat16 factors, accumulate in float32; statistics, FFT and outputs stay float32).
     """
 
     def __init__(
@@ -175,8 +340,11 @@ class Smoother(nn.Module):
         dropout: float = 0.5,
         fft_norm: str = "backward",
         batchnorm_over: str = "positions",
+        precision: str = "full",
     ) -> None:
         super().__init__()
+        if precision not in PRECISIONS:
+            raise AttentionError(f"Smoother precision must be one of {PRECISIONS}, got {precision!r}")
         if not isinstance(dim, int) or dim <= 0:
             raise AttentionError(f"Smoother dim must be a positive int, got {dim!r}")
         if not isinstance(max_len, int) or max_len <= 0:
@@ -205,6 +373,9 @@ class Smoother(nn.Module):
         self.fourier = fourier
         self.conv_stem = conv_stem
         self.fft_norm = fft_norm
+        self.precision = precision
+        # the fused stem in training (see uses_fused_stem); tests switch it off to compare
+        self.fused = True
         if fourier:
             # L of eq. (5) stored as (real, imag) pairs; Kaiming-normal with fan_in = 2 * dim as in
             # the paper's Algorithm 2, i.e. std 1/sqrt(dim) per component.
@@ -271,24 +442,58 @@ class Smoother(nn.Module):
     # ------------------------------------------------------------------------------ forward
     def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """[B, N, dim] -> [B, N, dim] for any N <= max_len; zeros at padded positions."""
-        valid = self._valid(x, attention_mask)
-        keep = valid.unsqueeze(-1)
-        x = x * keep  # padded contents never enter the FFT or the stem
+        self._valid(x, attention_mask)
+        # None when every token is real: then no mask is applied anywhere (multiplying by 1 is a no-op)
+        real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
+        if real is not None:  # padded contents (even NaN) never enter the FFT or the stem
+            x = x.masked_fill(~real[..., None], 0)
+        smoothed = None
         if self.fourier:
             # zero X^smooth at padded positions too: the stem's kernel must not read the
             # convolution's spill-over into padding (keeps N < max_len == padded to max_len)
-            smoothed = self._fourier_smooth(x) * keep
-            if not self.conv_stem:
-                return self._dropout_and_zero_padding(smoothed, keep)
+            smoothed = self._fourier_smooth(x)
+            if real is not None:
+                smoothed = smoothed.masked_fill(~real[..., None], 0)
+        if self.uses_fused_stem(x):
+            return self._fused_stem(smoothed, x, real)
+        keep = x.new_ones(x.shape[:2]) if real is None else real.to(x.dtype)
+        if smoothed is not None and not self.conv_stem:
+            return self._dropout_and_zero_padding(smoothed, keep.unsqueeze(-1))
+        return self._stem(smoothed, x, keep)
+
+    def uses_fused_stem(self, x: Tensor) -> bool:
+        """Training with the paper's stem (ReLU, BatchNorm over positions) in float32/float64
+        runs through ``_FusedReluStem``; everything else through the module-by-module path."""
+        return (self.fused and self.training and self.conv_stem and self.activation == "relu"
+                and self.stem_norm.over == "positions" and x.dtype in (torch.float32, torch.float64))
+
+    def _stem(self, smoothed: Tensor | None, x: Tensor, keep: Tensor) -> Tensor:
+        """The stem module by module (the reference of the fused path): Conv1d, MaskedBatchNorm,
+        activation, dropout and zero padding."""
+        if smoothed is not None:
             # concatenated straight into Conv1d's channel-first layout [B, 2 dim, N]: one pass,
             # and the convolution (forward and backward) needs no contiguous copy of its input
             stem_in = torch.cat((smoothed.transpose(1, 2), x.transpose(1, 2)), dim=1)
         else:
             stem_in = x.transpose(1, 2).contiguous()
         h = self.stem_conv(stem_in).transpose(1, 2)  # [B, N, dim] view of a [B, dim, N] tensor
-        h = self.stem_norm(h, valid)
+        h = self.stem_norm(h, keep)
         h = _ACTIVATIONS[self.activation](h)
-        return self._dropout_and_zero_padding(h, keep)
+        return self._dropout_and_zero_padding(h, keep.unsqueeze(-1))
+
+    def _fused_stem(self, smoothed: Tensor | None, x: Tensor, real: Tensor | None) -> Tensor:
+        p = self.dropout.p
+        # the same draws as _dropout_and_zero_padding, kept as one bool per entry
+        keep = torch.rand(x.shape, device=x.device) >= p if p > 0 else None
+        norm, n = self.stem_norm, x.shape[1]
+        gemm_dtype = torch.bfloat16 if self.precision == "bf16" else x.dtype
+        out, mean, var = _FusedReluStem.apply(
+            smoothed, x, self.stem_conv.weight, self.stem_conv.bias, norm.weight[:n], norm.bias[:n], real, keep, p,
+            norm.eps, gemm_dtype,
+        )
+        count = x.new_full((n,), x.shape[0] * self.dim) if real is None else real.sum(0).to(x.dtype) * self.dim
+        norm.update_running_statistics(mean, var, count, norm.running_mean[:n], norm.running_var[:n])
+        return out
 
     def _dropout_and_zero_padding(self, h: Tensor, keep: Tensor) -> Tensor:
         """dropout(h) * keep as one multiplication, written token-major contiguous [B, N, dim]
