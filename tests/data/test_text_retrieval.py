@@ -68,7 +68,7 @@ def test_text_errors(tmp_path):
     with pytest.raises(DatasetError, match="aclImdb_v1.tar.gz"):
         build_dataset("text", "train", data_dir=str(tmp_path), check_counts=False)
     (tmp_path / "aclImdb_fixture.tar.gz").write_bytes(b"not a tar")
-    with pytest.raises(DatasetError, match="not a readable tar"):
+    with pytest.raises(DatasetError, match="not a readable archive"):
         build_dataset("text", "train", data_dir=str(tmp_path), check_counts=False)
     _write_tar(tmp_path / "aclImdb_fixture.tar.gz", {"train/pos/0_9.txt": "only positive"})
     with pytest.raises(DatasetError, match="one class"):
