@@ -66,6 +66,27 @@ def test_non_finite_loss_stops_with_the_last_checkpoint_intact(tmp_path):
     assert resumed["test"] == full["test"] and resumed["steps"] == 12
 
 
+def test_overflowing_weights_are_never_checkpointed(tmp_path):
+    def overflow_at_step_3(trainer, step):
+        if step == 3:  # the update of step 4 overflows, as a huge learning rate would; its loss is finite
+            update = trainer.optimizer.step
+
+            def overflowing_update(*args, **kwargs):
+                result = update(*args, **kwargs)
+                with torch.no_grad():
+                    next(trainer.model.parameters()).fill_(float("inf"))
+                return result
+
+            trainer.optimizer.step = overflowing_update
+
+    config = tiny_config(*STOCHASTIC)
+    with pytest.raises(TrainingError, match=r"non-finite weights \(.*\) after step 4; not saved, the last "
+                                            r"checkpoint \(step 2\) is intact"):
+        run_lra(config, tmp_path, data_api=API, on_step_end=overflow_at_step_3)
+    state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert state["progress"]["step"] == 2 and all(torch.isfinite(t).all() for t in state["model"].values())
+
+
 def test_second_run_into_the_same_folder_is_refused(tmp_path):
     config = tiny_config("train.max_steps=2", "train.eval_every=2")
 

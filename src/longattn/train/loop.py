@@ -28,7 +28,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from tqdm.auto import tqdm
 
 from longattn.attention import collect_aux_losses
 from longattn.train.checkpoint import (
@@ -48,7 +47,7 @@ from longattn.train.distributed import (
     resolve_device,
     timeout_seconds,
 )
-from longattn.utils import dumps_strict, rng_state, seed_everything, set_rng_state
+from longattn.utils import dumps_strict, optional_import, rng_state, seed_everything, set_rng_state
 
 
 class TrainingError(ValueError):
@@ -251,7 +250,7 @@ def evaluate(
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers,
                         generator=torch.Generator().manual_seed(0))
     predictions, targets, loss_sum = [], [], 0.0
-    for batch in tqdm(loader, desc=split, leave=False, disable=not progress):
+    for batch in optional_import("tqdm.auto").tqdm(loader, desc=split, leave=False, disable=not progress):
         batch = to_device(batch, device)
         with _autocast(device, precision):
             out = step_fn(model, batch)
@@ -474,6 +473,16 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
+        # A finite loss can still come with an update that overflowed the weights (a huge learning
+        # rate): never let such weights replace the last good checkpoint. DDP replicas are equal,
+        # so every rank decides alike.
+        broken = [name for name, t in self.model.state_dict().items()
+                  if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if broken:
+            kept = (f"the last checkpoint (step {self._saved_step}) is intact" if self._saved_step is not None
+                    else "no checkpoint was written")
+            raise TrainingError(f"non-finite weights ({', '.join(broken[:3])}) after step {self.progress.step}; "
+                                f"not saved, {kept}. Lower the learning rate or set gradient clipping")
         rng_states = all_gather_objects(rng_state(), self.dist)
         if self.dist.is_main:
             save_atomic(self._state(rng_states), self.checkpoint_dir / "last.pt", keep_previous=True)
@@ -565,7 +574,7 @@ class Trainer:
         s, p = self.settings, self.progress
         self.model.train()
         stream = self._train_batches()
-        bar = tqdm(total=s.max_steps, initial=p.step, desc="train", disable=not self._show_progress())
+        bar = optional_import("tqdm.auto").tqdm(total=s.max_steps, initial=p.step, desc="train", disable=not self._show_progress())
         while p.step < s.max_steps and not p.stopped_early:
             started = time.perf_counter()
             loss_value, aux_value = self._optimizer_step(stream)
