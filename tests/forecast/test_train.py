@@ -19,6 +19,7 @@ from longattn.forecast.table import format_table
 from longattn.tasks.base import get_task
 from longattn.tasks.forecasting import evaluate_forecaster
 from longattn.models.forecasters import build_forecaster
+from longattn.train.checkpoint import load_checkpoint
 from longattn.utils import seed_everything
 
 
@@ -100,7 +101,7 @@ def test_early_stopping_and_best_checkpoint(series, tmp_path):
     summary, model = _run(_config(series, "dlinear", "train.epochs=10", "train.batch_size=16", "optim.lr=1e-30",
                                   "train.patience=2"), tmp_path / "r")
     assert summary["epochs_run"] == 3 and summary["best_epoch"] == 0
-    best = torch.load(tmp_path / "r" / "checkpoints" / "best.pt")["model"]
+    best = load_checkpoint(tmp_path / "r" / "checkpoints" / "best.pt")["model"]
     assert all(torch.equal(best[k], v) for k, v in model.state_dict().items())
 
 
@@ -152,8 +153,8 @@ def test_interrupted_and_resumed_run_gives_identical_metrics(series, tmp_path):
         with pytest.raises(Interrupt):
             _run(config, tmp_path / name, on_step_end=_interrupt_at(cut))
         if extra:
-            saved = torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=False)["progress"]
-            assert saved.batches_in_epoch > 0 and saved.epoch == 1  # really mid-epoch
+            saved = load_checkpoint(tmp_path / name / "checkpoints" / "last.pt")["progress"]
+            assert saved["batches_in_epoch"] > 0 and saved["epoch"] == 1  # really mid-epoch
         torch.manual_seed(12345)  # a crash and restart leaves the process RNG anywhere
         resumed, restarted = _run(config, tmp_path / name, resume=True)
         assert resumed["history"] == full["history"], name

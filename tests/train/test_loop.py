@@ -13,6 +13,7 @@ from torch import nn
 from longattn.attention import AttentionBase
 from longattn.experiment.config import resolve_config
 from longattn.experiment.run import run
+from longattn.train.checkpoint import load_checkpoint
 from longattn.train.loop import StepOutput, Trainer, accuracy, build_scheduler, mae, mse
 from longattn.train.settings import OptimConfig, TrainConfig
 
@@ -38,7 +39,7 @@ def loop_settings(**values) -> dict:
 def final_state(out_dir) -> tuple[dict, list[str], dict]:
     results = json.loads((out_dir / "results.json").read_text())
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    weights = torch.load(out_dir / "checkpoints" / "last.pt", weights_only=False)["model"]
+    weights = load_checkpoint(out_dir / "checkpoints" / "last.pt")["model"]
     return results, lines, weights
 
 
@@ -133,7 +134,7 @@ def _weights_after(tmp_path, *overrides: str) -> dict:
     run(tiny_config("model.dropout=0", "model.embedding_dropout=0", "optim.schedule=constant",
                         "optim.warmup_steps=0", "data.options.num_examples=16", "data.options.min_length=24",
                         *overrides), tmp_path)
-    return torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=False)["model"]
+    return load_checkpoint(tmp_path / "checkpoints" / "last.pt")["model"]
 
 
 def test_gradient_accumulation_matches_the_large_batch(tmp_path):
