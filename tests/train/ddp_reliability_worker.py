@@ -52,20 +52,20 @@ def kill_in_write(nth: int) -> None:
 
 
 def record_losses(out_dir: str) -> None:
-    original = lra.classification_step
+    original = LRATask.step_fn
 
-    def recording(dual):
-        step = original(dual)
+    def step_and_record(task, config, data):
+        step = original(task, config, data)
 
-        def step_and_record(model, batch):
+        def recording(model, batch):
             out = step(model, batch)
             if model.training:
                 Path(out_dir, f"rank{RANK}.loss").write_text(json.dumps(float(out.loss)))
             return out
 
-        return step_and_record
+        return recording
 
-    lra.classification_step = recording
+    LRATask.step_fn = step_and_record
 
 
 def main(out_dir: str, mode: str, option: str = "") -> None:

@@ -195,17 +195,13 @@ def test_resume_of_a_finished_run_does_nothing(tmp_path, capsys):
     assert again["test"] == results["test"] and again["steps"] == 4
 
 
-def test_logs_are_strict_json(tmp_path):
-    from longattn.train import lra
+def test_logs_are_strict_json(tmp_path, monkeypatch):
+    from longattn.tasks.classification import ClassificationTask
 
     config = tiny_config("train.max_steps=4", "train.eval_every=2")
-    nan_metric = {"accuracy": lambda predictions, targets: float("nan")}
-    original = lra.accuracy
-    lra.accuracy = nan_metric["accuracy"]  # every validation and test metric is NaN
-    try:
-        run(config, tmp_path)
-    finally:
-        lra.accuracy = original
+    # every validation and test metric is NaN
+    monkeypatch.setattr(ClassificationTask, "metrics", lambda self, config, data: {"accuracy": lambda p, t: float("nan")})
+    run(config, tmp_path)
     records = strict_lines(tmp_path / "metrics.jsonl")
     assert [r["accuracy"] for r in records if r["split"] != "train"] == [None, None, None]
     results = json.loads((tmp_path / "results.json").read_text(), parse_constant=lambda t: pytest.fail(t))

@@ -32,7 +32,12 @@ def build_run_model(config: RunConfig, task: Task, data: TaskData) -> nn.Module:
     if config.attention is not None:
         kwargs["attention"] = config.attention
         kwargs["attention_options"] = config.chosen_attention_options()
-    return build_model(config.model_name, family=task.model_family, **kwargs)
+    try:
+        return build_model(config.model_name, family=task.model_family, **kwargs)
+    except (RuntimeError, TypeError, ValueError) as err:  # e.g. a negative size: say which model and options
+        options = {k: v for k, v in config.model.items()}
+        raise ConfigError(f"model {config.model_name!r} cannot be built with {options}"
+                          f"{' and attention ' + repr(config.attention) if config.attention else ''}: {err}") from None
 
 
 def _data(task: Task, config: RunConfig, cache: dict[Any, Any] | None) -> TaskData:

@@ -20,7 +20,7 @@ import resource
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
