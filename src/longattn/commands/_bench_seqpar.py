@@ -8,6 +8,7 @@ from pathlib import Path
 
 from longattn.bench import seqpar
 from longattn.commands.bench import _int_list, _write
+from longattn.experiment.analyses import register_analysis
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -40,9 +41,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(bench_subparsers: argparse._SubParsersAction) -> None:
-    parser = bench_subparsers.add_parser(
-        "seqpar", help="sequence-parallel attention: bytes communicated, time and memory per rank vs N and processes")
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", nargs="*", help=f"mechanisms (default: {' '.join(seqpar.DEFAULT_ATTENTIONS)})")
     parser.add_argument("--lengths", default=seqpar.DEFAULT_LENGTHS, help="comma list, k/m suffixes")
     parser.add_argument("--procs", default=seqpar.DEFAULT_PROCESSES, help="comma list of process counts")
@@ -59,4 +58,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
                         help="skip quadratic mechanisms (softmax) above this N")
     parser.add_argument("--options", default="{}", help='JSON build options per mechanism, e.g. \'{"skeleton": {"smoother": false}}\'')
     parser.add_argument("--out", default="runs/bench-seqpar")
-    parser.set_defaults(func=_run)
+
+
+register_analysis("seqpar", "sequence-parallel attention: bytes communicated, time and memory per rank vs N and processes",
+                  _arguments, _run)
