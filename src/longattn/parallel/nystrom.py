@@ -1,7 +1,7 @@
 """Sequence-parallel Nystromformer: the m landmarks and their values are sums over the sequence.
 
-Landmark j averages the real tokens at global positions [j s, (j + 1) s), s = ceil(N / m) (eq.
-13-14): each rank adds its tokens into their landmarks' sums and one all-reduce of [B, H, m, 2 Dh]
+Landmark j averages the real tokens of rank [j s, (j + 1) s) among the sequence's L real ones,
+s = ceil(L / m) (eq. 13-14, as nystrom_attention): each rank adds its tokens into their landmarks' sums and one all-reduce of [B, H, m, 2 Dh]
 sums (plus the m real-token counts) gives every rank the landmarks. softmax(Q~ K^T) V (the right
 factor of eq. 15) is a softmax over the whole sequence: a shared shift (all-reduce max, no
 gradient) and one all-reduce of the [B, H, m, Dh + 1] exp-sums. The m x m kernel, its pseudo-inverse
@@ -34,12 +34,21 @@ def nystrom_form(layer: AttentionBase, x: Tensor, attention_mask: Tensor | None,
     query_real, key_real, value = query * keep, key * keep, value * keep
 
     m = layer.num_landmarks
-    segment = -(-shard.total // m)
-    landmark_of = (shard.offset + torch.arange(n, device=x.device)) // segment  # [n]
-    sums = query.new_zeros(batch, heads, m, 2 * head_dim).index_add(2, landmark_of, torch.cat((query_real, key_real), -1))
-    sums = all_reduce_sum(sums, shard)
-    counts = all_reduce_sum(real.to(value.dtype).new_zeros(batch, m).index_add(1, landmark_of, real.to(value.dtype)), shard)
-    counts = counts[:, None, :, None]  # [B, 1, m, 1]
+    # segments over each sequence's real tokens (as nystrom_attention with a mask; the same as by
+    # position without padding): the real token of rank r among the L real ones is in segment
+    # r // ceil(L / m); the ranks before this shard come from every rank's real-token count
+    real_counts = real.new_zeros(shard.world_size, batch, dtype=value.dtype)
+    real_counts[shard.rank] = real.sum(-1)
+    real_counts = all_reduce_sum(real_counts, shard)  # [P, B]
+    earlier = real_counts[: shard.rank].sum(0).long()[:, None]
+    segment = (real_counts.sum(0).long()[:, None] + m - 1).div(m, rounding_mode="floor").clamp(min=1)
+    rank_among_real = earlier + real.long().cumsum(-1) - 1  # [B, n]
+    landmark_of = torch.where(real, rank_among_real.div(segment, rounding_mode="floor"), m)  # padding: spare slot
+    spread = landmark_of[:, None, :, None].expand(batch, heads, n, 2 * head_dim)
+    sums = query.new_zeros(batch, heads, m + 1, 2 * head_dim).scatter_add(2, spread, torch.cat((query_real, key_real), -1))
+    sums = all_reduce_sum(sums[:, :, :m], shard)
+    counts = value.new_zeros(batch, m + 1).scatter_add(1, landmark_of, real.to(value.dtype))
+    counts = all_reduce_sum(counts[:, :m], shard)[:, None, :, None]  # [B, 1, m, 1]
     q_land = sums[..., :head_dim] / counts.clamp(min=1) * scale
     k_land = sums[..., head_dim:] / counts.clamp(min=1)
     valid = counts[..., 0] > 0  # [B, 1, m]
