@@ -18,6 +18,7 @@ from typing import Any
 from longattn import attention as attention_registry
 from longattn.train.config import ConfigError, configs_root, load_config, read_yaml
 from longattn.train.lra import LRA_TASK_NAMES, run_lra
+from longattn.utils import dumps_strict
 
 SWEEP_KEYS = {"title", "description", "tasks", "preset", "attention", "set", "seeds", "grid", "variants",
               "columns", "paper", "average"}
@@ -230,6 +231,6 @@ def write_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path) -> dict[
                    "error": c.error} for c in cells],
         "paper": paper,
     }
-    (out_dir / "results.json").write_text(json.dumps(summary, indent=2))
+    (out_dir / "results.json").write_text(dumps_strict(summary, indent=2))
     print(text)
     return summary

@@ -22,7 +22,7 @@ from longattn.train.checkpoint import load_checkpoint
 from longattn.train.config import load_config, save_config, validate
 from longattn.train.loop import StepOutput, Trainer, TrainSettings, accuracy, evaluate
 from longattn.train.distributed import resolve_device
-from longattn.utils import seed_everything
+from longattn.utils import dumps_strict, seed_everything
 
 LRA_TASK_NAMES = ("listops", "text", "retrieval", "image", "pathfinder")
 SPLITS = ("train", "val", "test")
@@ -205,5 +205,5 @@ def evaluate_run(
 
 def write_json(obj: Any, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj, indent=2, default=str))
+    Path(path).write_text(dumps_strict(obj, indent=2, default=str))  # NaN/inf as null: standard JSON
 
