@@ -23,7 +23,7 @@ from longattn.attention.base import AttentionBase, AttentionError, Capabilities,
 
 # Query tokens per chunk: the chunk's neighbourhood copies and SDPA mask and temporaries are the
 # only per-chunk memory (a few MiB at the default window), recomputed in backward.
-LOCAL_CHUNK_TOKENS = 1024
+LOCAL_CHUNK_TOKENS = 512
 
 
 def _blocks(x: Tensor, block: int) -> Tensor:
