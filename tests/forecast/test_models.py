@@ -96,14 +96,14 @@ def test_calendar_marks_are_used():
         model(x)
 
 
-def test_moving_average_matches_loop():
+@pytest.mark.parametrize("k, front, back", [(5, 2, 2), (4, 2, 1), (1, 0, 0)])
+def test_moving_average_matches_loop(k, front, back):
     x = torch.randn(2, 11, 3, dtype=torch.float64)
-    k = 5
-    padded = torch.cat([x[:, :1].repeat(1, 2, 1), x, x[:, -1:].repeat(1, 2, 1)], dim=1)
+    padded = torch.cat([x[:, :1].repeat(1, front, 1), x, x[:, -1:].repeat(1, back, 1)], dim=1)
     expected = torch.stack([padded[:, i : i + k].mean(1) for i in range(11)], dim=1)
     torch.testing.assert_close(moving_average(x, k), expected)
-    with pytest.raises(ValueError, match="odd"):
-        moving_average(x, 4)
+    with pytest.raises(ValueError, match="positive"):
+        moving_average(x, 0)
 
 
 @pytest.mark.parametrize("individual", [False, True])

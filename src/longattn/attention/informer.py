@@ -71,7 +71,7 @@ def sample_informer_keys(
 
 
 @torch.no_grad()
-def _sparsity_measure(query: Tensor, key: Tensor, key_samples: Tensor, sample_counts: Tensor, m: Tensor) -> Tensor:
+def sparsity_measure(query: Tensor, key: Tensor, key_samples: Tensor, sample_counts: Tensor, m: Tensor) -> Tensor:
     """M_bar of eq. 4 from the sampled keys, [B, H, N]; only used to rank queries (no gradient), so
     the positive 1/sqrt(d) factor, which does not change the ranking, is left out."""
     b, h, n, d = query.shape
@@ -125,7 +125,7 @@ def probsparse_attention(
         raise AttentionError(f"key_samples must index keys in [0, {n}), got values outside")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
 
-    measure = _sparsity_measure(query, key, key_samples, counts, m)
+    measure = sparsity_measure(query, key, key_samples, counts, m)
     measure = measure.masked_fill(~real[:, None, :], float("-inf"))  # padded queries are never active
     n_top = int(counts.max())
     top = measure.topk(n_top, dim=-1).indices  # [B, H, u_max]

@@ -241,11 +241,14 @@ class EncoderForecaster(nn.Module):
 
 
 def moving_average(x: Tensor, kernel_size: int) -> Tensor:
-    """Centred moving average over time of [B, T, C], the ends padded by repeating the first/last step."""
-    if kernel_size < 1 or kernel_size % 2 == 0:
-        raise ValueError(f"kernel_size must be a positive odd number, got {kernel_size}")
-    half = (kernel_size - 1) // 2
-    padded = torch.cat([x[:, :1].expand(-1, half, -1), x, x[:, -1:].expand(-1, half, -1)], dim=1)
+    """Moving average over time of [B, T, C], length-preserving: the front is padded with
+    ``kernel_size - 1 - (kernel_size - 1) // 2`` copies of the first step and the end with ``(kernel_size - 1) // 2``
+    copies of the last (centred for odd kernels; FEDformer's padding for even ones such as its 24)."""
+    if kernel_size < 1:
+        raise ValueError(f"kernel_size must be a positive int, got {kernel_size}")
+    back = (kernel_size - 1) // 2
+    front = kernel_size - 1 - back
+    padded = torch.cat([x[:, :1].expand(-1, front, -1), x, x[:, -1:].expand(-1, back, -1)], dim=1)
     return F.avg_pool1d(padded.transpose(1, 2), kernel_size, stride=1).transpose(1, 2)
 
 

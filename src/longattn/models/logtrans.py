@@ -1,0 +1,88 @@
+"""LogTrans (Li et al., "Enhancing the Locality and Breaking the Memory Bottleneck of Transformer on Time Series
+Forecasting", NeurIPS 2019).
+
+* Convolutional self-attention (Section 4.1, Figure 2): queries and keys come from a causal convolution of kernel
+  k over the sequence (padding k - 1 on the left) instead of a pointwise projection, so that each query/key sees
+  its local shape; values are a pointwise projection.
+* LogSparse attention (Section 4.2, Figure 3): cell l attends to itself and to the cells l - 2^0, l - 2^1, ...,
+  l - 2^floor(log2 l) (O(log L) cells each, O(L log L) in all); optionally also densely to its previous
+  ``local_window`` cells ("local attention", Figure 3c).
+* The model is the paper's decoder-only (causal) Transformer. For the direct multi-horizon benchmark it runs once
+  over [window; ``pred_len`` zero placeholders] and reads the forecast at the placeholders (the generative
+  one-pass decoding of Informer instead of the paper's step-by-step rollout; see docs/forecasting_models.md).
+
+The LogSparse pattern is applied as a mask on the score matrix (as the authors' description of the
+implementation does); at the benchmark lengths (seq_len + pred_len <= 816) that is cheap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from longattn.models.forecast_blocks import GenerativeTransformer
+from longattn.models.registry import register_model
+
+
+def logsparse_mask(length: int, local_window: int = 0, device: torch.device | None = None) -> Tensor:
+    """Bool [L, L], True where query i may attend key j: j = i, j = i - 2^m (m >= 0), or 0 < i - j <= local_window."""
+    i = torch.arange(length, device=device)[:, None]
+    gap = i - torch.arange(length, device=device)[None, :]
+    power_of_two = (gap > 0) & ((gap & (gap - 1)) == 0)
+    return (gap == 0) | power_of_two | ((gap > 0) & (gap <= local_window))
+
+
+class CausalConv1d(nn.Conv1d):
+    """Conv1d over time of [B, L, d] that sees only the current and the k - 1 previous steps."""
+
+    def __init__(self, d_model: int, kernel_size: int) -> None:
+        super().__init__(d_model, d_model, kernel_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        padded = F.pad(x.transpose(1, 2), (self.kernel_size[0] - 1, 0))
+        return super().forward(padded).transpose(1, 2)
+
+
+class LogSparseConvAttention(nn.Module):
+    """Multi-head convolutional self-attention restricted to the LogSparse pattern (always causal)."""
+
+    def __init__(self, d_model: int, heads: int, kernel_size: int = 3, local_window: int = 0,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
+        if kernel_size < 1 or local_window < 0:
+            raise ValueError(f"kernel_size must be >= 1 and local_window >= 0, got {kernel_size}, {local_window}")
+        self.heads, self.local_window = heads, local_window
+        self.to_q, self.to_k = CausalConv1d(d_model, kernel_size), CausalConv1d(d_model, kernel_size)
+        self.to_v, self.to_out = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, d = x.shape
+        split = lambda t: t.reshape(b, n, self.heads, -1).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
+        allowed = logsparse_mask(n, self.local_window, x.device)
+        weights = self.dropout(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1))
+        return self.to_out((weights @ v).transpose(1, 2).reshape(b, n, d))
+
+
+@register_model("logtrans", family="forecaster")
+class LogTrans(GenerativeTransformer):
+    """LogTrans: a causal Transformer of LogSparse convolutional self-attention over [window; zeros].
+    Defaults: 2 layers, d_model 512, 8 heads, d_ff 2048, dropout 0.05, GELU (the benchmark family's settings),
+    convolution kernel k = 3, no extra local window."""
+
+    def __init__(self, channels: int, seq_len: int, pred_len: int, d_model: int = 512, heads: int = 8,
+                 layers: int = 2, d_ff: int = 2048, dropout: float = 0.05, activation: str = "gelu",
+                 kernel_size: int = 3, local_window: int = 0, calendar_dim: int = 0) -> None:
+        super().__init__(
+            channels, seq_len, pred_len, label_len=None, d_model=d_model, heads=heads, encoder_layers=layers,
+            decoder_layers=0, d_ff=d_ff, dropout=dropout, activation=activation, calendar_dim=calendar_dim,
+            encoder_attention=lambda: LogSparseConvAttention(d_model, heads, kernel_size, local_window, dropout),
+            form="encoder_only",
+        )

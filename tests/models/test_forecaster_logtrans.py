@@ -1,0 +1,60 @@
+"""LogTrans: the LogSparse pattern against its set definition, convolutional attention against a plain loop,
+causality, shapes, gradients, overfit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
+from longattn.models.logtrans import LogSparseConvAttention, logsparse_mask
+
+
+@pytest.mark.parametrize("n, window", [(1, 0), (13, 0), (20, 3)])
+def test_logsparse_mask_is_the_papers_index_set(n, window):
+    mask = logsparse_mask(n, window)
+    for i in range(n):
+        # I_p^l = {l - 2^floor(log2 l), ..., l - 2^1, l - 2^0, l} (0-based: l - 2^m >= 0), plus the local window
+        expected = {i} | {i - 2**m for m in range(i.bit_length())}  # 2^m <= i
+        expected |= {i - s for s in range(1, window + 1) if i - s >= 0}
+        assert set(torch.nonzero(mask[i]).flatten().tolist()) == expected
+    assert mask.sum() <= n * (int(math.log2(max(n, 1))) + 2 + window)  # O(L log L) cells
+
+
+def test_conv_attention_matches_a_plain_loop_and_is_causal():
+    torch.manual_seed(0)
+    layer = LogSparseConvAttention(8, 2, kernel_size=3, local_window=1).double().eval()
+    x = torch.randn(2, 11, 8, dtype=torch.float64)
+    out = layer(x)
+    padded = torch.cat([torch.zeros(2, 2, 8, dtype=torch.float64), x], dim=1)
+    conv = lambda c: torch.stack([  # noqa: E731
+        torch.einsum("bkd,edk->be", padded[:, t : t + 3], c.weight) + c.bias for t in range(11)], dim=1)
+    q, k, v = conv(layer.to_q), conv(layer.to_k), layer.to_v(x)
+    mask = logsparse_mask(11, 1)
+    expected = torch.zeros(2, 11, 8, dtype=torch.float64)
+    for i in range(11):
+        keys = torch.nonzero(mask[i]).flatten()
+        for h in range(2):
+            sl = slice(4 * h, 4 * h + 4)
+            weights = torch.softmax(torch.einsum("bd,bkd->bk", q[:, i, sl], k[:, keys, sl]) / 2.0, dim=-1)
+            expected[:, i, sl] = torch.einsum("bk,bkd->bd", weights, v[:, keys, sl])
+    torch.testing.assert_close(out, layer.to_out(expected))
+    changed = x.clone()
+    changed[:, 7:] += 1.0
+    torch.testing.assert_close(layer(changed)[:, :7], out[:, :7])  # no position sees a later one
+
+
+SMALL = dict(d_model=16, heads=2, d_ff=16)
+
+
+@pytest.mark.parametrize("seq_len, pred_len, options", [(23, 5, {}), (24, 7, {"kernel_size": 1, "local_window": 2})])
+def test_shapes_and_gradients(seq_len, pred_len, options):
+    model = tiny("logtrans", 3, seq_len, pred_len, **SMALL, **options)
+    check_forward_and_gradients(model, seq_len, pred_len, 3)
+    check_rejects_bad_input(model, seq_len, 3)
+
+
+def test_overfits_a_synthetic_series():
+    assert overfit_ratio(tiny("logtrans", 2, 24, 6, **SMALL), 24, 6, 2) < 0.5
