@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
 import resource
+import socket
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -28,15 +30,29 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from longattn.attention import collect_aux_losses
-from longattn.train.checkpoint import load_checkpoint, save_atomic
+from longattn.train.checkpoint import (
+    load_checkpoint,
+    load_with_fallback,
+    previous_path,
+    remove_temporary_files,
+    save_atomic,
+)
+from longattn.train.settings import OptimConfig, TrainConfig
 from longattn.train.distributed import (
     DistInfo,
     all_gather_objects,
+    all_reduce_mean,
     barrier,
     init_distributed,
+    is_timeout,
     resolve_device,
+    timeout_seconds,
 )
-from longattn.utils import optional_import, rng_state, seed_everything, set_rng_state
+from longattn.utils import dumps_strict, optional_import, rng_state, seed_everything, set_rng_state
+
+
+class TrainingError(ValueError):
+    """A run cannot go on: a non-finite loss, an output folder in use, an incompatible checkpoint."""
 
 
 class StepOutput(NamedTuple):
@@ -55,67 +71,6 @@ StepFn = Callable[[nn.Module, dict[str, Any]], StepOutput]
 MetricFn = Callable[[Tensor, Tensor], float]
 
 
-@dataclass
-class TrainSettings:
-    """Everything the loop needs besides the model and the data; see docs/training.md."""
-
-    seed: int = 0
-    batch_size: int = 32
-    eval_batch_size: int | None = None
-    max_steps: int = 1000
-    epochs: float | None = None  # if set, replaces max_steps by this many passes over the training data
-    grad_accum: int = 1
-    clip_norm: float | None = None
-    precision: str = "fp32"
-    eval_every: int = 100
-    checkpoint_every: int | None = None
-    patience: int | None = None
-    log_every: int = 10
-    progress: bool = True
-    device: str = "auto"
-    num_workers: int = 0
-    lr: float = 1e-4
-    optimizer: str = "adamw"  # "adamw" (decoupled weight decay) or "adam" (L2 penalty in the gradient)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    schedule: str = "linear"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    step_decay: float = 0.5  # schedule "step": lr * step_decay ** epoch (0.5 = FEDformer's "type1")
-    drop_last: bool = False  # drop each epoch's incomplete last training batch (when there is more than one)
-    max_steps_per_epoch: int | None = None  # cap an epoch (fresh shuffle each epoch) for quick runs
-    eval_every_epoch: bool = False  # validate after every epoch instead of every eval_every steps
-    select_metric: str = "accuracy"  # validation metric that picks the best checkpoint
-    select_mode: str = "max"  # "max" or "min"
-    find_unused_parameters: bool = False  # DDP: set for models whose forward skips parameters
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], **extra: Any) -> "TrainSettings":
-        """From a config with ``seed``, ``train`` and ``optim`` sections (longattn.train.config)."""
-        names = {f.name for f in fields(cls)}
-        values = {k: v for k, v in {**config["train"], **config["optim"]}.items() if k in names}
-        values["betas"] = tuple(values.get("betas", (0.9, 0.999)))
-        return cls(seed=config["seed"], **values, **extra)
-
-    def __post_init__(self) -> None:
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
-        if self.schedule not in ("constant", "linear", "cosine", "onecycle", "step"):
-            raise ValueError(f"schedule must be constant, linear, cosine, onecycle or step, got {self.schedule!r}")
-        if self.optimizer not in ("adamw", "adam"):
-            raise ValueError(f"optimizer must be 'adamw' or 'adam', got {self.optimizer!r}")
-        if self.max_steps_per_epoch is not None and self.max_steps_per_epoch <= 0:
-            raise ValueError(f"max_steps_per_epoch must be positive or None, got {self.max_steps_per_epoch}")
-        if self.select_mode not in ("max", "min"):
-            raise ValueError(f"select_mode must be 'max' or 'min', got {self.select_mode!r}")
-        if self.epochs is None and not 0 <= self.warmup_steps <= self.max_steps:
-            raise ValueError(f"warmup_steps must lie in [0, max_steps={self.max_steps}], got {self.warmup_steps}")
-        for name in ("batch_size", "max_steps", "grad_accum", "eval_every", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-
 def accuracy(predictions: Tensor, targets: Tensor) -> float:
     """Fraction of argmax(logits) equal to the integer targets."""
     return float((predictions.argmax(-1) == targets).double().mean()) if len(targets) else float("nan")
@@ -131,15 +86,17 @@ def mae(predictions: Tensor, targets: Tensor) -> float:
     return float((predictions.double() - targets.double()).abs().mean()) if targets.numel() else float("nan")
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, settings: TrainSettings,
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_steps: int,
                     steps_per_epoch: int = 1) -> torch.optim.lr_scheduler.LRScheduler:
     """Linear warmup then constant / linear / cosine / per-epoch step decay, or torch's OneCycleLR.
 
     ``steps_per_epoch`` is only used by ``schedule="step"`` (``lr * step_decay ** epoch``, where optimiser
     step s belongs to epoch ``s // steps_per_epoch``).
     """
-    total, warmup = settings.max_steps, settings.warmup_steps
-    if settings.schedule == "onecycle":
+    total, warmup = max_steps, optim.warmup_steps
+    if warmup > total:
+        raise ValueError(f"optim.warmup_steps must lie in [0, max_steps={total}], got {warmup}")
+    if optim.schedule == "onecycle":
         # The upstream LRA code uses OneCycleLR with linear annealing and torch's defaults otherwise
         # (initial lr = lr/25, momentum cycling); its warmup is the pct_start fraction.
         # torch needs at least 2 steps in each of its two phases.
@@ -147,19 +104,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, settings: TrainSettings,
         if total <= rise:
             raise ValueError(f"schedule 'onecycle' needs max_steps > max(warmup_steps, 2) = {rise}, got {total}")
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=settings.lr, total_steps=total, pct_start=rise / total, anneal_strategy="linear",
+            optimizer, max_lr=optim.lr, total_steps=total, pct_start=rise / total, anneal_strategy="linear",
         )
-    floor = settings.min_lr_ratio
+    floor = optim.min_lr_ratio
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        if settings.schedule == "constant":
+        if optim.schedule == "constant":
             return 1.0
-        if settings.schedule == "step":
-            return settings.step_decay ** (step // steps_per_epoch)
+        if optim.schedule == "step":
+            return optim.step_decay ** (step // steps_per_epoch)
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if settings.schedule == "linear":
+        if optim.schedule == "linear":
             return floor + (1.0 - floor) * (1.0 - progress)
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -278,8 +235,11 @@ class Trainer:
     """Train ``model`` with ``step_fn`` on ``train_data``; select on ``val_data``; test the best.
 
     Writes to ``out_dir``: ``metrics.jsonl`` (one JSON record per log/eval line),
-    ``checkpoints/last.pt`` (full state, for ``fit(resume=True)``), ``checkpoints/best.pt``
-    (weights of the best validation step) and ``results.json`` (``run_info`` + results).
+    ``checkpoints/last.pt`` (full state, for ``fit(resume=True)``; the one it replaced stays as
+    ``last.prev.pt``), ``checkpoints/best.pt`` (weights of the best validation step),
+    ``checkpoints/finished.json`` (the results, once the run is complete) and ``results.json``
+    (``run_info`` + results). All JSON is strict (non-finite numbers are null). The Trainer holds
+    an exclusive lock on ``out_dir`` (``out_dir/.lock``) from construction to the end of ``fit``.
     """
 
     def __init__(
@@ -291,33 +251,43 @@ class Trainer:
         collate_fn: Callable[[list[Any]], Any],
         step_fn: StepFn,
         metrics: dict[str, MetricFn],
-        settings: TrainSettings,
+        train: TrainConfig,
+        optim: OptimConfig,
         out_dir: str | Path,
+        seed: int = 0,
+        select_metric: str = "accuracy",
+        select_mode: str = "max",
         run_info: dict[str, Any] | None = None,
         on_step_end: Callable[["Trainer", int], None] | None = None,
         fingerprint: str | None = None,
-        results_file: str | None = "results.json",
+        write_results: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        self.settings = settings
+        """``select_metric`` ("loss" or a key of ``metrics``) picks the best checkpoint (``select_mode`` max/min);
+        ``write_results`` receives the final results on the main process (nothing is written without it)."""
         # torchrun's LOCAL_RANK picks this process's GPU before the process group starts.
-        self.device = resolve_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.device = resolve_device(train.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.dist: DistInfo = init_distributed(self.device)
-        if settings.precision == "fp16" and self.device.type != "cuda":
+        if train.precision == "fp16" and self.device.type != "cuda":
             raise ValueError("precision 'fp16' needs a CUDA device; use 'bf16' or 'fp32' on CPU")
-        if settings.select_metric != "loss" and settings.select_metric not in metrics:
-            raise ValueError(f"select_metric {settings.select_metric!r} is not one of the metrics {sorted(metrics)} or 'loss'")
+        if select_metric != "loss" and select_metric not in metrics:
+            raise ValueError(f"select_metric {select_metric!r} is not one of the metrics {sorted(metrics)} or 'loss'")
+        if select_mode not in ("max", "min"):
+            raise ValueError(f"select_mode must be 'max' or 'min', got {select_mode!r}")
         if len(train_data) == 0:
             raise ValueError("the training dataset is empty")
+        self.seed, self.select_metric, self.select_mode = seed, select_metric, select_mode
+        self.settings = train
         self.model = model.to(self.device)
         self.train_data, self.val_data, self.test_data = train_data, val_data, test_data
         # Optimiser steps per epoch (a step straddles two epochs when grad_accum does not divide the batches).
-        self.steps_per_epoch = max(1, math.ceil(len(self._epoch_batches(0)) / settings.grad_accum))
-        if settings.epochs is not None:
-            max_steps = max(1, math.ceil(settings.epochs * self.steps_per_epoch))
-            settings = dataclasses.replace(settings, max_steps=max_steps, epochs=None)
-        if settings.eval_every_epoch:
-            settings = dataclasses.replace(settings, eval_every=self.steps_per_epoch)
-        self.settings = settings
+        self.steps_per_epoch = max(1, math.ceil(len(self._epoch_batches(0)) / train.grad_accum))
+        if train.epochs is not None:
+            max_steps = max(1, math.ceil(train.epochs * self.steps_per_epoch))
+            train = dataclasses.replace(train, max_steps=max_steps, epochs=None)
+        if train.eval_every_epoch:
+            train = dataclasses.replace(train, eval_every=self.steps_per_epoch)
+        self.settings = train
+        self.optim_settings = optim
         self.collate_fn = collate_fn
         self.step_fn = step_fn
         self.metrics = metrics
@@ -325,24 +295,59 @@ class Trainer:
         self.run_info = dict(run_info or {})
         self.on_step_end = on_step_end
         self.fingerprint = fingerprint
-        self.results_file = results_file
+        self.write_results = write_results
         self.ddp_model: nn.Module = self.model
         if self.dist.enabled:
             self.ddp_model = DistributedDataParallel(
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=settings.find_unused_parameters,
+                find_unused_parameters=train.find_unused_parameters,
             )
-        optimizer_class = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.Adam
+        optimizer_class = torch.optim.AdamW if optim.optimizer == "adamw" else torch.optim.Adam
         self.optimizer = optimizer_class(
-            self.model.parameters(), lr=settings.lr, betas=settings.betas, eps=settings.eps,
-            weight_decay=settings.weight_decay,
+            self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+            weight_decay=optim.weight_decay,
         )
-        self.scheduler = build_scheduler(self.optimizer, settings, self.steps_per_epoch)
-        self.scaler = torch.amp.GradScaler("cuda", enabled=settings.precision == "fp16")
+        self.scheduler = build_scheduler(self.optimizer, optim, train.max_steps, self.steps_per_epoch)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=train.precision == "fp16")
         self.progress = _Progress()
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.finished_path = self.checkpoint_dir / "finished.json"
+        self._saved_step: int | None = None  # step of the newest checkpoint on disk
+        self._lock = self._lock_out_dir()
+
+    # ------------------------------------------------------------------ output folder lock
+    def _lock_out_dir(self) -> Any:
+        """An exclusive lock on ``out_dir`` (flock: released by the kernel when the process dies,
+        so a killed run never leaves a stale lock); a second run into the folder gets a clear error."""
+        handle, holder = None, None
+        if self.dist.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            handle = open(self.out_dir / ".lock", "a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                handle.close()
+                handle = None
+            else:
+                handle.seek(0)
+                handle.truncate()
+                handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+                handle.flush()
+        holders = all_gather_objects(holder, self.dist)  # every rank learns whether rank 0 got the lock
+        if holders[0] is not None:
+            raise TrainingError(f"output folder {self.out_dir} is in use by another run ({holders[0]}); "
+                                "wait for it to finish or choose another output folder")
+        return handle
+
+    def release(self) -> None:
+        """Release the output-folder lock (``fit`` does this when it returns or fails)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     # ------------------------------------------------------------------ helpers
     def _autocast(self) -> Any:
@@ -351,21 +356,21 @@ class Trainer:
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.is_main:
             with self.metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(dumps_strict(record) + "\n")
 
     def _loader(self, dataset: Dataset, batches: Sequence[list[int]]) -> DataLoader:
         # A private generator: creating a loader must not draw from the global RNG, or a resumed
         # run (which creates its loader at a different moment) would diverge.
         return DataLoader(
             dataset, batch_sampler=batches, collate_fn=self.collate_fn,
-            num_workers=self.settings.num_workers, generator=torch.Generator().manual_seed(self.settings.seed),
+            num_workers=self.settings.num_workers, generator=torch.Generator().manual_seed(self.seed),
         )
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of ``epoch``: a DistributedSampler order (seed + epoch), chunked."""
         sampler = DistributedSampler(
             self.train_data, num_replicas=self.dist.world_size, rank=self.dist.rank,
-            shuffle=True, seed=self.settings.seed, drop_last=False,
+            shuffle=True, seed=self.seed, drop_last=False,
         )
         sampler.set_epoch(epoch)
         order = list(sampler)
@@ -391,7 +396,7 @@ class Trainer:
         best = self.progress.best_value
         if best is None or math.isnan(best):
             return not math.isnan(value)
-        return value > best if self.settings.select_mode == "max" else value < best
+        return value > best if self.select_mode == "max" else value < best
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset: Dataset, split: str = "val") -> dict[str, float]:
@@ -407,35 +412,54 @@ class Trainer:
         return self.settings.progress and self.dist.is_main and sys.stderr.isatty()
 
     # ------------------------------------------------------------------ checkpoints
-    def _state(self) -> dict[str, Any]:
+    def _state(self, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "progress": self.progress,
-            "rng": rng_state(),
-            "settings": self.settings,
+            "progress": dataclasses.asdict(self.progress),
+            "rng": rng_states,  # one entry per rank: each rank resumes its own random stream
+            "settings": dataclasses.asdict(self.settings),
             "fingerprint": self.fingerprint,
         }
 
     def save_checkpoint(self) -> None:
+        # A finite loss can still come with an update that overflowed the weights (a huge learning
+        # rate): never let such weights replace the last good checkpoint. DDP replicas are equal,
+        # so every rank decides alike.
+        broken = [name for name, t in self.model.state_dict().items()
+                  if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if broken:
+            kept = (f"the last checkpoint (step {self._saved_step}) is intact" if self._saved_step is not None
+                    else "no checkpoint was written")
+            raise TrainingError(f"non-finite weights ({', '.join(broken[:3])}) after step {self.progress.step}; "
+                                f"not saved, {kept}. Lower the learning rate or set gradient clipping")
+        rng_states = all_gather_objects(rng_state(), self.dist)
         if self.dist.is_main:
-            save_atomic(self._state(), self.checkpoint_dir / "last.pt")
+            save_atomic(self._state(rng_states), self.checkpoint_dir / "last.pt", keep_previous=True)
+        self._saved_step = self.progress.step
         barrier(self.dist)
 
     def load_checkpoint(self, path: str | Path) -> None:
-        state = load_checkpoint(path, map_location=self.device)
+        """Restore the full state from ``path`` (or the previous checkpoint, if ``path`` is damaged)."""
+        state, source = load_with_fallback(path, map_location="cpu")
         if state.get("fingerprint") != self.fingerprint:
-            raise ValueError(f"{path} belongs to a run with another configuration; use another output folder "
-                             "or delete it to start afresh")
+            raise TrainingError(f"{source} belongs to a run with another configuration; use another output "
+                                "folder or delete it to start afresh")
+        ranks = len(state["rng"])
+        if ranks != self.dist.world_size:
+            raise TrainingError(f"{source} was written by {ranks} process(es), this run has {self.dist.world_size}; "
+                                f"resume with the same number of processes (--nproc_per_node={ranks})")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         # Fields added to _Progress after a checkpoint was written take their defaults.
-        self.progress = _Progress(**{**dataclasses.asdict(_Progress()), **vars(state["progress"])})
-        set_rng_state(state["rng"])
+        known = {f.name for f in fields(_Progress)}
+        self.progress = _Progress(**{k: v for k, v in state["progress"].items() if k in known})
+        self._saved_step = self.progress.step
+        set_rng_state(state["rng"][self.dist.rank])
 
     def _truncate_metrics_log(self, step: int) -> None:
         """Drop log records written after the checkpoint we resume from (they will be redone)."""
@@ -447,20 +471,52 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def fit(self, resume: bool = False) -> dict[str, Any]:
-        """Train to ``max_steps`` (or early stop), test the best checkpoint, write results.json."""
+        """Train to ``max_steps`` (or early stop), test the best checkpoint, write results.json.
+
+        ``resume=True`` continues exactly from ``checkpoints/last.pt`` (or the previous checkpoint
+        when the newest is damaged); for a run that already finished it does nothing but say so
+        and returns the saved results.
+        """
+        try:
+            return self._fit(resume)
+        except RuntimeError as error:
+            if self.dist.enabled and is_timeout(error):
+                raise TrainingError(f"rank {self.dist.rank}: another rank did not answer within {timeout_seconds():g} s "
+                                    "(hung or killed?); the last checkpoint is kept; set LONGATTN_DIST_TIMEOUT_S "
+                                    "to wait longer") from error
+            raise
+        finally:
+            self.release()
+
+    def _fit(self, resume: bool) -> dict[str, Any]:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         last = self.checkpoint_dir / "last.pt"
-        if resume and last.is_file():
+        if self.dist.is_main:
+            remove_temporary_files(self.checkpoint_dir)  # left by a run killed mid-write; we hold the lock
+        if resume and self.finished_path.is_file():
+            finished = json.loads(self.finished_path.read_text())
+            if finished.get("fingerprint") != self.fingerprint:
+                raise TrainingError(f"{self.finished_path} belongs to a run with another configuration; use another "
+                                    "output folder or delete it to start afresh")
+            if self.dist.is_main:
+                print(f"the run in {self.out_dir} already finished at step {finished['results']['steps']}; "
+                      "nothing to do", file=sys.stderr)
+            barrier(self.dist)
+            return finished["results"]
+        if resume and (last.is_file() or previous_path(last).is_file()):
             self.load_checkpoint(last)
             self._truncate_metrics_log(self.progress.step)
             if self.dist.is_main:
-                print(f"resuming from {last} at step {self.progress.step}", file=sys.stderr)
+                print(f"resuming from {self.checkpoint_dir} at step {self.progress.step}", file=sys.stderr)
         else:
             if resume and self.dist.is_main:
                 print(f"no checkpoint at {last}; starting from scratch", file=sys.stderr)
-            seed_everything(self.settings.seed + self.dist.rank)
-            if self.dist.is_main and self.metrics_path.exists():
-                self.metrics_path.unlink()
+            seed_everything(self.seed + self.dist.rank)
+            if self.dist.is_main:
+                # a fresh run replaces what an earlier run left in this folder
+                for stale in (self.metrics_path, last, previous_path(last), self.checkpoint_dir / "best.pt",
+                              self.finished_path):
+                    stale.unlink(missing_ok=True)
         barrier(self.dist)
         reset_peak_memory(self.device)
         self._train()
@@ -514,19 +570,36 @@ class Trainer:
                 self.scaler.scale(loss / s.grad_accum).backward()
             total_task += float(out.loss.detach())
             total_aux += float(aux_total.detach()) if aux_total is not None else 0.0
+        # The global batch's loss (mean over ranks, whose gradients DDP averages): logged, and the
+        # same on every rank, so a non-finite value stops every rank at the same step.
+        total_task, total_aux = all_reduce_mean([total_task, total_aux], self.dist, self.device)
+        if not math.isfinite(total_task + total_aux):
+            self._stop_non_finite("loss", total_task + total_aux)
         if s.clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip_norm)
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip_norm))
+            if not math.isfinite(norm) and not self.scaler.is_enabled():  # fp16's scaler skips such steps itself
+                self._stop_non_finite("gradient norm", norm)
         self.progress.last_lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         return total_task / s.grad_accum, total_aux / s.grad_accum
 
+    def _stop_non_finite(self, what: str, value: float) -> None:
+        """Stop before the optimiser step, so no NaN reaches the weights or a checkpoint."""
+        kept = (f"the last checkpoint ({self.checkpoint_dir / 'last.pt'}, step {self._saved_step}) is intact"
+                if self._saved_step is not None else "no checkpoint was written yet")
+        raise TrainingError(
+            f"non-finite training {what} ({value}) at step {self.progress.step + 1} (epoch {self.progress.epoch}); "
+            f"stopped before updating the weights; {kept}. Lower the learning rate, set gradient clipping, "
+            "or check the inputs for NaN/inf"
+        )
+
     def _validate(self) -> None:
         s, p = self.settings, self.progress
         result = self.evaluate(self.val_data, "val")
-        value = result[s.select_metric]
+        value = result[self.select_metric]
         improved = self._improved(value)
         if improved:
             p.best_value, p.best_step, p.evals_without_improvement = value, p.step, 0
@@ -560,7 +633,7 @@ class Trainer:
         results = {
             **self.run_info,
             "parameters": sum(t.numel() for t in self.model.parameters() if t.requires_grad),
-            "seed": self.settings.seed,
+            "seed": self.seed,
             "steps": p.step,
             "epochs": p.epoch + p.batches_in_epoch / max(1, len(self._epoch_batches(p.epoch))),
             "best_step": p.best_step,
@@ -575,8 +648,13 @@ class Trainer:
             "precision": self.settings.precision,
             "history": p.history,
         }
-        if self.dist.is_main and self.results_file is not None:
-            (self.out_dir / self.results_file).write_text(json.dumps(results, indent=2, default=str))
+        if self.dist.is_main:
+            if self.write_results is not None:
+                self.write_results(results)
+            # written last: its presence means the run (training, test, results) is complete
+            tmp = self.finished_path.with_name(f".{self.finished_path.name}.tmp")
+            tmp.write_text(dumps_strict({"fingerprint": self.fingerprint, "results": results}, indent=2, default=str))
+            os.replace(tmp, self.finished_path)
         barrier(self.dist)
         return results
 
