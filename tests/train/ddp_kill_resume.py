@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,33 +52,37 @@ def main() -> int:
     env = worker_env(args.src.resolve())
     sys.path.insert(0, str(args.src.resolve()))
 
-    def run(out_dir: Path, *worker_args: str) -> tuple[int, float]:
+    def run(out_dir: Path, *worker_args: str) -> tuple[int, float, str]:
         started = time.perf_counter()
         done = subprocess.run(worker_command(out_dir, *worker_args), env=env, capture_output=True, text=True)
         if done.returncode not in (0, -9, 1):
             print(done.stderr[-2000:], file=sys.stderr)
-        return done.returncode, time.perf_counter() - started
+        return done.returncode, time.perf_counter() - started, done.stderr
 
-    code, seconds = run(args.out / "full", "run")
+    code, seconds, _ = run(args.out / "full", "run")
     if code != 0:
         print(f"uninterrupted run failed (exit {code})", file=sys.stderr)
         return 1
     reference = final_weights(args.out / "full")
     print(f"uninterrupted run: {seconds:.1f} s wall")
-    print("| kill moment | killed run exit | resume exit | bit-identical | max abs weight difference | temp files left |")
-    print("|---|---|---|---|---|---|")
+    print("| kill moment | killed run exit | temp files after the kill | resumed from step | resume exit "
+          "| bit-identical | max abs weight difference | temp files after resume |")
+    print("|---|---|---|---|---|---|---|---|")
     identical_everywhere = True
     for label, how in MOMENTS:
         out = args.out / how.replace("=", "_").replace(":", "_")
-        killed, _ = run(out, "run", how)
-        resumed, _ = run(out, "resume")
+        killed, _, _ = run(out, "run", how)
+        left = len(list((out / "checkpoints").glob(".*.tmp")))
+        resumed, _, log = run(out, "resume")
+        match = re.search(r"resuming from .* at step (\d+)", log)
+        start = match.group(1) if match else "scratch"
         weights = final_weights(out) if resumed == 0 else {}
         same = bool(weights) and all((weights[k] == v).all().item() for k, v in reference.items())
         diff = max(((weights[k].double() - v.double()).abs().max().item() for k, v in reference.items()),
                    default=float("nan")) if weights else float("nan")
         temps = len(list((out / "checkpoints").glob(".*.tmp")))
         identical_everywhere &= same
-        print(f"| {label} | {killed} | {resumed} | {same} | {diff:.3g} | {temps} |")
+        print(f"| {label} | {killed} | {left} | {start} | {resumed} | {same} | {diff:.3g} | {temps} |")
     return 0 if identical_everywhere else 1
 
 

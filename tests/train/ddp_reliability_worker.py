@@ -38,13 +38,17 @@ def kill_in_write(nth: int) -> None:
     original, writes = torch.save, []
 
     def save(obj, f, *args, **kwargs):
-        if RANK == 0 and not isinstance(f, io.BytesIO) and ".last.pt." in getattr(f, "name", ""):
-            writes.append(f.name)
+        name = getattr(f, "name", "")
+        if isinstance(name, int):  # a file opened from a descriptor (os.fdopen): its path from /proc
+            name = os.readlink(f"/proc/self/fd/{name}")
+        if RANK == 0 and not isinstance(f, io.BytesIO) and ".last.pt." in str(name):
+            writes.append(name)
             if len(writes) == nth:
                 buffer = io.BytesIO()
                 original(obj, buffer, *args, **kwargs)
                 f.write(buffer.getvalue()[: buffer.tell() // 2])
                 f.flush()
+                print(f"killed while writing {name}", file=sys.stderr, flush=True)
                 die()
         return original(obj, f, *args, **kwargs)
 
