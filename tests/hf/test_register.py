@@ -186,6 +186,9 @@ def test_clear_errors(tiny_bert, tiny_llama):
     lhf.enable(llm, "linear")
     with pytest.raises(AttentionError, match="as many queries as keys"):
         llm.generate(ids, max_new_tokens=2, do_sample=False)
+    cross = lhf.enable(tiny_bert(is_decoder=True, add_cross_attention=True, attention_probs_dropout_prob=0.0), "softmax")
+    with pytest.raises(AttentionError, match="self-attention only"):
+        cross(ids, encoder_hidden_states=torch.randn(1, 7, 32))
     with pytest.raises(AttentionError, match="4-D mask"):
         lhf.bridge._check_mask(torch.zeros(1, 1, 10, 10, dtype=torch.bool), 1, 10)
 
