@@ -24,12 +24,14 @@ import io
 import pickle
 import re
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .common import DatasetError, check_count, check_split, find_first, holdout_split, iter_tar_files
+from .common import (DatasetError, check_count, check_split, find_first, holdout_split, iter_tar_files,
+                     stratified_folds)
 
 VOCAB_SIZE = 256
 PAD_ID = 0  # pixels use every id 0..255; padding is told apart by the attention mask only
@@ -117,29 +119,41 @@ def _plain_dtype(dtype: object) -> object:
     return dtype
 
 
-def _unpickle_batch(path: Path, check_counts: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def _read_python_batch(path: Path, what: str = "CIFAR python file") -> dict:
+    """The dict stored in one official CIFAR python file (CIFAR-10 batch, CIFAR-100 train/test/meta),
+    read by the restricted unpickler: no code runs from the file."""
     try:
         with open(path, "rb") as handle:
             batch = _ArrayUnpickler(handle, encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
             KeyError, ImportError) as error:
-        raise DatasetError(f"{path}: not a CIFAR-10 python batch ({error})") from error
+        raise DatasetError(f"{path}: not a {what} ({error})") from error
     if not isinstance(batch, dict):
         raise DatasetError(f"{path}: expected a pickled dict, got {type(batch).__name__}")
+    return batch
+
+
+def _batch_arrays(batch: dict, path: Path, label_key: bytes, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validated uint8 [N, 3072] planar pixels and int64 labels (0..num_classes-1) of a python batch."""
     data = batch.get(b"data", batch.get("data"))
-    labels = batch.get(b"labels", batch.get("labels"))
+    labels = batch.get(label_key, batch.get(label_key.decode()))
     if data is None or labels is None:
-        raise DatasetError(f"{path}: missing b'data' or b'labels' (keys: {sorted(map(str, batch))})")
+        raise DatasetError(f"{path}: missing b'data' or {label_key!r} (keys: {sorted(map(str, batch))})")
     data = np.asarray(data)
     try:
         labels = np.asarray(labels, dtype=np.int64)
     except (TypeError, ValueError) as error:
-        raise DatasetError(f"{path}: b'labels' must be integers ({error})") from error
+        raise DatasetError(f"{path}: {label_key!r} must be integers ({error})") from error
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * SEQ_LEN or len(data) != len(labels):
         raise DatasetError(f"{path}: b'data' must be uint8 [N, 3072] with N labels, got {data.dtype} "
                            f"{data.shape} and {len(labels)} labels")
-    if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
-        raise DatasetError(f"{path}: labels outside 0..9")
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise DatasetError(f"{path}: {label_key.decode()} outside 0..{num_classes - 1}")
+    return data, labels
+
+
+def _unpickle_batch(path: Path, check_counts: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    data, labels = _batch_arrays(_read_python_batch(path, "CIFAR-10 python batch"), path, b"labels", NUM_CLASSES)
     check_count(str(path), "this batch", {"rows": len(labels)}, {"rows": BATCH_ROWS}, check_counts)
     return data, labels
 
@@ -272,3 +286,96 @@ def build_image(split: str, data_dir: str | Path | None = None, *, source: str |
         pixels, labels = pixels[chosen], labels[chosen]
     return PixelDataset(np.ascontiguousarray(pixels), labels, noise_amplitude=noise_amplitude,
                         noise_seed=noise_seed, split=split)
+
+
+# ----------------------------------------------------------------------------- CIFAR-100 as 2x2 patches
+
+CIFAR100_ROWS = {"train": 50_000, "test": 10_000}  # the official files (Krizhevsky 2009)
+CIFAR100_PATCH = 2  # Singularformer section 4.1: each 2x2 pixel patch is one token
+CIFAR100_TOKENS = (32 // CIFAR100_PATCH) ** 2  # 256, the paper's maximum length for CIFAR 100
+CIFAR100_PATCH_DIM = CIFAR100_PATCH * CIFAR100_PATCH * 3  # 12 values: (dy, dx, channel)
+CIFAR100_LABEL_KEYS = {"fine": (b"fine_labels", b"fine_label_names", 100),
+                       "coarse": (b"coarse_labels", b"coarse_label_names", 20)}
+
+
+def to_patches(planar: np.ndarray, patch: int = CIFAR100_PATCH, image_size: int = 32) -> np.ndarray:
+    """uint8 [N, 3 * S * S] channel-planar images (the python batches' layout) -> uint8 [N, (S/p)^2, p*p*3]:
+    patches in row-major order, each patch's values ordered (dy, dx, channel)."""
+    grid = image_size // patch
+    images = planar.reshape(-1, 3, grid, patch, grid, patch)  # N, C, row, dy, col, dx
+    return np.ascontiguousarray(images.transpose(0, 2, 4, 3, 5, 1)).reshape(-1, grid * grid, patch * patch * 3)
+
+
+class PatchDataset(Dataset):
+    """Images as sequences of patch vectors: ``{"patches": FloatTensor[T, D] in [0, 1], "label": int}``."""
+
+    def __init__(self, patches: np.ndarray, labels: np.ndarray, classes: list[str]) -> None:
+        if patches.ndim != 3 or patches.dtype != np.uint8 or len(patches) != len(labels):
+            raise DatasetError(f"patches must be uint8 [N, T, D] with N labels, got {patches.dtype} "
+                               f"{patches.shape} and {len(labels)} labels")
+        self.patches = patches
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.classes = classes
+        self.num_classes = len(classes)
+        self.max_len = patches.shape[1]
+        self.patch_dim = patches.shape[2]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} examples")
+        patches = torch.from_numpy(self.patches[index].astype(np.float32) / 255.0)
+        return {"patches": patches, "label": int(self.labels[index])}
+
+
+def collate_patches(items: Sequence[dict]) -> dict[str, torch.Tensor]:
+    """{"patches": Float[B, T, D], "attention_mask": bool[B, T] (all True), "label": Long[B]}."""
+    if not items:
+        raise DatasetError("collate: empty batch")
+    patches = torch.stack([item["patches"] for item in items])
+    return {"patches": patches, "attention_mask": torch.ones(patches.shape[:2], dtype=torch.bool),
+            "label": torch.tensor([item["label"] for item in items], dtype=torch.long)}
+
+
+def load_cifar100(data_dir: str | Path, subset: str, label_mode: str = "fine", check_counts: bool = True
+                  ) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """uint8 [N, 3072] planar pixels, labels and class names of the official `train` or `test` file
+    (50,000 / 10,000 images unless not `check_counts`)."""
+    if label_mode not in CIFAR100_LABEL_KEYS:
+        raise DatasetError(f"label_mode must be 'fine' or 'coarse', got {label_mode!r}")
+    label_key, names_key, num_classes = CIFAR100_LABEL_KEYS[label_mode]
+    root = Path(data_dir)
+    folder = root / "cifar-100-python" if (root / "cifar-100-python").is_dir() else root
+    missing = [name for name in (subset, "meta") if not (folder / name).is_file()]
+    if missing:
+        raise DatasetError(f"CIFAR-100: missing {', '.join(missing)} in {folder} "
+                           "(expected the official cifar-100-python/{train,test,meta})")
+    path = folder / subset
+    data, labels = _batch_arrays(_read_python_batch(path), path, label_key, num_classes)
+    check_count(str(path), f"CIFAR-100 {subset}", {"images": len(labels)}, {"images": CIFAR100_ROWS[subset]},
+                check_counts)
+    meta = _read_python_batch(folder / "meta")
+    names = meta.get(names_key)
+    if names is None or len(names) != num_classes:
+        raise DatasetError(f"{folder / 'meta'}: expected {num_classes} names under {names_key!r}")
+    return data, labels, [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+
+
+def build_cifar100(split: str, data_dir: str | Path | None = None, *, label_mode: str = "fine",
+                   fold: int | None = None, num_folds: int = 5, seed: int = 0, check_counts: bool = True
+                   ) -> PatchDataset:
+    """CIFAR-100 as 256 tokens of 2x2x3 pixels (Singularformer). `fold=k`: train/val are the other folds
+    and fold k of a stratified K-fold split of the official training set (the paper's 5-fold CV)."""
+    check_split(split)
+    if data_dir is None:
+        raise DatasetError("CIFAR-100 needs data_dir: cifar-100-python/ (python -m longattn.data.download cifar100 DIR)")
+    if split == "val" and fold is None:
+        raise DatasetError("CIFAR-100 has no validation set: pass fold=k for fold k of the cross-validation")
+    data, labels, classes = load_cifar100(data_dir, "test" if split == "test" else "train", label_mode, check_counts)
+    if fold is not None:
+        train_index, val_index = stratified_folds(labels, num_folds, seed)[fold]
+        chosen = val_index if split == "val" else train_index
+        data, labels = data[chosen], labels[chosen]
+    return PatchDataset(to_patches(data), labels, classes)
