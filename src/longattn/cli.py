@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError, ImportError) as err:
-        # User errors (bad config key, missing file, bad option) get one clear line, not a trace.
+    except (ValueError, OSError, KeyError, ImportError) as err:
+        # User errors (bad config key, missing or unwritable file, bad option) get one clear line, not a trace.
         print(f"longattn {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -48,7 +48,7 @@ def test_unknown_plugin_is_a_clear_error(monkeypatch, capsys):
 
 def test_new_forecaster_needs_no_config_edit(monkeypatch, tmp_path, capsys):
     from longattn.models.registry import MODELS
-    from test_forecast_csv import write_series
+    from forecast_csv import write_series
 
     monkeypatch.syspath_prepend(str(HERE))
     monkeypatch.setenv("LONGATTN_PLUGINS", "naive_forecaster")

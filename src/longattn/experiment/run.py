@@ -83,6 +83,9 @@ def run(
     started = now()
     task = get_task(config.task)
     out_dir = Path(out_dir)
+    for folder in (out_dir, *out_dir.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"--out {out_dir}: {folder} is a file, not a folder; choose another output folder")
     if resume:
         check_resume(config, out_dir)
     data = _data(task, config, data_cache)
