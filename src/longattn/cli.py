@@ -12,17 +12,35 @@ import pkgutil
 import sys
 
 import longattn.commands
+from longattn import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="longattn", description="Efficient attention for long sequences: train, compare, benchmark."
     )
+    parser.add_argument("--version", action="version", version=f"longattn {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for info in sorted(pkgutil.iter_modules(longattn.commands.__path__), key=lambda i: i.name):
-        module = importlib.import_module(f"longattn.commands.{info.name}")
+        try:
+            module = importlib.import_module(f"longattn.commands.{info.name}")
+        except ImportError as err:  # an optional package of the experiments is not installed
+            _unavailable(subparsers, info.name, err)
+            continue
         module.register(subparsers)
     return parser
+
+
+def _unavailable(subparsers: argparse._SubParsersAction, name: str, err: ImportError) -> None:
+    """A stand-in for a command whose module could not be imported: running it says why."""
+
+    def fail(args: argparse.Namespace) -> int:
+        raise ModuleNotFoundError(f"{err}; the experiments need: pip install 'longattn[experiments]'")
+
+    # every argument is taken as it comes (no options to parse), so that running it reaches fail()
+    command = subparsers.add_parser(name, help=f"(unavailable: {err})", add_help=False, prefix_chars="\x00")
+    command.add_argument("rest", nargs=argparse.REMAINDER)
+    command.set_defaults(func=fail)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as err:
+    except (ValueError, FileNotFoundError, KeyError, ModuleNotFoundError) as err:
         # User errors (bad config key, missing file, bad option) get one clear line, not a trace.
         print(f"longattn {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -34,3 +34,54 @@ class LargestTensorRecorder(TorchDispatchMode):
                 self.max_shape = tuple(t.shape)
                 self.max_op = str(func)
         return out
+
+
+class LocalFileServer:
+    """Serves in-memory files over HTTP on 127.0.0.1 for the download tests (no other network use).
+
+    ``files`` maps a file name to its bytes; any URL path ending in that name serves it. Range requests
+    are honoured (206), and every request's Range header is recorded in ``ranges``::
+
+        with LocalFileServer({"a.zip": data}) as server:
+            download_file(server.url + "/a.zip", dest)
+    """
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.files = files
+        self.ranges: list[str | None] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's API)
+                name = self.path.rsplit("/", 1)[-1]
+                server.ranges.append(self.headers.get("Range"))
+                if name not in server.files:
+                    self.send_error(404)
+                    return
+                body, status = server.files[name], 200
+                header = self.headers.get("Range")
+                if header:
+                    start = int(header.split("=")[1].split("-")[0])
+                    body, status = body[start:], 206
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/mirror"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> "LocalFileServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,12 +1,26 @@
-"""Small shared helpers: seeding and RNG state capture for exact resume."""
+"""Small shared helpers: seeding, RNG state capture for exact resume, optional imports."""
 
 from __future__ import annotations
 
+import importlib
 import random
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
+
+
+def optional_import(module: str, extra: str = "experiments") -> ModuleType:
+    """Import ``module``, which the library core does not depend on, or say which extra installs it.
+
+    The library needs only torch and numpy; configs (pyyaml), progress bars (tqdm), plots (matplotlib)
+    and image data (pillow) come with ``pip install 'longattn[experiments]'`` and are imported when used.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"{module} is needed here: pip install 'longattn[{extra}]'") from None
 
 
 def seed_everything(seed: int) -> None:

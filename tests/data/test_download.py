@@ -1,13 +1,12 @@
 import hashlib
 import io
 import tarfile
-import threading
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from longattn.data import download as dl
+from longattn.testing import LocalFileServer as _Server
 
 
 def _tarball() -> bytes:
@@ -18,47 +17,6 @@ def _tarball() -> bytes:
             info.size = len(content)
             tar.addfile(info, io.BytesIO(content))
     return buffer.getvalue()
-
-
-class _Server:
-    """Serves `files` on 127.0.0.1, honouring Range requests; records every request's Range header."""
-
-    def __init__(self, files: dict[str, bytes]):
-        self.files = files
-        self.ranges: list[str | None] = []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's API)
-                name = self.path.rsplit("/", 1)[-1]
-                server.ranges.append(self.headers.get("Range"))
-                if name not in server.files:
-                    self.send_error(404)
-                    return
-                body, status = server.files[name], 200
-                header = self.headers.get("Range")
-                if header:
-                    start = int(header.split("=")[1].split("-")[0])
-                    body, status = body[start:], 206
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/mirror"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture
@@ -147,3 +105,29 @@ def test_official_table_is_complete():
         archive = dl.ARCHIVES[name]
         assert archive.url.startswith("https://") and archive.url.endswith(archive.filename)
     assert dl.ARCHIVES["cifar10"].md5 == "c58f30108f718f92721af3b95e74349a"
+
+
+def test_zip_extraction_and_plain_files(tmp_path, monkeypatch):
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("Task/train.tsv", "a\tb\n")
+    good = buffer.getvalue()
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("../escape.txt", "x")
+    evil = buffer.getvalue()
+    plain = b"label\ttext\n"
+    for name, filename, data in (("good", "good.zip", good), ("evil", "evil.zip", evil), ("plain", "train.txt", plain)):
+        monkeypatch.setitem(dl.ARCHIVES, name, dl.Archive(name, filename, f"https://example.invalid/{filename}",
+                                                         sha256=hashlib.sha256(data).hexdigest(), md5=None,
+                                                         size=None, contents=""))
+    with _Server({"good.zip": good, "evil.zip": evil, "train.txt": plain}) as server:
+        dl.download("good", tmp_path / "a", base_url=server.url, progress=False)
+        assert (tmp_path / "a" / "Task" / "train.tsv").read_text() == "a\tb\n"
+        with pytest.raises(dl.DownloadError, match="cannot extract"):
+            dl.download("evil", tmp_path / "b", base_url=server.url, progress=False)
+        assert dl.download("plain", tmp_path / "c", base_url=server.url, progress=False).read_bytes() == plain
+    assert not (tmp_path / "escape.txt").exists() and not (tmp_path / "b" / "escape.txt").exists()
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["train.txt"]  # used as it is

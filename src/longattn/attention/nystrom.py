@@ -11,9 +11,10 @@ The pseudo-inverse ^+ is the iterative Moore-Penrose approximation (eq. 16)::
 run for ``pinv_iterations`` (6) steps, and the output adds a depth-wise convolution of V along the
 sequence (the "skip connection of V", Section 4, kernel 33), switchable with ``conv_kernel=None``.
 
-Any length: the sequence is padded at the end to a multiple of m internally; the landmark of a
-segment is the mean of its *real* tokens only, and a segment with no real token is no landmark at
-all (its row and column of the m x m kernel are replaced by those of the identity, which keeps the
+Any length: the sequence is padded at the end to a multiple of m internally. With padding, the
+segments are taken over each sequence's real tokens (L of them: segments of ceil(L / m) real tokens,
+wherever the padding sits), so a sequence has the same landmarks alone or padded to any length; a
+segment with no real token is no landmark at all (its row and column of the m x m kernel are replaced by those of the identity, which keeps the
 pseudo-inverse block-diagonal, so the real landmarks are unaffected). Padded keys are excluded from
 every softmax and zeroed before the convolution.
 """
@@ -74,6 +75,21 @@ def _masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
     return torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1)
 
 
+def _real_segment_sums(query: Tensor, key: Tensor, real: Tensor, m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Segment sums of eq. 13-14 over each sequence's real tokens: with L real tokens, the token of rank r
+    among them falls in segment r // ceil(L / m), wherever the padding sits, so a sequence gets the same
+    landmarks alone or padded to any length. Returns q and k sums [B, H, m, Dh] and counts [B, 1, m, 1]."""
+    b, h, n, d = query.shape
+    rank = real.long().cumsum(-1) - 1  # [B, N]
+    segment = (real.sum(-1, keepdim=True) + m - 1).div(m, rounding_mode="floor").clamp(min=1)
+    index = torch.where(real, rank.div(segment, rounding_mode="floor"), m)  # padding into a spare slot m
+    spread = index[:, None, :, None].expand(b, h, n, d)
+    q_sum = query.new_zeros(b, h, m + 1, d).scatter_add(2, spread, query)[:, :, :m]
+    k_sum = key.new_zeros(b, h, m + 1, d).scatter_add(2, spread, key)[:, :, :m]
+    counts = torch.zeros(b, m + 1, dtype=torch.long, device=real.device).scatter_add(1, index, real.long())
+    return q_sum, k_sum, counts[:, None, :m, None]
+
+
 @padding_safe
 def nystrom_attention(
     query: Tensor,
@@ -102,16 +118,19 @@ def nystrom_attention(
         query_real, key_real = query, key
 
     m = num_landmarks
-    pad = (-n) % m
-    segment = (n + pad) // m
-    # Segment sums of real tokens only (eq. 13-14), then the mean over the real count.
-    q_sum = F.pad(query_real, (0, 0, 0, pad)).reshape(b, h, m, segment, d).sum(dim=-2)
-    k_sum = F.pad(key_real, (0, 0, 0, pad)).reshape(b, h, m, segment, d).sum(dim=-2)
-    counts = F.pad(real, (0, pad), value=False).reshape(b, 1, m, segment).sum(dim=-1, keepdim=True)
+    if attention_mask is None:
+        pad = (-n) % m
+        segment = (n + pad) // m
+        # Segment sums (eq. 13-14), then the mean over the count.
+        q_sum = F.pad(query_real, (0, 0, 0, pad)).reshape(b, h, m, segment, d).sum(dim=-2)
+        k_sum = F.pad(key_real, (0, 0, 0, pad)).reshape(b, h, m, segment, d).sum(dim=-2)
+        counts = F.pad(real, (0, pad), value=False).reshape(b, 1, m, segment).sum(dim=-1, keepdim=True)
+    else:
+        q_sum, k_sum, counts = _real_segment_sums(query_real, key_real, real, m)
     q_land = q_sum / counts.clamp(min=1).to(q_sum.dtype) * scale  # the scale on the small side
     k_land = k_sum / counts.clamp(min=1).to(k_sum.dtype)
     valid = counts[..., 0] > 0  # [B, 1, m]: landmark has at least one real token
-    landmark_mask = None if attention_mask is None and pad == 0 else valid[:, :, None, :]
+    landmark_mask = None if attention_mask is None and n % m == 0 else valid[:, :, None, :]
     key_mask = None if attention_mask is None else real[:, None, None, :]
 
     kernel_2 = _masked_softmax(q_land @ k_land.transpose(-1, -2), landmark_mask)  # [B, H, m, m]
@@ -145,16 +164,15 @@ def nystrom_attention_reference(
     b, h, n, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     m = num_landmarks
-    segment = math.ceil(n / m)
     outs = []
     for bi in range(b):
         real = torch.ones(n, dtype=torch.bool) if attention_mask is None else attention_mask[bi].cpu()
         v = value[bi] * real[None, :, None].to(value.dtype)
-        # landmark j averages the real tokens at positions [j * segment, (j + 1) * segment)
+        # landmark j averages the real tokens of rank [j * segment, (j + 1) * segment) among the real ones
+        segment = max(1, math.ceil(int(real.sum()) / m))
         assign = torch.zeros(m, n, dtype=query.dtype)
-        for pos in range(n):
-            if real[pos]:
-                assign[pos // segment, pos] = 1.0
+        for rank, pos in enumerate(torch.nonzero(real).flatten().tolist()):
+            assign[rank // segment, pos] = 1.0
         nonempty = assign.sum(1) > 0
         assign = assign[nonempty] / assign[nonempty].sum(1, keepdim=True)
         q_land, k_land = assign @ query[bi], assign @ key[bi]  # [H, m', d]

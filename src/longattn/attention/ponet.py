@@ -119,8 +119,9 @@ def ponet_mixing(
     # eq. 3: channel-wise max over each segment's real tokens, broadcast back to its tokens
     lowest = float("-inf")
     flat = segment.masked_fill(~real, lowest).transpose(1, 2).reshape(batch, length, heads * head_dim)
-    index = segment_ids.long().unsqueeze(-1).expand_as(flat)
-    seg_max = flat.new_full((batch, int(segment_ids.max()) + 1, heads * head_dim), lowest)
+    labels, compact = torch.unique(segment_ids, return_inverse=True)  # any labels -> 0..S-1
+    index = compact.unsqueeze(-1).expand_as(flat)
+    seg_max = flat.new_full((batch, labels.numel(), heads * head_dim), lowest)
     seg_max = seg_max.scatter_reduce(1, index, flat, reduce="amax", include_self=False)
     seg = seg_max.gather(1, index).view(batch, length, heads, head_dim).transpose(1, 2)
     # eq. 4: sliding max over k positions (stride 1), padded tokens at -inf

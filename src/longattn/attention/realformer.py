@@ -94,13 +94,20 @@ def realformer_attention(
         scores = torch.baddbmm(prev_scores.to(work).flatten(0, 1), flat_q, flat_k, alpha=scale)
     scores = scores.view(expected)
     allowed = _allowed(attention_mask, is_causal, n_q, n_k, q.device)
+    no_key = None
+    if allowed is not None:
+        # A query without any allowed key would be a row of -inf (NaN softmax): let it see every
+        # key and zero its output instead, on [B, 1, n_q, 1] rather than a pass over n x n weights.
+        no_key = ~allowed.any(-1, keepdim=True)
+        allowed = allowed | no_key
     logits = scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(logits, dim=-1)
-    if allowed is not None:
-        weights = weights.nan_to_num(0.0)  # rows without any allowed key
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
-    return (weights @ value.to(work)).to(value.dtype), scores
+    out = weights @ value.to(work)
+    if no_key is not None:
+        out = out.masked_fill(no_key, 0.0)
+    return out.to(value.dtype), scores
 
 
 @padding_safe

@@ -1,7 +1,7 @@
 """How well each sub-quadratic method approximates exact attention (Skeinformer, section 5, Fig. 1).
 
 Real queries, keys and values come from every layer and head of a pretrained transformer
-(MiniLM-L6) run on WikiText-2 text cut into 512-token sequences, or from the same model with
+(MiniLM-L6, transformers' ``BertModel``) run on WikiText-2 text cut into 512-token sequences, or from the same model with
 random weights. For each method and sample size d, the error is the relative spectral norm
 
     || softmax(Q K^T / sqrt(p)) V - R ||_2 / || softmax(Q K^T / sqrt(p)) V ||_2
@@ -152,10 +152,31 @@ def wikitext_sequences(data_dir: str | Path, tokenizer, length: int = 512, count
 
 
 def qkv_per_layer(model, input_ids: Tensor) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
-    """(layer index, q, k, v) with q, k, v of shape [B, H, N, Dh] for every layer."""
-    _, qkvs = model(input_ids)
-    for index, (q, k, v) in enumerate(qkvs):
-        yield index, q, k, v
+    """(layer index, q, k, v) with q, k, v of shape [B, H, N, Dh] for every self-attention layer of a
+    transformers model (BERT family: the outputs of each layer's query/key/value projections)."""
+    from longattn.attention.base import split_heads
+    from longattn.hf import attention_modules
+
+    layers = attention_modules(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no self-attention layer with query/key/value projections")
+    captured: dict[tuple[int, str], Tensor] = {}
+    hooks = []
+    for index, (_, module, family) in enumerate(layers):
+        heads = module.num_attention_heads if family == "bert" else module.config.num_attention_heads
+        for role, attribute in zip("qkv", ("query", "key", "value") if family == "bert" else ("q_proj", "k_proj", "v_proj")):
+            def keep(mod, args, out, index=index, role=role, heads=heads):
+                captured[(index, role)] = split_heads(out, heads)
+
+            hooks.append(getattr(module, attribute).register_forward_hook(keep))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for index in range(len(layers)):
+        yield index, captured[(index, "q")], captured[(index, "k")], captured[(index, "v")]
 
 
 def evaluate(

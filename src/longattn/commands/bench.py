@@ -102,7 +102,7 @@ def _approx(args: argparse.Namespace) -> int:
     import torch
 
     from longattn.bench.approx import APPROX_METHODS, approx_table, evaluate, plot_approx, qkv_per_layer, results_as_dicts, wikitext_sequences
-    from longattn.bench.bert import load_bert, load_tokenizer
+    from longattn.hf import load_bert, load_tokenizer
 
     methods = args.methods or sorted(APPROX_METHODS)
     sizes = _int_list(args.samples)

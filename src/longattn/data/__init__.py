@@ -1,4 +1,5 @@
-"""Datasets: Long Range Arena (ListOps, Text, Retrieval, Image, Pathfinder) and time series.
+"""Datasets: Long Range Arena (ListOps, Text, Retrieval, Image, Pathfinder), GLUE (`data.glue`), document
+classification (`data.textcls`) and time series.
 
 See docs/data.md and docs/forecasting.md for formats, official locations and checksums.
 """

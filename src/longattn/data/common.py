@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -138,3 +139,56 @@ def holdout_split(n: int, split: str, val_fraction: float, seed: int | None) -> 
     order = np.arange(n) if seed is None else np.random.default_rng(seed).permutation(n)
     chosen = order[n - num_val:] if split == "val" else order[: n - num_val]
     return np.sort(chosen)
+
+
+def pad_sequences(sequences: Sequence[torch.Tensor], pad_id: int, pad_to: int | None = None, key: str = "tokens"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D integer tensors into a LongTensor [B, N] and its bool mask (True = real token).
+
+    pad_to fixes N (an error naming `key` if an item is longer); otherwise N is the longest item.
+    """
+    lengths = [len(s) for s in sequences]
+    width = max(lengths, default=0)
+    if pad_to is not None:
+        if width > pad_to:
+            raise DatasetError(f"collate: an item's {key!r} has {width} tokens, more than pad_to={pad_to}")
+        width = pad_to
+    tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, sequence in enumerate(sequences):
+        tokens[row, : len(sequence)] = sequence
+        mask[row, : len(sequence)] = True
+    return tokens, mask
+
+
+def stratified_folds(labels: Sequence, num_folds: int = 5, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Deterministic (train indices, validation indices) of each fold, by scikit-learn's shuffled
+    StratifiedKFold (KFold for multi-label indicator rows, which StratifiedKFold does not support)."""
+    from sklearn.model_selection import KFold, StratifiedKFold  # imported here: scikit-learn is slow to import
+
+    labels = np.asarray(labels)
+    if num_folds < 2 or num_folds > len(labels):
+        raise DatasetError(f"num_folds must be in [2, {len(labels)}], got {num_folds}")
+    if labels.ndim == 2:
+        splitter = KFold(num_folds, shuffle=True, random_state=seed)
+    else:
+        counts = Counter(labels.tolist())
+        if max(counts.values()) < num_folds:
+            raise DatasetError(f"no class has {num_folds} documents: cannot stratify into {num_folds} folds")
+        splitter = StratifiedKFold(num_folds, shuffle=True, random_state=seed)
+    return [(np.sort(train), np.sort(val)) for train, val in splitter.split(np.zeros(len(labels)), labels)]
+
+
+def holdout_test(labels: Sequence, test_fraction: float = 0.2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, test indices): a seeded stratified holdout (scikit-learn's train_test_split) for
+    datasets without an official test set; classes with a single document stay in train."""
+    from sklearn.model_selection import train_test_split
+
+    if not 0.0 < test_fraction < 1.0:
+        raise DatasetError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    labels = np.asarray(labels)
+    counts = Counter(labels.tolist())
+    several = np.array([counts[label] > 1 for label in labels.tolist()])
+    index = np.flatnonzero(several)
+    train, test = train_test_split(index, test_size=test_fraction, random_state=seed, stratify=labels[index])
+    return np.sort(np.concatenate([train, np.flatnonzero(~several)])), np.sort(test)

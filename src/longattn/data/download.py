@@ -56,7 +56,52 @@ ARCHIVES: dict[str, Archive] = {
                            "https://storage.googleapis.com/long-range-arena/lra_release.gz",
                            sha256=None, md5=None, size=None,
                            contents="lra_release/{listops-1000,tsv_data,pathfinder32,...} (ListOps, Retrieval, Pathfinder)"),
+    "cifar100": Archive("cifar100", "cifar-100-python.tar.gz", "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+                        sha256="85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7",
+                        md5="eb9058c3a382ffc7106e4002c42a8d85", size=169_001_437,
+                        contents="cifar-100-python/{train,test,meta} (Singularformer CIFAR 100)"),
 }
+
+
+def _add(name: str, filename: str, url: str, sha256: str | None, size: int | None, contents: str) -> None:
+    ARCHIVES[name] = Archive(name, filename, url, sha256=sha256, md5=None, size=size, contents=contents)
+
+
+# GLUE (Wang et al. 2018) as its official download script fetches it; SHA256 and sizes as recorded by
+# TensorFlow Datasets for the same files (the MRPC files also match the copies in ../shared/data).
+_GLUE = "https://dl.fbaipublicfiles.com/glue/data/"
+for _name, _file, _sha, _size in [
+    ("cola", "CoLA.zip", "f212fcd832b8f7b435fb991f101abf89f96b933ab400603bf198960dfc32cbff", 376_971),
+    ("sst2", "SST-2.zip", "d67e16fb55739c1b32cdce9877596db1c127dc322d93c082281f64057c16deaa", 7_439_277),
+    ("stsb", "STS-B.zip", "e60a6393de5a8b5b9bac5020a1554b54e3691f9d600b775bd131e613ac179c85", 802_872),
+    ("qqp", "QQP-clean.zip", None, None),  # the re-released QQP: no checksum published for it
+    ("mnli", "MNLI.zip", "e7c1d896d26ed6caf700110645df426cc2d8ebf02a5ab743d5a5c68ac1c83633", 312_783_507),
+    ("qnli", "QNLIv2.zip", "e634e78627a29adaecd4f955359b22bf5e70f2cbd93b493f2d624138a0c0e5f5", 10_627_589),
+    ("rte", "RTE.zip", "6bf86de103ecd335f3441bd43574d23fef87ecc695977a63b82d5efb206556ee", 697_150),
+]:
+    _add(f"glue_{_name}", _file, _GLUE + _file, _sha, _size, f"{_file[:-4]}/{{train,dev,test}}.tsv (GLUE)")
+_SENTEVAL = "https://dl.fbaipublicfiles.com/senteval/senteval_data/"
+_add("glue_mrpc_train", "msr_paraphrase_train.txt", _SENTEVAL + "msr_paraphrase_train.txt",
+     "60a9b09084528f0673eedee2b69cb941920f0b8cd0eeccefc464a98768457f89", 1_047_044, "MRPC source (GLUE)")
+_add("glue_mrpc_test", "msr_paraphrase_test.txt", _SENTEVAL + "msr_paraphrase_test.txt",
+     "a04e271090879aaba6423d65b94950c089298587d9c084bf9cd7439bd785f784", 441_275, "MRPC source (GLUE)")
+_add("glue_mrpc_dev_ids", "dev_ids.tsv", _GLUE + "mrpc_dev_ids.tsv",
+     "971d7767d81b997fd9060ade0ec23c4fc31cbb226a55d1bd4a1bac474eb81dc7", 6_222, "MRPC dev pairs (GLUE)")
+# Document classification (Singularformer section 4).
+_TEXT_GCN = "https://raw.githubusercontent.com/yao8839836/text_gcn/master/data/R8/"
+_add("r8_train", "train.txt", _TEXT_GCN + "train.txt",
+     "3ed60c905aaa95b96c3fc4afb6d14ad2e20106c59c5b9dda950dcb3075eecfbe", 3_354_423, "R8 train (label<TAB>text)")
+_add("r8_test", "test.txt", _TEXT_GCN + "test.txt",
+     "2ba368c42e6808bc3dc68b8f7879eb07a2810ed137f0b304e2213b689677e561", 1_195_260, "R8 test (label<TAB>text)")
+_add("bbc", "bbc-fulltext.zip", "http://mlg.ucd.ie/files/datasets/bbc-fulltext.zip", None, None,
+     "bbc/<class>/<nnn>.txt (BBC News, 2225 documents)")
+_add("20news", "20news-bydate.tar.gz", "https://ndownloader.figshare.com/files/5975967",
+     "8f1b2514ca22a5ade8fbb9cfa5727df95fa587f4c87b786e15c759fa66d95610", None,
+     "20news-bydate-{train,test}/<group>/<id> (20 Newsgroups bydate)")
+_SCOPE = "https://scop.berkeley.edu/downloads/scopeseq-2.08/astral-scopedom-seqres-gd-sel-gs-bib-{}-2.08.fa"
+for _identity in ("95", "40"):
+    _add(f"scope{_identity}", f"astral-scopedom-seqres-gd-sel-gs-bib-{_identity}-2.08.fa",
+         _SCOPE.format(_identity), None, None, f"ASTRAL SCOPe 2.08 < {_identity}% identity (FASTA)")
 
 
 def _digests(path: Path) -> tuple[str, str]:
@@ -146,7 +191,43 @@ def download_file(url: str, dest: str | Path, *, sha256: str | None = None, md5:
     return dest
 
 
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+
+
+def is_archive(filename: str) -> bool:
+    """Whether `filename` is extracted after download (tar or zip); other files are used as they are."""
+    return filename.endswith(ARCHIVE_SUFFIXES)
+
+
+def _extract_zip(path: Path, staging: Path) -> None:
+    import zipfile
+
+    root = staging.resolve()
+    with zipfile.ZipFile(path) as archive:
+        for member in archive.infolist():
+            target = (staging / member.filename).resolve()
+            is_link = (member.external_attr >> 16) & 0o170000 == 0o120000
+            if (root not in target.parents and target != root) or is_link:
+                raise zipfile.BadZipFile(f"unsafe member {member.filename!r}")
+        archive.extractall(staging)
+
+
+def _extract_tar(path: Path, staging: Path) -> None:
+    with tarfile.open(path, "r:*") as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(staging, filter="data")  # refuses absolute paths, '..' and links out of dest
+        else:  # Python without extraction filters: check member paths ourselves
+            root = staging.resolve()
+            for member in tar.getmembers():
+                target = (staging / member.name).resolve()
+                if root not in target.parents and target != root or member.issym() or member.islnk():
+                    raise tarfile.TarError(f"unsafe member {member.name!r}")
+            tar.extractall(staging)
+
+
 def _safe_extract(path: Path, dest: Path) -> None:
+    import zipfile
+
     marker = dest / f".{path.name}.extracted"
     if marker.exists():
         return
@@ -154,17 +235,8 @@ def _safe_extract(path: Path, dest: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        with tarfile.open(path, "r:*") as tar:
-            if hasattr(tarfile, "data_filter"):
-                tar.extractall(staging, filter="data")  # refuses absolute paths, '..' and links out of dest
-            else:  # Python without extraction filters: check member paths ourselves
-                root = staging.resolve()
-                for member in tar.getmembers():
-                    target = (staging / member.name).resolve()
-                    if root not in target.parents and target != root or member.issym() or member.islnk():
-                        raise tarfile.TarError(f"unsafe member {member.name!r}")
-                tar.extractall(staging)
-    except (tarfile.TarError, EOFError, OSError) as error:
+        (_extract_zip if path.name.endswith(".zip") else _extract_tar)(path, staging)
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as error:
         shutil.rmtree(staging, ignore_errors=True)
         raise DownloadError(f"{path}: cannot extract ({error})") from error
     for entry in staging.iterdir():
@@ -198,7 +270,7 @@ def download(name: str, dest: str | Path, *, base_url: str | None = None, extrac
     if archive.sha256 is None:
         print(f"{archive.filename}: SHA256 {check_digests(final)} (no reference checksum to compare with)",
               file=sys.stderr)
-    if extract:
+    if extract and is_archive(archive.filename):
         _safe_extract(final, dest)
     return final
 

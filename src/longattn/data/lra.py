@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from . import image, listops, pathfinder, retrieval, text
-from .common import DatasetError
+from .common import DatasetError, pad_sequences
 
 
 @dataclass(frozen=True)
@@ -102,22 +102,6 @@ def build_dataset(name: str, split: str = "train", data_dir: str | Path | None =
     return dataset
 
 
-def _pad(sequences: Sequence[torch.Tensor], pad_id: int, pad_to: int | None, key: str
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = [len(s) for s in sequences]
-    width = max(lengths, default=0)
-    if pad_to is not None:
-        if width > pad_to:
-            raise DatasetError(f"collate: an item's {key!r} has {width} tokens, more than pad_to={pad_to}")
-        width = pad_to
-    tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for row, sequence in enumerate(sequences):
-        tokens[row, : len(sequence)] = sequence
-        mask[row, : len(sequence)] = True
-    return tokens, mask
-
-
 def collate(items: Sequence[dict], pad_to: int | None = None, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Stack items into right-padded LongTensors with bool masks (True = real token).
 
@@ -133,6 +117,6 @@ def collate(items: Sequence[dict], pad_to: int | None = None, pad_id: int = 0) -
         if any(key not in item for item in items):
             raise DatasetError(f"collate: every item needs {key!r}")
         suffix = key[len("tokens"):]
-        batch[key], batch["attention_mask" + suffix] = _pad([item[key] for item in items], pad_id, pad_to, key)
+        batch[key], batch["attention_mask" + suffix] = pad_sequences([item[key] for item in items], pad_id, pad_to, key)
     batch["label"] = torch.tensor([int(item["label"]) for item in items], dtype=torch.long)
     return batch

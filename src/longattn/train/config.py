@@ -18,7 +18,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
-import yaml
+from longattn.utils import optional_import
+
 
 # Every key a config may hold, with its default (the standard LRA model of Nystromformer's code).
 DEFAULTS: dict[str, Any] = {
@@ -126,7 +127,7 @@ def parse_override(text: str) -> dict[str, Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override {text!r} has an empty key part")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    value = optional_import("yaml").safe_load(raw) if raw.strip() else None
     if isinstance(value, str):
         value = _yaml_float(value)
     nested: dict[str, Any] = {parts[-1]: value}
@@ -155,7 +156,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = optional_import("yaml").safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     return _fix_yaml_floats(data)
@@ -239,4 +240,4 @@ def validate(config: dict[str, Any]) -> None:
 
 
 def save_config(config: dict[str, Any], path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config, sort_keys=False))
+    Path(path).write_text(optional_import("yaml").safe_dump(config, sort_keys=False))

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from tqdm.auto import tqdm
 
 from longattn.attention import collect_aux_losses
 from longattn.train.checkpoint import load_checkpoint, save_atomic
@@ -37,7 +36,7 @@ from longattn.train.distributed import (
     init_distributed,
     resolve_device,
 )
-from longattn.utils import rng_state, seed_everything, set_rng_state
+from longattn.utils import optional_import, rng_state, seed_everything, set_rng_state
 
 
 class StepOutput(NamedTuple):
@@ -236,7 +235,7 @@ def evaluate(
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers,
                         generator=torch.Generator().manual_seed(0))
     predictions, targets, loss_sum = [], [], 0.0
-    for batch in tqdm(loader, desc=split, leave=False, disable=not progress):
+    for batch in optional_import("tqdm.auto").tqdm(loader, desc=split, leave=False, disable=not progress):
         batch = to_device(batch, device)
         with _autocast(device, precision):
             out = step_fn(model, batch)
@@ -471,7 +470,7 @@ class Trainer:
         s, p = self.settings, self.progress
         self.model.train()
         stream = self._train_batches()
-        bar = tqdm(total=s.max_steps, initial=p.step, desc="train", disable=not self._show_progress())
+        bar = optional_import("tqdm.auto").tqdm(total=s.max_steps, initial=p.step, desc="train", disable=not self._show_progress())
         while p.step < s.max_steps and not p.stopped_early:
             started = time.perf_counter()
             loss_value, aux_value = self._optimizer_step(stream)

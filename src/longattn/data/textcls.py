@@ -1,0 +1,471 @@
+"""Document classification datasets of Singularformer (IJCAI 2023) section 4, from their public formats.
+
+    from longattn.data.textcls import build_textcls, collate_textcls, stratified_folds
+
+    train = build_textcls("r8", "train", data_dir, fold=0)   # folds 1-4 of a 5-fold split of the training set
+    val = build_textcls("r8", "val", data_dir, fold=0)       # fold 0
+    test = build_textcls("r8", "test", data_dir)             # the test set
+    batch = collate_textcls([train[0], train[1]], pad_id=train.pad_id)
+    # {"tokens": Long[B, N], "attention_mask": bool[B, N], "label": Long[B] (Float[B, C] when multi-label)}
+
+| name | format in data_dir | classes | max_length (paper) | tokens (default) |
+|---|---|---|---|---|
+| r8 | `R8/{train,test}.txt`: `label<TAB>text` a line | 8 | 141 | words (whitespace) |
+| bbc | `bbc/<class>/<nnn>.txt` (or `bbc-fulltext.zip`) | 5 | 664 | words (regex) |
+| 20news | `20news-bydate-{train,test}/<group>/<id>` (or `20news-bydate.tar.gz`) | 20 | 700 | words (regex) |
+| imdb | the IMDb archive or `aclImdb/` (read by data/text.py) | 2 | 539 | words (regex) |
+| mimic3_50 | CAML's `{train,dev,test}_50.csv` (`HADM_ID`, `TEXT`, `LABELS` a;b;c) | 50, multi-label | 1024 | words (whitespace) |
+| scope95 / scope40 | ASTRAL SCOPe FASTA `*-95-*.fa` / `*-40-*.fa` | folds (`a.1`) | 328 / 337 | amino acids |
+
+The maximum lengths are the paper's ("141, 664, 700, 539, 1024, 328, 337, 256 on R8, BBC, 20NG, IMDb,
+MIMIC-III 50, SCoPe95, SCoPe40, CIFAR 100"; CIFAR-100 is in data/image.py); longer documents keep their
+first max_length tokens. Rules (see docs/data.md): files are UTF-8, and a file that is not valid UTF-8
+is read as Latin-1 where the format has such files (BBC, 20 Newsgroups); an empty document raises an
+error naming its file and line unless ``skip_empty=True`` drops it; a label of a test or validation
+document that the training set does not have raises an error naming where it is.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import tarfile
+import zipfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..registry import Registry
+from . import wordpiece
+from .common import DatasetError, Packed, check_split, holdout_test, pad_sequences, stratified_folds
+
+PAD_ID, UNK_ID = 0, 1  # word and amino-acid vocabularies; MiniLM's WordPiece has its own [PAD] = 0
+TOKENIZERS = ("word", "wordpiece", "char")
+AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWYXBZUO"  # the 20 standard residues, unknown X, ambiguous B/Z, U, O
+# The authors' public code lower-cases and keeps words and these punctuation marks as tokens.
+WORD_PATTERN = re.compile(r"[a-z0-9]+|[,;.!?()'\"]")
+WHITESPACE_PATTERN = re.compile(r"\S+")  # R8 and MIMIC-III come already tokenised
+
+
+@dataclass
+class Corpus:
+    """Raw documents of one subset: texts, label names (a tuple of names per document when multi-label)
+    and, per document, where it came from (``file`` or ``file:line``) for error messages."""
+
+    texts: list[str] = field(default_factory=list)
+    labels: list = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    latin1_files: int = 0  # files that were not UTF-8 and were read as Latin-1
+
+    def add(self, text: str, label, source: str) -> None:
+        self.texts.append(text)
+        self.labels.append(label)
+        self.sources.append(source)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+@dataclass(frozen=True)
+class TextClsSpec:
+    """One dataset: its reader, the paper's maximum length and how it is tokenised by default."""
+
+    name: str
+    max_length: int
+    reader: Callable[[Path, str], Corpus]  # (data_dir, "train" | "test" | "dev") -> Corpus
+    tokenizer: str = "word"
+    word_pattern: re.Pattern = WORD_PATTERN
+    multilabel: bool = False
+    official_test: bool = True  # False: the test split is a seeded stratified holdout of the documents
+    official_dev: bool = False  # MIMIC-III has a dev file
+
+
+TEXTCLS_DATASETS: Registry[TextClsSpec] = Registry("text classification dataset", error=DatasetError)
+
+
+# ----------------------------------------------------------------------------- decoding and readers
+
+def decode(data: bytes, where: str, latin1_fallback: bool) -> tuple[str, bool]:
+    """UTF-8 text of a file; with latin1_fallback a file that is not UTF-8 is read as Latin-1
+    (every byte is a character there), returning (text, whether the fallback was used)."""
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError as error:
+        if latin1_fallback:
+            return data.decode("latin-1"), True
+        line = data[: error.start].count(b"\n") + 1
+        raise DatasetError(f"{where}:{line}: not UTF-8 ({error.reason} at byte {error.start})") from None
+
+
+def _find(data_dir: Path, names: Sequence[str], what: str) -> Path:
+    for name in names:
+        if (data_dir / name).exists():
+            return data_dir / name
+    raise DatasetError(f"{what}: found none of {', '.join(names)} in {data_dir}")
+
+
+def read_r8(data_dir: Path, subset: str) -> Corpus:
+    """R8 as distributed with the Text GCN code: `label<TAB>text` per line."""
+    path = _find(data_dir, [f"{subset}.txt", f"R8/{subset}.txt"], f"R8 {subset}")
+    text = decode(path.read_bytes(), str(path), latin1_fallback=False)[0]
+    corpus = Corpus()
+    for number, line in enumerate(text.split("\n"), 1):
+        line = line.removesuffix("\r")
+        if not line and number == text.count("\n") + 1:
+            continue  # the final newline
+        label, tab, document = line.partition("\t")
+        if not tab or not label.strip():
+            raise DatasetError(f"{path}:{number}: expected 'label<TAB>text'")
+        corpus.add(document, label.strip(), f"{path}:{number}")
+    return corpus
+
+
+def _folder_documents(root: Path, where: str) -> list[tuple[str, str, bytes]]:
+    """(class, file name, bytes) of every `<root>/<class>/<file>`, sorted."""
+    if not root.is_dir():
+        raise DatasetError(f"{where}: missing folder {root}")
+    entries = [(file.parent.name, file.name, file.read_bytes()) for file in root.glob("*/*") if file.is_file()]
+    return sorted(entries)
+
+
+def _archive_documents(archive: Path, top: str) -> list[tuple[str, str, bytes]]:
+    """(class, file name, bytes) of the `<top>/<class>/<file>` members of a tar or zip archive."""
+    pattern = re.compile(rf"(?:^|/){re.escape(top)}/([^/]+)/([^/]+)$")
+    entries = []
+    try:
+        if archive.suffix == ".zip":
+            with zipfile.ZipFile(archive) as handle:
+                for name in handle.namelist():
+                    match = pattern.search(name)
+                    if match and not name.endswith("/"):
+                        entries.append((match.group(1), match.group(2), handle.read(name)))
+        else:
+            with tarfile.open(archive, "r:*") as handle:
+                for member in handle:
+                    match = pattern.search(member.name)
+                    if member.isfile() and match:
+                        entries.append((match.group(1), match.group(2), handle.extractfile(member).read()))
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as error:
+        raise DatasetError(f"{archive}: not a readable archive ({error})") from error
+    if not entries:
+        raise DatasetError(f"{archive}: no {top}/<class>/<file> members")
+    return sorted(entries)
+
+
+def _class_folder_corpus(entries: list[tuple[str, str, bytes]], where: str, latin1_fallback: bool) -> Corpus:
+    corpus = Corpus()
+    for label, name, data in entries:
+        source = f"{where}/{label}/{name}"
+        text, fell_back = decode(data, source, latin1_fallback)
+        corpus.latin1_files += fell_back
+        corpus.add(text, label, source)
+    return corpus
+
+
+def read_bbc(data_dir: Path, subset: str) -> Corpus:
+    """BBC News (Greene and Cunningham 2006): `bbc/<class>/<nnn>.txt`, or the `bbc-fulltext.zip` archive.
+    There is no official test split: every document is read and build_textcls holds a test set out."""
+    if (data_dir / "bbc").is_dir() or data_dir.name == "bbc":
+        root = data_dir / "bbc" if (data_dir / "bbc").is_dir() else data_dir
+        entries = [e for e in _folder_documents(root, "BBC") if e[1].endswith(".txt")]
+        where = str(root)
+    else:
+        archive = _find(data_dir, ["bbc-fulltext.zip"], "BBC")
+        entries, where = [e for e in _archive_documents(archive, "bbc") if e[1].endswith(".txt")], f"{archive}:bbc"
+    return _class_folder_corpus(entries, where, latin1_fallback=True)
+
+
+def read_20news(data_dir: Path, subset: str) -> Corpus:
+    """20 Newsgroups "bydate" (Lang 1995): `20news-bydate-{train,test}/<group>/<id>`, or its tar.gz.
+    Documents are kept whole (headers included, as scikit-learn's fetch_20newsgroups does by default)."""
+    top = f"20news-bydate-{subset}"
+    if (data_dir / top).is_dir():
+        entries, where = _folder_documents(data_dir / top, "20 Newsgroups"), str(data_dir / top)
+    else:
+        archive = _find(data_dir, ["20news-bydate.tar.gz"], f"20 Newsgroups ({top}/)")
+        entries, where = _archive_documents(archive, top), f"{archive}:{top}"
+    entries.sort(key=lambda e: (e[0], int(e[1]) if e[1].isdigit() else e[1]))  # numeric ids, like the release
+    return _class_folder_corpus(entries, where, latin1_fallback=True)
+
+
+def read_imdb_corpus(data_dir: Path, subset: str) -> Corpus:
+    """IMDb (Maas et al. 2011) through data/text.py's reader (archive or extracted folder)."""
+    from .text import read_imdb
+
+    corpus = Corpus()
+    for index, (label, data) in enumerate(read_imdb(data_dir, subset)):
+        source = f"IMDb {subset} review {index} (sorted by label, id)"
+        corpus.add(decode(data, source, latin1_fallback=False)[0], ("neg", "pos")[label], source)
+    return corpus
+
+
+def read_mimic3(data_dir: Path, subset: str) -> Corpus:
+    """MIMIC-III top-50 codes in CAML's (Mullenbach et al. 2018) preprocessed CSV files `{subset}_50.csv`:
+    a header with `TEXT` and `LABELS` (or `ICD9_CODE`), codes separated by ';'."""
+    path = _find(data_dir, [f"{subset}_50.csv", f"mimic3/{subset}_50.csv"], f"MIMIC-III 50 {subset}")
+    corpus = Corpus()
+    with open(path, encoding="utf-8", newline="") as handle:
+        reader = csv.reader(handle)
+        header = next(reader, None) or []
+        label_column = next((c for c in ("LABELS", "ICD9_CODE") if c in header), None)
+        if "TEXT" not in header or label_column is None:
+            raise DatasetError(f"{path}:1: expected a header with TEXT and LABELS columns, found {header}")
+        text_index, label_index = header.index("TEXT"), header.index(label_column)
+        try:
+            for row in reader:
+                source = f"{path}:{reader.line_num}"
+                if len(row) != len(header):
+                    raise DatasetError(f"{source}: expected {len(header)} columns, found {len(row)}")
+                codes = tuple(sorted({c.strip() for c in row[label_index].split(";") if c.strip()}))
+                corpus.add(row[text_index], codes, source)
+        except (csv.Error, UnicodeDecodeError) as error:
+            raise DatasetError(f"{path}:{reader.line_num}: malformed CSV ({error})") from None
+    return corpus
+
+
+def read_scope(identity: str) -> Callable[[Path, str], Corpus]:
+    """ASTRAL SCOPe FASTA (`astral-scopedom-seqres-gd-sel-gs-bib-<identity>-<version>.fa`): a header
+    `>d1dlwa_ a.1.1.1 (A:) ...` then the sequence lines; the label is the fold (`a.1`), as the
+    Singularformer authors' public code takes it."""
+
+    def read(data_dir: Path, subset: str) -> Corpus:
+        files = sorted(data_dir.glob(f"*-{identity}-*.fa")) + sorted(data_dir.glob(f"*-{identity}-*.fasta"))
+        if not files:
+            raise DatasetError(f"SCOPe {identity}: no *-{identity}-*.fa (ASTRAL FASTA) in {data_dir}")
+        path = files[-1]  # the newest version when several are present
+        text = decode(path.read_bytes(), str(path), latin1_fallback=False)[0]
+        records: list[tuple[str, str, list[str]]] = []  # (fold, source, sequence lines)
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.startswith(">"):
+                fields = line[1:].split()
+                if len(fields) < 2 or fields[1].count(".") != 3:
+                    raise DatasetError(f"{path}:{number}: expected '>domain class.fold.superfamily.family ...'")
+                records.append((".".join(fields[1].split(".")[:2]), f"{path}:{number}", []))
+            elif line.strip():
+                if not records:
+                    raise DatasetError(f"{path}:{number}: sequence before the first '>' header")
+                records[-1][2].append(line.strip())
+        corpus = Corpus()
+        for fold, source, lines in records:
+            corpus.add("".join(lines).upper(), fold, source)
+        return corpus
+
+    return read
+
+
+for _spec in (
+    TextClsSpec("r8", 141, read_r8, word_pattern=WHITESPACE_PATTERN),
+    TextClsSpec("bbc", 664, read_bbc, official_test=False),
+    TextClsSpec("20news", 700, read_20news),
+    TextClsSpec("imdb", 539, read_imdb_corpus),
+    TextClsSpec("mimic3_50", 1024, read_mimic3, word_pattern=WHITESPACE_PATTERN, multilabel=True,
+                official_dev=True),
+    TextClsSpec("scope95", 328, read_scope("95"), tokenizer="char", official_test=False),
+    TextClsSpec("scope40", 337, read_scope("40"), tokenizer="char", official_test=False),
+):
+    TEXTCLS_DATASETS.register(_spec.name, _spec)
+
+
+def get_textcls(name: str) -> TextClsSpec:
+    return TEXTCLS_DATASETS.get(name)
+
+
+# ----------------------------------------------------------------------------- tokenisation
+
+def word_tokens(text: str, pattern: re.Pattern = WORD_PATTERN) -> list[str]:
+    """Lower-cased word tokens (the dataset's pattern)."""
+    return pattern.findall(text.lower())
+
+
+def build_vocabulary(token_lists: Sequence[Sequence[str]]) -> list[str]:
+    """["[PAD]", "[UNK]", words by descending count, ties alphabetically]: ids are list positions."""
+    counts = Counter(token for tokens in token_lists for token in tokens)
+    return ["[PAD]", "[UNK]"] + sorted(counts, key=lambda token: (-counts[token], token))
+
+
+def _encode_words(token_lists: Sequence[Sequence[str]], vocabulary: list[str], max_length: int) -> list[np.ndarray]:
+    index = {token: i for i, token in enumerate(vocabulary)}
+    return [np.asarray([index.get(t, UNK_ID) for t in tokens[:max_length]], dtype=np.int32) for tokens in token_lists]
+
+
+def _encode_residues(texts: Sequence[str], max_length: int) -> list[np.ndarray]:
+    table = np.full(256, UNK_ID, dtype=np.int32)
+    for i, letter in enumerate(AMINO_ACIDS):
+        table[ord(letter)] = i + 2
+    return [table[np.frombuffer(t[:max_length].encode("ascii", "replace"), dtype=np.uint8)] for t in texts]
+
+
+# ----------------------------------------------------------------------------- datasets
+
+class TextClsDataset(Dataset):
+    """Tokenised documents: ``{"tokens": LongTensor[L], "label": int}``, or a float multi-hot
+    ``"label"`` of ``num_classes`` values for a multi-label dataset."""
+
+    def __init__(self, sequences: list[np.ndarray], labels: np.ndarray, *, classes: list[str], pad_id: int,
+                 vocab_size: int, multilabel: bool, sources: list[str], vocabulary: list[str] | None = None) -> None:
+        self.tokens = Packed(sequences, np.int32)
+        self.labels = labels
+        self.classes = classes
+        self.num_classes = len(classes)
+        self.multilabel = multilabel
+        self.pad_id = pad_id
+        self.vocab_size = vocab_size
+        self.sources = sources
+        self.vocabulary = vocabulary
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} examples")
+        index %= len(self)
+        label = self.labels[index]
+        label = torch.from_numpy(label.astype(np.float32)) if self.multilabel else int(label)
+        return {"tokens": self.tokens[index], "label": label}
+
+    @property
+    def max_len(self) -> int:
+        lengths = self.tokens.lengths()
+        return int(lengths.max()) if len(lengths) else 0
+
+
+def _subset_corpus(spec: TextClsSpec, data_dir: Path, subset: str, skip_empty: bool) -> Corpus:
+    corpus = spec.reader(data_dir, subset)
+    if not len(corpus):
+        raise DatasetError(f"{spec.name}: no documents for {subset!r} in {data_dir}")
+    empty = [i for i, text in enumerate(corpus.texts) if not text.strip()]
+    if empty and not skip_empty:
+        raise DatasetError(f"{spec.name}: empty document at {corpus.sources[empty[0]]} ({len(empty)} in all); "
+                           "pass skip_empty=True to drop empty documents")
+    if empty:
+        keep = sorted(set(range(len(corpus))) - set(empty))
+        corpus = Corpus([corpus.texts[i] for i in keep], [corpus.labels[i] for i in keep],
+                        [corpus.sources[i] for i in keep], corpus.latin1_files)
+    return corpus
+
+
+def _label_array(corpus: Corpus, classes: list[str], multilabel: bool) -> np.ndarray:
+    index = {name: i for i, name in enumerate(classes)}
+    if multilabel:
+        array = np.zeros((len(corpus), len(classes)), dtype=np.uint8)
+        for row, (codes, source) in enumerate(zip(corpus.labels, corpus.sources)):
+            for code in codes:
+                if code not in index:
+                    raise DatasetError(f"{source}: label {code!r} is not among the {len(classes)} training labels")
+                array[row, index[code]] = 1
+        return array
+    for label, source in zip(corpus.labels, corpus.sources):
+        if label not in index:
+            raise DatasetError(f"{source}: label {label!r} does not occur in the training set "
+                               f"(classes: {', '.join(classes)})")
+    return np.asarray([index[label] for label in corpus.labels], dtype=np.int64)
+
+
+def build_textcls(name: str, split: str, data_dir: str | Path | None, *, fold: int | None = None,
+                  num_folds: int = 5, seed: int = 0, tokenizer: str | None = None, max_length: int | None = None,
+                  test_fraction: float = 0.2, skip_empty: bool = False) -> TextClsDataset:
+    """Dataset `name` for `split` ("train", "val", "test").
+
+    fold=None: "train" is the whole training set, "test" the test set, and "val" exists only where the
+    release has one (MIMIC-III's dev file). fold=k: "train" and "val" are the other folds and fold k of
+    ``stratified_folds(training labels, num_folds, seed)`` (Singularformer's 5-fold cross-validation).
+    Datasets without an official test set (BBC, SCOPe) hold out a stratified `test_fraction` first.
+    `tokenizer`: "word" (the dataset's word pattern; vocabulary from the training set: [PAD] 0, [UNK] 1,
+    then by frequency), "wordpiece" (MiniLM's uncased WordPiece, [CLS] text [SEP]) or "char" (amino acids).
+    """
+    check_split(split)
+    spec = get_textcls(name)
+    if data_dir is None:
+        raise DatasetError(f"{name} needs data_dir (see docs/data.md for its files and download)")
+    tokenizer = tokenizer or spec.tokenizer
+    if tokenizer not in TOKENIZERS:
+        raise DatasetError(f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
+    max_length = max_length or spec.max_length
+    if fold is not None and not 0 <= fold < num_folds:
+        raise DatasetError(f"fold must be in [0, {num_folds}), got {fold}")
+    if split == "val" and fold is None and not spec.official_dev:
+        raise DatasetError(f"{name} has no validation file: pass fold=k for fold k of the cross-validation")
+    root = Path(data_dir)
+
+    train = _subset_corpus(spec, root, "train", skip_empty)
+    if not spec.official_test:  # one pool of documents: hold the test set out, stratified and seeded
+        keep_train, keep_test = holdout_test(train.labels, test_fraction, seed)
+        pool = train
+        train = _take(pool, keep_train)
+        test = _take(pool, keep_test) if split == "test" else None
+    if spec.multilabel:
+        classes = sorted({code for codes in train.labels for code in codes})
+    else:
+        classes = sorted(set(train.labels))
+    if split == "test":
+        corpus = test if not spec.official_test else _subset_corpus(spec, root, "test", skip_empty)
+    elif split == "val" and fold is None:
+        corpus = _subset_corpus(spec, root, "dev", skip_empty)
+    elif fold is None:
+        corpus = train
+    else:
+        train_labels = _label_array(train, classes, spec.multilabel)
+        train_index, val_index = stratified_folds(train_labels, num_folds, seed)[fold]
+        corpus = _take(train, val_index if split == "val" else train_index)
+    labels = _label_array(corpus, classes, spec.multilabel)
+
+    vocabulary = None
+    if tokenizer == "word":
+        vocabulary = build_vocabulary([word_tokens(t, spec.word_pattern) for t in train.texts])
+        sequences = _encode_words([word_tokens(t, spec.word_pattern) for t in corpus.texts], vocabulary, max_length)
+        pad_id, vocab_size = PAD_ID, len(vocabulary)
+    elif tokenizer == "char":
+        sequences, pad_id, vocab_size = _encode_residues(corpus.texts, max_length), PAD_ID, len(AMINO_ACIDS) + 2
+    else:
+        wp = wordpiece.load_wordpiece()
+        sequences = [ids.astype(np.int32) for ids in wordpiece.encode(wp, corpus.texts, max_length=max_length)[0]]
+        pad_id, vocab_size = wordpiece.special_id(wp, "[PAD]"), wp.get_vocab_size()
+    return TextClsDataset(sequences, labels, classes=classes, pad_id=pad_id, vocab_size=vocab_size,
+                          multilabel=spec.multilabel, sources=corpus.sources, vocabulary=vocabulary)
+
+
+def _take(corpus: Corpus, index: np.ndarray) -> Corpus:
+    return Corpus([corpus.texts[i] for i in index], [corpus.labels[i] for i in index],
+                  [corpus.sources[i] for i in index], corpus.latin1_files)
+
+
+def collate_textcls(items: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """{"tokens": Long[B, N], "attention_mask": bool[B, N] (True = real token), "label": Long[B], or
+    Float[B, C] multi-hot for a multi-label dataset}."""
+    if not items:
+        raise DatasetError("collate: empty batch")
+    tokens, mask = pad_sequences([item["tokens"] for item in items], pad_id, pad_to, "tokens")
+    labels = [item["label"] for item in items]
+    label = torch.stack(labels) if isinstance(labels[0], torch.Tensor) else torch.tensor(labels, dtype=torch.long)
+    return {"tokens": tokens, "attention_mask": mask, "label": label}
+
+
+def download_textcls(name: str, dest: str | Path, *, base_url: str | None = None, progress: bool = True,
+                     allow_unverified: bool = False) -> Path:
+    """Fetch the public files of `name` (r8, bbc, 20news, imdb, scope95, scope40) into dest, checksum-verified
+    where a checksum is known (BBC and SCOPe have none published: allow_unverified=True). MIMIC-III needs
+    credentialed PhysioNet access and is never downloaded. Returns the folder to pass as data_dir."""
+    from .download import download
+
+    get_textcls(name)
+    dest = Path(dest)
+    options = dict(base_url=base_url, progress=progress)
+    if name == "r8":
+        for part in ("r8_train", "r8_test"):
+            download(part, dest / "R8", **options)
+        return dest / "R8"
+    if name == "mimic3_50":
+        raise DatasetError("MIMIC-III needs credentialed access (physionet.org); build CAML's *_50.csv files "
+                           "from it and pass their folder as data_dir")
+    download(name, dest, allow_unverified=allow_unverified, **options)  # archive names are the dataset names
+    return dest
+
+
+__all__ = ["TEXTCLS_DATASETS", "TextClsDataset", "build_textcls", "collate_textcls", "download_textcls",
+           "get_textcls", "holdout_test", "stratified_folds"]
