@@ -1,8 +1,10 @@
-"""Small shared helpers: seeding, RNG state capture for exact resume, optional imports."""
+"""Small shared helpers: seeding, RNG state capture for exact resume, strict JSON, optional imports."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import math
 import random
 from types import ModuleType
 from typing import Any
@@ -32,9 +34,11 @@ def seed_everything(seed: int) -> None:
 
 def rng_state() -> dict[str, Any]:
     """All RNG states, so a resumed run draws exactly the numbers an uninterrupted one would."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # numpy's key array as a tensor, so checkpoints load with torch.load(weights_only=True)
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -44,7 +48,28 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((kind, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def strict_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, inf) replaced by None, so that
+    ``json.dumps(..., allow_nan=False)`` writes standard JSON (bare NaN/Infinity are not JSON)."""
+    if isinstance(obj, dict):
+        return {key: strict_json(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(value) for value in obj]
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def dumps_strict(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps`` writing standard JSON: non-finite floats become null (see :func:`strict_json`)."""
+    return json.dumps(strict_json(obj), allow_nan=False, **kwargs)

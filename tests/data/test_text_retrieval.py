@@ -27,13 +27,13 @@ def _write_tar(path: Path, files: dict[str, str]) -> None:
 
 
 def test_imdb_from_tarball_and_folder_agree(tmp_path):
-    _write_tar(tmp_path / "aclImdb_v1.tar.gz", REVIEWS)
-    from_tar = build_dataset("text", "train", data_dir=str(tmp_path))
+    _write_tar(tmp_path / "aclImdb_fixture.tar.gz", REVIEWS)
+    from_tar = build_dataset("text", "train", data_dir=str(tmp_path), check_counts=False)
     folder = tmp_path / "extracted"
     for name, content in REVIEWS.items():
         (folder / "aclImdb" / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / "aclImdb" / name).write_text(content, encoding="utf-8")
-    from_folder = build_dataset("text", "train", data_dir=str(folder))
+    from_folder = build_dataset("text", "train", data_dir=str(folder), check_counts=False)
     assert len(from_tar) == len(from_folder) == 4
     for i in range(4):
         assert from_tar[i]["tokens"].tolist() == from_folder[i]["tokens"].tolist()
@@ -43,17 +43,20 @@ def test_imdb_from_tarball_and_folder_agree(tmp_path):
     assert from_tar[0]["tokens"].tolist() == list(b"Bad\x00movie")
     assert from_tar[2]["tokens"].tolist() == list("Great film \u00e9!".encode("utf-8"))
     # archive passed as a file path; truncation; val defaults to the test set as in LRA
-    short = build_dataset("text", "train", data_dir=str(tmp_path / "aclImdb_v1.tar.gz"), max_length=3)
+    short = build_dataset("text", "train", data_dir=str(tmp_path / "aclImdb_fixture.tar.gz"), max_length=3,
+                          check_counts=False)
     assert short[2]["tokens"].tolist() == list(b"Gre")
-    assert len(build_dataset("text", "val", data_dir=str(tmp_path))) == 2
-    held = build_dataset("text", "val", data_dir=str(tmp_path), val_source="holdout", val_fraction=0.25)
-    rest = build_dataset("text", "train", data_dir=str(tmp_path), val_source="holdout", val_fraction=0.25)
+    assert len(build_dataset("text", "val", data_dir=str(tmp_path), check_counts=False)) == 2
+    held = build_dataset("text", "val", data_dir=str(tmp_path), val_source="holdout", val_fraction=0.25,
+                         check_counts=False)
+    rest = build_dataset("text", "train", data_dir=str(tmp_path), val_source="holdout", val_fraction=0.25,
+                         check_counts=False)
     assert len(held) == 1 and len(rest) == 3
 
 
 def test_text_masks_do_not_use_token_zero(tmp_path):
-    _write_tar(tmp_path / "aclImdb_v1.tar.gz", REVIEWS)
-    ds = build_dataset("text", "train", data_dir=str(tmp_path))
+    _write_tar(tmp_path / "aclImdb_fixture.tar.gz", REVIEWS)
+    ds = build_dataset("text", "train", data_dir=str(tmp_path), check_counts=False)
     batch = collate([ds[0], ds[1]], pad_id=text.PAD_ID)
     assert batch["attention_mask"][0].sum() == len(b"Bad\x00movie")
     assert batch["tokens"][0, 3] == 0 and batch["attention_mask"][0, 3]
@@ -63,13 +66,13 @@ def test_text_errors(tmp_path):
     with pytest.raises(DatasetError, match="needs data_dir"):
         build_dataset("text", "train")
     with pytest.raises(DatasetError, match="aclImdb_v1.tar.gz"):
-        build_dataset("text", "train", data_dir=str(tmp_path))
-    (tmp_path / "aclImdb_v1.tar.gz").write_bytes(b"not a tar")
-    with pytest.raises(DatasetError, match="not a readable tar"):
-        build_dataset("text", "train", data_dir=str(tmp_path))
-    _write_tar(tmp_path / "aclImdb_v1.tar.gz", {"train/pos/0_9.txt": "only positive"})
+        build_dataset("text", "train", data_dir=str(tmp_path), check_counts=False)
+    (tmp_path / "aclImdb_fixture.tar.gz").write_bytes(b"not a tar")
+    with pytest.raises(DatasetError, match="not a readable archive"):
+        build_dataset("text", "train", data_dir=str(tmp_path), check_counts=False)
+    _write_tar(tmp_path / "aclImdb_fixture.tar.gz", {"train/pos/0_9.txt": "only positive"})
     with pytest.raises(DatasetError, match="one class"):
-        build_dataset("text", "train", data_dir=str(tmp_path))
+        build_dataset("text", "train", data_dir=str(tmp_path), check_counts=False)
 
 
 def test_real_imdb_test_split(shared_data):

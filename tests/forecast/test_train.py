@@ -16,6 +16,7 @@ from longattn.data.timeseries import load_forecast_data
 from longattn.forecast.experiment import format_table, parse_overrides, resolve_run_config
 from longattn.forecast.train import evaluate_forecaster, forecast_settings, train_forecaster
 from longattn.models.forecasters import build_forecaster
+from longattn.train.checkpoint import load_checkpoint
 from longattn.utils import seed_everything
 
 
@@ -85,7 +86,7 @@ def test_early_stopping_and_best_checkpoint(series, tmp_path):
     summary = train_forecaster(model, data, _settings(epochs=10, batch_size=16, lr=0.0, patience=2), tmp_path / "r",
                                log=lambda *_: None)
     assert summary["epochs_run"] == 3 and summary["best_epoch"] == 0
-    best = torch.load(tmp_path / "r" / "checkpoints" / "best.pt")["model"]
+    best = load_checkpoint(tmp_path / "r" / "checkpoints" / "best.pt")["model"]
     assert all(torch.equal(best[k], v) for k, v in model.state_dict().items())
 
 
@@ -145,8 +146,8 @@ def test_interrupted_and_resumed_run_gives_identical_metrics(series, tmp_path):
             train_forecaster(_skt(data), data, cut_settings, tmp_path / name, log=lambda *_: None,
                              on_step_end=_interrupt_at(cut))
         if extra:
-            saved = torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=False)["progress"]
-            assert saved.batches_in_epoch > 0 and saved.epoch == 1  # really mid-epoch
+            saved = load_checkpoint(tmp_path / name / "checkpoints" / "last.pt")["progress"]
+            assert saved["batches_in_epoch"] > 0 and saved["epoch"] == 1  # really mid-epoch
         torch.manual_seed(12345)  # a crash and restart leaves the process RNG anywhere
         seed_everything(3)
         restarted = _skt(data)

@@ -12,6 +12,7 @@ from torch import nn
 
 from lra_stub import API
 from longattn.attention import AttentionBase
+from longattn.train.checkpoint import load_checkpoint
 from longattn.train.config import load_config
 from longattn.train.loop import StepOutput, Trainer, TrainSettings, accuracy, build_scheduler, mae, mse
 from longattn.train.lra import run_lra
@@ -26,7 +27,7 @@ def tiny_config(*overrides: str, task: str = "listops") -> dict:
 def final_state(out_dir) -> tuple[dict, list[str], dict]:
     results = json.loads((out_dir / "results.json").read_text())
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    weights = torch.load(out_dir / "checkpoints" / "last.pt", weights_only=False)["model"]
+    weights = load_checkpoint(out_dir / "checkpoints" / "last.pt")["model"]
     return results, lines, weights
 
 
@@ -122,7 +123,7 @@ def _weights_after(tmp_path, *overrides: str) -> dict:
     run_lra(tiny_config("model.dropout=0", "model.embedding_dropout=0", "optim.schedule=constant",
                         "optim.warmup_steps=0", "data.options.num_examples=16", "data.options.min_length=24",
                         *overrides), tmp_path, data_api=API)
-    return torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=False)["model"]
+    return load_checkpoint(tmp_path / "checkpoints" / "last.pt")["model"]
 
 
 def test_gradient_accumulation_matches_the_large_batch(tmp_path):

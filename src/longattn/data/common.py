@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import tarfile
+import zlib
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -15,6 +17,61 @@ SPLITS = ("train", "val", "test")
 
 class DatasetError(ValueError):
     """A dataset file or folder is missing or malformed, or a dataset option is invalid."""
+
+
+# What reading a damaged archive raises: tarfile's own errors, a truncated stream (EOFError), a bad
+# gzip header or CRC (gzip.BadGzipFile, an OSError), corrupted deflate data (zlib.error).
+ARCHIVE_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
+
+
+def check_tar_complete(tar: tarfile.TarFile, path: str | Path) -> None:
+    """Raise unless ``tar`` was read to its proper end.
+
+    tarfile stops quietly at the first unreadable header after the first member, so a corrupted
+    or truncated archive would read as a shorter one. What follows the last member must be the
+    zero end-of-archive blocks; reading them to the end also verifies a compressed stream's
+    checksum (gzip CRC), which catches damage inside members.
+    """
+    tar.fileobj.seek(tar.offset)
+    trailer = 0
+    while chunk := tar.fileobj.read(1 << 20):
+        if chunk.count(0) != len(chunk):
+            raise DatasetError(f"{path}: corrupted archive: unreadable data at byte {tar.offset + trailer} "
+                               "of the unpacked stream, after the last readable member")
+        trailer += len(chunk)
+    if trailer < 2 * tarfile.BLOCKSIZE:
+        raise DatasetError(f"{path}: truncated archive: it ends without the end-of-archive marker")
+
+
+def iter_tar_files(path: str | Path) -> Iterator[tuple[str, bytes]]:
+    """(member name, content) of every regular file of the tar archive ``path`` (any compression),
+    then a check that the whole archive was read (:func:`check_tar_complete`); any read error, a
+    truncated member or a corrupted stream is a DatasetError naming the file."""
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            for member in tar:
+                if member.isfile():
+                    handle = tar.extractfile(member)
+                    if handle is None:
+                        raise DatasetError(f"{path}: cannot read member {member.name}")
+                    yield member.name, handle.read()
+            check_tar_complete(tar, path)
+    except ARCHIVE_ERRORS as error:
+        raise DatasetError(f"{path}: not a readable archive (tar), or corrupted or truncated ({error})") from error
+
+
+def check_count(where: str, what: str, counts: dict[str, int], expected: dict[str, int], check: bool) -> None:
+    """Compare the example counts of a split (per class) with the dataset's documented counts.
+
+    ``check=False`` accepts a deliberate subset; otherwise a difference is an error (a partial
+    extraction, a damaged copy), never a run on part of the data.
+    """
+    if check and counts != expected:
+        raise DatasetError(
+            f"{where}: {what} has {sum(counts.values()):,} examples {counts}, the official dataset "
+            f"{sum(expected.values()):,} {expected}; a partial or damaged copy? Fetch it again, or pass "
+            "check_counts=False (--set data.options.check_counts=false) to use a deliberate subset"
+        )
 
 
 def check_split(split: str) -> str:

@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import DatasetError
+from .common import ARCHIVE_ERRORS, DatasetError, check_tar_complete
 
 BASE_URL_ENV = "LONGATTN_DATA_BASE_URL"
 
@@ -129,6 +129,25 @@ def verify(path: str | Path, archive: Archive) -> str:
     return check_digests(path, archive.sha256, archive.md5)
 
 
+_VERIFIED: dict[tuple[str, int, int], str] = {}
+
+
+def verify_known_archive(path: str | Path, archive: Archive) -> None:
+    """Check a local copy of a known archive (found under its official file name) against the
+    published checksums before it is read; a file is hashed once per process while unchanged."""
+    path = Path(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _VERIFIED:
+        return
+    try:
+        _VERIFIED[key] = verify(path, archive)
+    except DownloadError as error:
+        raise DownloadError(f"{error}: not the official {archive.filename} (damaged or modified); fetch it "
+                            f"again (python -m longattn.data.download {archive.name} DIR) or give a "
+                            "deliberate copy another name") from None
+
+
 def archive_url(archive: Archive, base_url: str | None = None) -> str:
     base = base_url or os.environ.get(BASE_URL_ENV)
     return archive.url if not base else base.rstrip("/") + "/" + archive.filename
@@ -223,6 +242,7 @@ def _extract_tar(path: Path, staging: Path) -> None:
                 if root not in target.parents and target != root or member.issym() or member.islnk():
                     raise tarfile.TarError(f"unsafe member {member.name!r}")
             tar.extractall(staging)
+        check_tar_complete(tar, path)
 
 
 def _safe_extract(path: Path, dest: Path) -> None:
@@ -236,7 +256,7 @@ def _safe_extract(path: Path, dest: Path) -> None:
     staging.mkdir(parents=True)
     try:
         (_extract_zip if path.name.endswith(".zip") else _extract_tar)(path, staging)
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as error:
+    except (*ARCHIVE_ERRORS, zipfile.BadZipFile, DatasetError) as error:
         shutil.rmtree(staging, ignore_errors=True)
         raise DownloadError(f"{path}: cannot extract ({error})") from error
     for entry in staging.iterdir():

@@ -23,14 +23,13 @@ from __future__ import annotations
 import io
 import pickle
 import re
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .common import DatasetError, check_split, find_first, holdout_split
+from .common import DatasetError, check_count, check_split, find_first, holdout_split, iter_tar_files
 
 VOCAB_SIZE = 256
 PAD_ID = 0  # pixels use every id 0..255; padding is told apart by the attention mask only
@@ -39,6 +38,8 @@ SEQ_LEN = 1024
 GRAY_WEIGHTS = np.array([0.2989, 0.5870, 0.1140], dtype=np.float32)  # tf.image.rgb_to_grayscale
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 _SPLIT_CODE = {"train": 0, "val": 1, "test": 2}
+BATCH_ROWS = 10_000  # every official python batch (Krizhevsky 2009): 5 x 10,000 train, 10,000 test
+OFFICIAL_PER_CLASS = {"train": 5_000, "test": 1_000}
 
 
 def rgb_to_gray(rgb: np.ndarray) -> np.ndarray:
@@ -88,11 +89,40 @@ class PixelDataset(Dataset):
 
 # ----------------------------------------------------------------------------- official python batches
 
-def _unpickle_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+class _ArrayUnpickler(pickle.Unpickler):
+    """Reads a python batch without running code from it: pickle can call any importable
+    function, so only the numpy constructors of arrays, scalars and (non-object) dtypes resolve;
+    any other global (os.system, eval, ...) is an error before anything is called."""
+
+    _ARRAYS = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"), ("_codecs", "encode"),
+    }
+    _DTYPED = {("numpy", "dtype"), ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
+
+    def find_class(self, module: str, name: str):  # noqa: ANN201 (pickle's protocol)
+        if (module, name) in self._ARRAYS:
+            return super().find_class(module, name)
+        if (module, name) in self._DTYPED:
+            build = super().find_class(module, name)
+            return lambda dtype, *args: build(_plain_dtype(dtype), *args)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: a CIFAR batch holds only arrays")
+
+
+def _plain_dtype(dtype: object) -> object:
+    """Object arrays could hold anything: only numeric / bytes dtypes are accepted."""
+    if (isinstance(dtype, np.dtype) and dtype.hasobject) or (isinstance(dtype, str) and dtype.startswith("O")):
+        raise pickle.UnpicklingError("refusing an object dtype: a CIFAR batch holds only numbers")
+    return dtype
+
+
+def _unpickle_batch(path: Path, check_counts: bool = True) -> tuple[np.ndarray, np.ndarray]:
     try:
         with open(path, "rb") as handle:
-            batch = pickle.load(handle, encoding="bytes")
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as error:
+            batch = _ArrayUnpickler(handle, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
+            KeyError, ImportError) as error:
         raise DatasetError(f"{path}: not a CIFAR-10 python batch ({error})") from error
     if not isinstance(batch, dict):
         raise DatasetError(f"{path}: expected a pickled dict, got {type(batch).__name__}")
@@ -101,17 +131,24 @@ def _unpickle_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if data is None or labels is None:
         raise DatasetError(f"{path}: missing b'data' or b'labels' (keys: {sorted(map(str, batch))})")
     data = np.asarray(data)
-    labels = np.asarray(labels, dtype=np.int64)
+    try:
+        labels = np.asarray(labels, dtype=np.int64)
+    except (TypeError, ValueError) as error:
+        raise DatasetError(f"{path}: b'labels' must be integers ({error})") from error
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * SEQ_LEN or len(data) != len(labels):
         raise DatasetError(f"{path}: b'data' must be uint8 [N, 3072] with N labels, got {data.dtype} "
                            f"{data.shape} and {len(labels)} labels")
     if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
         raise DatasetError(f"{path}: labels outside 0..9")
+    check_count(str(path), "this batch", {"rows": len(labels)}, {"rows": BATCH_ROWS}, check_counts)
     return data, labels
 
 
-def load_python_batches(data_dir: str | Path, subset: str) -> tuple[np.ndarray, np.ndarray]:
-    """Gray pixels [N, 1024] and labels of the official `train` (5 batches, in order) or `test` batch."""
+def load_python_batches(data_dir: str | Path, subset: str, check_counts: bool = True
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Gray pixels [N, 1024] and labels of the official `train` (5 batches, in order) or `test` batch,
+    read without unpickling code (only arrays); each batch must hold 10,000 rows unless not
+    ``check_counts``."""
     root = Path(data_dir)
     folder = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
     names = [f"data_batch_{i}" for i in range(1, 6)] if subset == "train" else ["test_batch"]
@@ -119,7 +156,7 @@ def load_python_batches(data_dir: str | Path, subset: str) -> tuple[np.ndarray, 
     if missing:
         raise DatasetError(f"CIFAR-10: missing {', '.join(missing)} in {folder} "
                            "(expected the official cifar-10-batches-py/ folder)")
-    datas, labels = zip(*(_unpickle_batch(folder / name) for name in names))
+    datas, labels = zip(*(_unpickle_batch(folder / name, check_counts) for name in names))
     rgb = np.concatenate(datas).reshape(-1, 3, SEQ_LEN).transpose(0, 2, 1)  # planar -> [N, 1024, 3]
     return rgb_to_gray(np.ascontiguousarray(rgb)), np.concatenate(labels)
 
@@ -168,16 +205,10 @@ def _folder_entries(folder: Path) -> list[tuple[str, str, object]]:
 def _archive_entries(archive: Path, subset: str) -> list[tuple[str, str, object]]:
     pattern = re.compile(rf"(?:^|/){subset}/([^/]+)/([^/]+)$")
     entries = []
-    try:
-        with tarfile.open(archive, "r:*") as tar:
-            for member in tar:
-                match = pattern.search(member.name)
-                if member.isfile() and match and Path(match.group(2)).suffix.lower() in IMAGE_SUFFIXES:
-                    handle = tar.extractfile(member)
-                    if handle is not None:
-                        entries.append((match.group(1), match.group(2), handle.read()))
-    except (tarfile.TarError, EOFError, OSError) as error:
-        raise DatasetError(f"{archive}: not a readable tar archive ({error})") from error
+    for name, content in iter_tar_files(archive):
+        match = pattern.search(name)
+        if match and Path(match.group(2)).suffix.lower() in IMAGE_SUFFIXES:
+            entries.append((match.group(1), match.group(2), content))
     return entries
 
 
@@ -191,9 +222,10 @@ def _subset_entries(data_dir: Path, subset: str) -> tuple[list[tuple[str, str, o
     raise DatasetError(f"image folder: neither {folder}/<class>/*.png|jpg nor a *{subset}*.tar.gz archive in {data_dir}")
 
 
-def load_image_folder(data_dir: str | Path, subset: str, image_size: int = 32
+def load_image_folder(data_dir: str | Path, subset: str, image_size: int = 32, check_counts: bool = True
                       ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Gray pixels, labels and class names of `<data_dir>/<subset>/<class>/*` (or its tar.gz)."""
+    """Gray pixels, labels and class names of `<data_dir>/<subset>/<class>/*` (or its tar.gz); with
+    ``check_counts`` each class must have CIFAR-10's official count (5,000 train, 1,000 test)."""
     root = Path(data_dir)
     classes = None
     if subset != "train":  # label ids must match training: take class names from the train tree when present
@@ -203,13 +235,20 @@ def load_image_folder(data_dir: str | Path, subset: str, image_size: int = 32
         except DatasetError:
             classes = None
     entries, where = _subset_entries(root, subset)
-    return _collect(entries, where, image_size, classes)
+    pixels, labels, names = _collect(entries, where, image_size, classes)
+    per_class = np.bincount(labels, minlength=NUM_CLASSES)
+    check_count(where, repr(subset), dict(zip(names, per_class.tolist())),
+                {name: OFFICIAL_PER_CLASS[subset] for name in names} if len(names) == NUM_CLASSES
+                else {f"{NUM_CLASSES} classes": OFFICIAL_PER_CLASS[subset]}, check_counts)
+    return pixels, labels, names
 
 
 def build_image(split: str, data_dir: str | Path | None = None, *, source: str | None = None,
                 noise_amplitude: float = 0.0, noise_seed: int = 0, val_fraction: float = 0.1,
-                split_seed: int = 0) -> PixelDataset:
+                split_seed: int = 0, check_counts: bool = True) -> PixelDataset:
     """CIFAR-10 gray pixel sequences for `split` from the python batches or an image folder.
+
+    check_counts=False accepts fewer images than CIFAR-10's official counts (a deliberate subset).
 
     source=None picks "python" when `cifar-10-batches-py/` (or its files) is in data_dir, else "folder".
     """
@@ -223,10 +262,10 @@ def build_image(split: str, data_dir: str | Path | None = None, *, source: str |
         raise DatasetError(f"source must be 'python' or 'folder', got {source!r}")
     subset = "test" if split == "test" else "train"
     if source == "python":
-        pixels, labels = load_python_batches(root, subset)
+        pixels, labels = load_python_batches(root, subset, check_counts)
         holdout_seed = None  # official order: val = last 10% of train, as LRA's train[90%:]
     else:
-        pixels, labels, _ = load_image_folder(root, subset)
+        pixels, labels, _ = load_image_folder(root, subset, check_counts=check_counts)
         holdout_seed = split_seed
     if split != "test":
         chosen = holdout_split(len(labels), split, val_fraction, holdout_seed)

@@ -13,17 +13,19 @@ train instead (and `train` then excludes it).
 from __future__ import annotations
 
 import re
-import tarfile
 from pathlib import Path
 
 import numpy as np
 
-from .common import DatasetError, SequenceDataset, check_split, encode_bytes, holdout_split
+from .common import DatasetError, SequenceDataset, check_count, check_split, encode_bytes, holdout_split, iter_tar_files
+from .download import ARCHIVES, verify_known_archive
 
 VOCAB_SIZE = 257
 PAD_ID = 256
 NUM_CLASSES = 2
 LABELS = {"neg": 0, "pos": 1}
+# Maas et al. 2011: 25,000 labelled reviews per split, 12,500 of each class.
+OFFICIAL_COUNTS = {"neg": 12_500, "pos": 12_500}
 _MEMBER = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_(\d+)\.txt$")
 
 
@@ -33,19 +35,13 @@ def _archive_in(folder: Path) -> Path | None:
 
 
 def _read_archive(path: Path, subset: str) -> list[tuple[int, int, bytes]]:
+    if path.name == ARCHIVES["imdb"].filename:
+        verify_known_archive(path, ARCHIVES["imdb"])
     rows = []
-    try:
-        with tarfile.open(path, "r:*") as archive:
-            for member in archive:
-                match = _MEMBER.search(member.name)
-                if not member.isfile() or match is None or match.group(1) != subset:
-                    continue
-                handle = archive.extractfile(member)
-                if handle is None:
-                    raise DatasetError(f"{path}: cannot read member {member.name}")
-                rows.append((LABELS[match.group(2)], int(match.group(3)), handle.read()))
-    except (tarfile.TarError, EOFError, OSError) as error:
-        raise DatasetError(f"{path}: not a readable tar archive ({error})") from error
+    for name, content in iter_tar_files(path):
+        match = _MEMBER.search(name)
+        if match is not None and match.group(1) == subset:
+            rows.append((LABELS[match.group(2)], int(match.group(3)), content))
     return rows
 
 
@@ -63,8 +59,12 @@ def _read_folder(root: Path, subset: str) -> list[tuple[int, int, bytes]]:
     return rows
 
 
-def read_imdb(data_dir: str | Path, subset: str) -> list[tuple[int, bytes]]:
-    """(label, review bytes) of the official `train` or `test` subset, sorted by (label, id)."""
+def read_imdb(data_dir: str | Path, subset: str, check_counts: bool = True) -> list[tuple[int, bytes]]:
+    """(label, review bytes) of the official `train` or `test` subset, sorted by (label, id).
+
+    The official archive (by its file name) is checked against its SHA256; any archive is read to
+    its end (a damaged one is an error); ``check_counts`` compares the counts per class with the
+    official 12,500 (False: a deliberate subset)."""
     source = Path(data_dir)
     if source.is_file():
         rows = _read_archive(source, subset)
@@ -85,13 +85,16 @@ def read_imdb(data_dir: str | Path, subset: str) -> list[tuple[int, bytes]]:
     counts = {label: sum(1 for r in rows if r[0] == label) for label in LABELS.values()}
     if min(counts.values()) == 0:
         raise DatasetError(f"IMDb: {where} has reviews of only one class in {subset!r}: {counts}")
+    check_count(f"IMDb {where}", repr(subset), {name: counts[label] for name, label in LABELS.items()},
+                OFFICIAL_COUNTS, check_counts)
     rows.sort(key=lambda row: (row[0], row[1]))
     return [(label, text) for label, _, text in rows]
 
 
 def build_text(split: str, data_dir: str | Path | None = None, *, max_length: int = 4096,
-               val_source: str = "test", val_fraction: float = 0.1, split_seed: int = 0) -> SequenceDataset:
-    """The byte-level IMDb dataset for `split`."""
+               val_source: str = "test", val_fraction: float = 0.1, split_seed: int = 0,
+               check_counts: bool = True) -> SequenceDataset:
+    """The byte-level IMDb dataset for `split` (``check_counts``: see :func:`read_imdb`)."""
     check_split(split)
     if data_dir is None:
         raise DatasetError("text (IMDb) needs data_dir: a folder with aclImdb_v1.tar.gz or the extracted aclImdb/")
@@ -100,9 +103,9 @@ def build_text(split: str, data_dir: str | Path | None = None, *, max_length: in
     if val_source not in ("test", "holdout"):
         raise DatasetError(f"val_source must be 'test' or 'holdout', got {val_source!r}")
     if split == "test" or (split == "val" and val_source == "test"):
-        rows = read_imdb(data_dir, "test")
+        rows = read_imdb(data_dir, "test", check_counts)
     else:
-        rows = read_imdb(data_dir, "train")
+        rows = read_imdb(data_dir, "train", check_counts)
         if val_source == "holdout":
             rows = [rows[i] for i in holdout_split(len(rows), split, val_fraction, split_seed)]
     sequences = [encode_bytes(text, max_length) for _, text in rows]

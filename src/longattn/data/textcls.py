@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import csv
 import re
-import tarfile
 import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,7 +41,16 @@ from torch.utils.data import Dataset
 
 from ..registry import Registry
 from . import wordpiece
-from .common import DatasetError, Packed, check_split, holdout_test, pad_sequences, stratified_folds
+from .common import (
+    ARCHIVE_ERRORS,
+    DatasetError,
+    Packed,
+    check_split,
+    holdout_test,
+    iter_tar_files,
+    pad_sequences,
+    stratified_folds,
+)
 
 PAD_ID, UNK_ID = 0, 1  # word and amino-acid vocabularies; MiniLM's WordPiece has its own [PAD] = 0
 TOKENIZERS = ("word", "wordpiece", "char")
@@ -145,12 +153,11 @@ def _archive_documents(archive: Path, top: str) -> list[tuple[str, str, bytes]]:
                     if match and not name.endswith("/"):
                         entries.append((match.group(1), match.group(2), handle.read(name)))
         else:
-            with tarfile.open(archive, "r:*") as handle:
-                for member in handle:
-                    match = pattern.search(member.name)
-                    if member.isfile() and match:
-                        entries.append((match.group(1), match.group(2), handle.extractfile(member).read()))
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as error:
+            for name, data in iter_tar_files(archive):  # read to the end: a damaged archive is an error
+                match = pattern.search(name)
+                if match:
+                    entries.append((match.group(1), match.group(2), data))
+    except (*ARCHIVE_ERRORS, zipfile.BadZipFile) as error:
         raise DatasetError(f"{archive}: not a readable archive ({error})") from error
     if not entries:
         raise DatasetError(f"{archive}: no {top}/<class>/<file> members")
@@ -198,7 +205,9 @@ def read_imdb_corpus(data_dir: Path, subset: str) -> Corpus:
     from .text import read_imdb
 
     corpus = Corpus()
-    for index, (label, data) in enumerate(read_imdb(data_dir, subset)):
+    # Damaged archives are errors here too; the official-count check (check_counts) is not plumbed
+    # through build_textcls's options yet, so subsets and fixtures are read as they are.
+    for index, (label, data) in enumerate(read_imdb(data_dir, subset, check_counts=False)):
         source = f"IMDb {subset} review {index} (sorted by label, id)"
         corpus.add(decode(data, source, latin1_fallback=False)[0], ("neg", "pos")[label], source)
     return corpus

@@ -1,34 +1,130 @@
-"""Atomic checkpoints: a crash mid-write never destroys the previous checkpoint."""
+"""Checkpoints that are atomic, checksummed and safe to load.
+
+* Atomic: written to a temporary file in the same folder, fsynced, then renamed over the target,
+  so a crash mid-write never destroys the previous checkpoint; with ``keep_previous`` the file it
+  replaces is kept as ``<name>.prev.pt`` (the fallback when the newest turns out damaged).
+* Checksummed: the file holds ``{"format", "sha256", "payload"}`` where ``payload`` is the
+  ``torch.save`` bytes of the state; a truncated file, or one with bytes changed anywhere, fails
+  the check (torch itself does not verify tensor data, so damage there would load silently).
+* Safe: both layers load with ``torch.load(weights_only=True)``: tensors, containers and plain
+  values only, never code.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+FORMAT = "longattn-checkpoint-v1"
 
-def save_atomic(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``."""
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, damaged or not a longattn checkpoint."""
+
+
+def previous_path(path: str | os.PathLike) -> Path:
+    """Where :func:`save_atomic` keeps the checkpoint that ``path`` replaced: ``last.pt`` -> ``last.prev.pt``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_atomic(obj: Any, path: str | os.PathLike, keep_previous: bool = False) -> None:
+    """Write ``obj`` (tensors, containers, plain values) to ``path`` checksummed and atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    payload = buffer.getvalue()
+    record = {"format": FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            torch.save(record, f)
             f.flush()
             os.fsync(f.fileno())
+        if keep_previous and path.is_file():
+            os.replace(path, previous_path(path))  # between the renames, the previous file is the fallback
         os.replace(tmp, path)
+        _fsync_folder(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def remove_temporary_files(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files a killed :func:`save_atomic` left in ``folder``; returns them.
+    Only call it while no other process writes there (the Trainer holds the output-folder lock)."""
+    folder = Path(folder)
+    stale = sorted(folder.glob(".*.tmp")) if folder.is_dir() else []
+    for file in stale:
+        file.unlink(missing_ok=True)
+    return stale
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
-    """Load a checkpoint written by :func:`save_atomic`, with a clear error if it is missing."""
+    """Load a checkpoint written by :func:`save_atomic` after verifying its checksum.
+
+    Raises :class:`CheckpointError` naming the file when it is missing, truncated, damaged or not
+    a longattn checkpoint.
+    """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    return torch.load(path, map_location=map_location, weights_only=False)
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises RuntimeError, pickle errors, EOFError, ... for damaged files
+        raise CheckpointError(f"checkpoint {path} is damaged or truncated ({_first_line(error)})") from None
+    if not (isinstance(record, dict) and record.get("format") == FORMAT and isinstance(record.get("payload"), bytes)):
+        raise CheckpointError(f"{path} is not a {FORMAT} file (written by another version, or not a checkpoint)")
+    if hashlib.sha256(record["payload"]).hexdigest() != record.get("sha256"):
+        raise CheckpointError(f"checkpoint {path} is damaged: its SHA256 does not match its content")
+    try:
+        return torch.load(io.BytesIO(record["payload"]), map_location=map_location, weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {path} holds data that does not load with weights_only=True "
+                              f"({_first_line(error)})") from None
+
+
+def load_with_fallback(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[Any, Path]:
+    """Load ``path``, or the previous checkpoint it replaced when ``path`` is missing or damaged.
+
+    Returns ``(state, the file it came from)``; prints a warning when it falls back. Raises
+    :class:`CheckpointError` listing every file tried when none is usable.
+    """
+    failures = []
+    for candidate in (Path(path), previous_path(path)):
+        try:
+            state = load_checkpoint(candidate, map_location)
+        except CheckpointError as error:
+            failures.append(str(error))
+            continue
+        if failures:
+            print(f"warning: {failures[0]}; falling back to {candidate}", file=sys.stderr)
+        return state, candidate
+    raise CheckpointError("no usable checkpoint: " + "; ".join(failures)
+                          + "; delete the folder (or use another output folder) to start afresh")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"

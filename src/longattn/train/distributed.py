@@ -2,16 +2,36 @@
 
 ``torchrun`` sets RANK, WORLD_SIZE and LOCAL_RANK; a plain ``python`` run has none of them and
 trains in one process. The backend is gloo on CPU and nccl on CUDA.
+
+Every collective has a time-out (``LONGATTN_DIST_TIMEOUT_S`` seconds, default 900): a rank that
+hangs or dies turns into an error on the others instead of blocking them forever.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+TIMEOUT_ENV = "LONGATTN_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 900.0
+
+
+def timeout_seconds() -> float:
+    """The process-group time-out: ``$LONGATTN_DIST_TIMEOUT_S`` or 900 s."""
+    text = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -54,7 +74,7 @@ def init_distributed(device: torch.device) -> DistInfo:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds()))
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank)
 
 
@@ -70,6 +90,21 @@ def all_gather_objects(obj: Any, info: DistInfo) -> list[Any]:
     gathered: list[Any] = [None] * info.world_size
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def all_reduce_mean(values: list[float], info: DistInfo, device: torch.device) -> list[float]:
+    """The mean over ranks of each of ``values`` (the values themselves without distribution)."""
+    if not info.enabled:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return (tensor / info.world_size).tolist()
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out (gloo and nccl word it differently)."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def shutdown(info: DistInfo) -> None:

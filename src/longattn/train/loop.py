@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
 import resource
+import socket
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -28,15 +30,28 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from longattn.attention import collect_aux_losses
-from longattn.train.checkpoint import load_checkpoint, save_atomic
+from longattn.train.checkpoint import (
+    load_checkpoint,
+    load_with_fallback,
+    previous_path,
+    remove_temporary_files,
+    save_atomic,
+)
 from longattn.train.distributed import (
     DistInfo,
     all_gather_objects,
+    all_reduce_mean,
     barrier,
     init_distributed,
+    is_timeout,
     resolve_device,
+    timeout_seconds,
 )
-from longattn.utils import optional_import, rng_state, seed_everything, set_rng_state
+from longattn.utils import dumps_strict, optional_import, rng_state, seed_everything, set_rng_state
+
+
+class TrainingError(ValueError):
+    """A run cannot go on: a non-finite loss, an output folder in use, an incompatible checkpoint."""
 
 
 class StepOutput(NamedTuple):
@@ -278,8 +293,11 @@ class Trainer:
     """Train ``model`` with ``step_fn`` on ``train_data``; select on ``val_data``; test the best.
 
     Writes to ``out_dir``: ``metrics.jsonl`` (one JSON record per log/eval line),
-    ``checkpoints/last.pt`` (full state, for ``fit(resume=True)``), ``checkpoints/best.pt``
-    (weights of the best validation step) and ``results.json`` (``run_info`` + results).
+    ``checkpoints/last.pt`` (full state, for ``fit(resume=True)``; the one it replaced stays as
+    ``last.prev.pt``), ``checkpoints/best.pt`` (weights of the best validation step),
+    ``checkpoints/finished.json`` (the results, once the run is complete) and ``results.json``
+    (``run_info`` + results). All JSON is strict (non-finite numbers are null). The Trainer holds
+    an exclusive lock on ``out_dir`` (``out_dir/.lock``) from construction to the end of ``fit``.
     """
 
     def __init__(
@@ -343,6 +361,41 @@ class Trainer:
         self.progress = _Progress()
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.finished_path = self.checkpoint_dir / "finished.json"
+        self._saved_step: int | None = None  # step of the newest checkpoint on disk
+        self._lock = self._lock_out_dir()
+
+    # ------------------------------------------------------------------ output folder lock
+    def _lock_out_dir(self) -> Any:
+        """An exclusive lock on ``out_dir`` (flock: released by the kernel when the process dies,
+        so a killed run never leaves a stale lock); a second run into the folder gets a clear error."""
+        handle, holder = None, None
+        if self.dist.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            handle = open(self.out_dir / ".lock", "a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                handle.close()
+                handle = None
+            else:
+                handle.seek(0)
+                handle.truncate()
+                handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+                handle.flush()
+        holders = all_gather_objects(holder, self.dist)  # every rank learns whether rank 0 got the lock
+        if holders[0] is not None:
+            raise TrainingError(f"output folder {self.out_dir} is in use by another run ({holders[0]}); "
+                                "wait for it to finish or choose another output folder")
+        return handle
+
+    def release(self) -> None:
+        """Release the output-folder lock (``fit`` does this when it returns or fails)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     # ------------------------------------------------------------------ helpers
     def _autocast(self) -> Any:
@@ -351,7 +404,7 @@ class Trainer:
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.is_main:
             with self.metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(dumps_strict(record) + "\n")
 
     def _loader(self, dataset: Dataset, batches: Sequence[list[int]]) -> DataLoader:
         # A private generator: creating a loader must not draw from the global RNG, or a resumed
@@ -407,35 +460,54 @@ class Trainer:
         return self.settings.progress and self.dist.is_main and sys.stderr.isatty()
 
     # ------------------------------------------------------------------ checkpoints
-    def _state(self) -> dict[str, Any]:
+    def _state(self, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "progress": self.progress,
-            "rng": rng_state(),
-            "settings": self.settings,
+            "progress": dataclasses.asdict(self.progress),
+            "rng": rng_states,  # one entry per rank: each rank resumes its own random stream
+            "settings": dataclasses.asdict(self.settings),
             "fingerprint": self.fingerprint,
         }
 
     def save_checkpoint(self) -> None:
+        # A finite loss can still come with an update that overflowed the weights (a huge learning
+        # rate): never let such weights replace the last good checkpoint. DDP replicas are equal,
+        # so every rank decides alike.
+        broken = [name for name, t in self.model.state_dict().items()
+                  if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if broken:
+            kept = (f"the last checkpoint (step {self._saved_step}) is intact" if self._saved_step is not None
+                    else "no checkpoint was written")
+            raise TrainingError(f"non-finite weights ({', '.join(broken[:3])}) after step {self.progress.step}; "
+                                f"not saved, {kept}. Lower the learning rate or set gradient clipping")
+        rng_states = all_gather_objects(rng_state(), self.dist)
         if self.dist.is_main:
-            save_atomic(self._state(), self.checkpoint_dir / "last.pt")
+            save_atomic(self._state(rng_states), self.checkpoint_dir / "last.pt", keep_previous=True)
+        self._saved_step = self.progress.step
         barrier(self.dist)
 
     def load_checkpoint(self, path: str | Path) -> None:
-        state = load_checkpoint(path, map_location=self.device)
+        """Restore the full state from ``path`` (or the previous checkpoint, if ``path`` is damaged)."""
+        state, source = load_with_fallback(path, map_location="cpu")
         if state.get("fingerprint") != self.fingerprint:
-            raise ValueError(f"{path} belongs to a run with another configuration; use another output folder "
-                             "or delete it to start afresh")
+            raise TrainingError(f"{source} belongs to a run with another configuration; use another output "
+                                "folder or delete it to start afresh")
+        ranks = len(state["rng"])
+        if ranks != self.dist.world_size:
+            raise TrainingError(f"{source} was written by {ranks} process(es), this run has {self.dist.world_size}; "
+                                f"resume with the same number of processes (--nproc_per_node={ranks})")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         # Fields added to _Progress after a checkpoint was written take their defaults.
-        self.progress = _Progress(**{**dataclasses.asdict(_Progress()), **vars(state["progress"])})
-        set_rng_state(state["rng"])
+        known = {f.name for f in fields(_Progress)}
+        self.progress = _Progress(**{k: v for k, v in state["progress"].items() if k in known})
+        self._saved_step = self.progress.step
+        set_rng_state(state["rng"][self.dist.rank])
 
     def _truncate_metrics_log(self, step: int) -> None:
         """Drop log records written after the checkpoint we resume from (they will be redone)."""
@@ -447,20 +519,52 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def fit(self, resume: bool = False) -> dict[str, Any]:
-        """Train to ``max_steps`` (or early stop), test the best checkpoint, write results.json."""
+        """Train to ``max_steps`` (or early stop), test the best checkpoint, write results.json.
+
+        ``resume=True`` continues exactly from ``checkpoints/last.pt`` (or the previous checkpoint
+        when the newest is damaged); for a run that already finished it does nothing but say so
+        and returns the saved results.
+        """
+        try:
+            return self._fit(resume)
+        except RuntimeError as error:
+            if self.dist.enabled and is_timeout(error):
+                raise TrainingError(f"rank {self.dist.rank}: another rank did not answer within {timeout_seconds():g} s "
+                                    "(hung or killed?); the last checkpoint is kept; set LONGATTN_DIST_TIMEOUT_S "
+                                    "to wait longer") from error
+            raise
+        finally:
+            self.release()
+
+    def _fit(self, resume: bool) -> dict[str, Any]:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         last = self.checkpoint_dir / "last.pt"
-        if resume and last.is_file():
+        if self.dist.is_main:
+            remove_temporary_files(self.checkpoint_dir)  # left by a run killed mid-write; we hold the lock
+        if resume and self.finished_path.is_file():
+            finished = json.loads(self.finished_path.read_text())
+            if finished.get("fingerprint") != self.fingerprint:
+                raise TrainingError(f"{self.finished_path} belongs to a run with another configuration; use another "
+                                    "output folder or delete it to start afresh")
+            if self.dist.is_main:
+                print(f"the run in {self.out_dir} already finished at step {finished['results']['steps']}; "
+                      "nothing to do", file=sys.stderr)
+            barrier(self.dist)
+            return finished["results"]
+        if resume and (last.is_file() or previous_path(last).is_file()):
             self.load_checkpoint(last)
             self._truncate_metrics_log(self.progress.step)
             if self.dist.is_main:
-                print(f"resuming from {last} at step {self.progress.step}", file=sys.stderr)
+                print(f"resuming from {self.checkpoint_dir} at step {self.progress.step}", file=sys.stderr)
         else:
             if resume and self.dist.is_main:
                 print(f"no checkpoint at {last}; starting from scratch", file=sys.stderr)
             seed_everything(self.settings.seed + self.dist.rank)
-            if self.dist.is_main and self.metrics_path.exists():
-                self.metrics_path.unlink()
+            if self.dist.is_main:
+                # a fresh run replaces what an earlier run left in this folder
+                for stale in (self.metrics_path, last, previous_path(last), self.checkpoint_dir / "best.pt",
+                              self.finished_path):
+                    stale.unlink(missing_ok=True)
         barrier(self.dist)
         reset_peak_memory(self.device)
         self._train()
@@ -514,14 +618,31 @@ class Trainer:
                 self.scaler.scale(loss / s.grad_accum).backward()
             total_task += float(out.loss.detach())
             total_aux += float(aux_total.detach()) if aux_total is not None else 0.0
+        # The global batch's loss (mean over ranks, whose gradients DDP averages): logged, and the
+        # same on every rank, so a non-finite value stops every rank at the same step.
+        total_task, total_aux = all_reduce_mean([total_task, total_aux], self.dist, self.device)
+        if not math.isfinite(total_task + total_aux):
+            self._stop_non_finite("loss", total_task + total_aux)
         if s.clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip_norm)
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip_norm))
+            if not math.isfinite(norm) and not self.scaler.is_enabled():  # fp16's scaler skips such steps itself
+                self._stop_non_finite("gradient norm", norm)
         self.progress.last_lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         return total_task / s.grad_accum, total_aux / s.grad_accum
+
+    def _stop_non_finite(self, what: str, value: float) -> None:
+        """Stop before the optimiser step, so no NaN reaches the weights or a checkpoint."""
+        kept = (f"the last checkpoint ({self.checkpoint_dir / 'last.pt'}, step {self._saved_step}) is intact"
+                if self._saved_step is not None else "no checkpoint was written yet")
+        raise TrainingError(
+            f"non-finite training {what} ({value}) at step {self.progress.step + 1} (epoch {self.progress.epoch}); "
+            f"stopped before updating the weights; {kept}. Lower the learning rate, set gradient clipping, "
+            "or check the inputs for NaN/inf"
+        )
 
     def _validate(self) -> None:
         s, p = self.settings, self.progress
@@ -575,8 +696,13 @@ class Trainer:
             "precision": self.settings.precision,
             "history": p.history,
         }
-        if self.dist.is_main and self.results_file is not None:
-            (self.out_dir / self.results_file).write_text(json.dumps(results, indent=2, default=str))
+        if self.dist.is_main:
+            if self.results_file is not None:
+                (self.out_dir / self.results_file).write_text(dumps_strict(results, indent=2, default=str))
+            # written last: its presence means the run (training, test, results) is complete
+            tmp = self.finished_path.with_name(f".{self.finished_path.name}.tmp")
+            tmp.write_text(dumps_strict({"fingerprint": self.fingerprint, "results": results}, indent=2, default=str))
+            os.replace(tmp, self.finished_path)
         barrier(self.dist)
         return results
 

@@ -1,0 +1,200 @@
+"""Reliability and security of the data readers (issue 13): a damaged archive is an error naming
+the file, never a run on part of the data; split counts are checked against the official ones;
+a CIFAR python batch cannot run code."""
+
+import io
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+
+from longattn.data import DatasetError, build_dataset
+from longattn.data import download as dl
+from longattn.data import image
+
+WORDS = "the film was good bad long dull superb plot acting music scene actor ending".split()
+
+
+def _reviews(per_class: int) -> dict[str, bytes]:
+    rng = np.random.default_rng(0)
+    files = {}
+    for subset in ("train", "test"):
+        for label in ("pos", "neg"):
+            for i in range(per_class):
+                text = " ".join(rng.choice(WORDS, size=int(rng.integers(50, 150))))
+                files[f"aclImdb/{subset}/{label}/{i}_{7 if label == 'pos' else 2}.txt"] = text.encode()
+    return files
+
+
+def _tar(path, files: dict[str, bytes], mode: str = "w:gz"):
+    with tarfile.open(path, mode) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _damaged(path, how: str, where: float):
+    data = bytearray(path.read_bytes())
+    at = int(len(data) * where)
+    if how == "overwrite":
+        data[at:at + 64] = bytes((b + 97) % 256 for b in data[at:at + 64])
+    else:
+        data = data[:at]
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("mode", ["w:gz", "w"], ids=["tar.gz", "tar"])
+@pytest.mark.parametrize("how", ["overwrite", "truncate"])
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.9])
+def test_damaged_imdb_archive_is_an_error_naming_the_file(tmp_path, mode, how, where):
+    archive = _tar(tmp_path / "aclImdb_copy.tar.gz", _reviews(20), mode)
+    for subset in ("train", "test"):
+        assert len(build_dataset("text", subset, data_dir=str(tmp_path), check_counts=False)) == 40
+    _damaged(archive, how, where)
+    if mode == "w" and how == "overwrite":
+        # An uncompressed tar has no checksum over member content: bytes changed inside a review
+        # are undetectable; damage that reaches a header must still be an error.
+        try:
+            for subset in ("train", "test"):
+                assert len(build_dataset("text", subset, data_dir=str(tmp_path), check_counts=False)) == 40
+        except DatasetError as error:
+            assert str(archive) in str(error)
+        return
+    for subset in ("train", "test"):
+        with pytest.raises(DatasetError, match="aclImdb_copy.tar.gz"):
+            build_dataset("text", subset, data_dir=str(tmp_path), check_counts=False)
+
+
+def test_archive_cut_after_its_last_member_is_truncated(tmp_path):
+    archive = _tar(tmp_path / "aclImdb_copy.tar", _reviews(20), "w")
+    archive.write_bytes(archive.read_bytes().rstrip(b"\0"))  # no end-of-archive blocks
+    with pytest.raises(DatasetError, match="aclImdb_copy.tar: .*truncated"):
+        build_dataset("text", "test", data_dir=str(archive), check_counts=False)
+
+
+def test_corrupted_header_in_the_middle_is_not_read_as_the_end(tmp_path):
+    files = _reviews(20)
+    archive = _tar(tmp_path / "aclImdb_copy.tar", files, "w")
+    data = bytearray(archive.read_bytes())
+    header = data.index(b"aclImdb/test/pos/0_7.txt")  # a member header in the middle
+    data[header + 148:header + 156] = b"0000000\0"  # its checksum field no longer matches
+    archive.write_bytes(bytes(data))
+    with pytest.raises(DatasetError, match="corrupted archive"):
+        build_dataset("text", "test", data_dir=str(archive), check_counts=False)
+
+
+def test_imdb_counts_are_checked_against_the_official_counts(tmp_path):
+    _tar(tmp_path / "aclImdb_copy.tar.gz", _reviews(3))
+    with pytest.raises(DatasetError, match=r"'train' has 6 examples .*25,000.*check_counts=False"):
+        build_dataset("text", "train", data_dir=str(tmp_path))
+    folder = tmp_path / "extracted"
+    for name, data in _reviews(3).items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    with pytest.raises(DatasetError, match=r"'test' has 6 examples"):
+        build_dataset("text", "test", data_dir=str(folder))
+    assert len(build_dataset("text", "test", data_dir=str(folder), check_counts=False)) == 6
+
+
+def test_official_imdb_archive_name_is_checked_against_its_checksum(tmp_path):
+    _tar(tmp_path / "aclImdb_v1.tar.gz", _reviews(3))
+    with pytest.raises(DatasetError, match="SHA256 .* does not match .*not the official aclImdb_v1.tar.gz"):
+        build_dataset("text", "train", data_dir=str(tmp_path), check_counts=False)
+
+
+def test_damaged_image_folder_archive_is_an_error(tmp_path):
+    from PIL import Image
+
+    files = {}
+    for label in ("cat", "dog"):
+        for i in range(10):
+            buffer = io.BytesIO()
+            Image.fromarray(np.full((32, 32, 3), 10 * i, np.uint8)).save(buffer, format="PNG")
+            files[f"test/{label}/{i}.png"] = buffer.getvalue()
+    archive = _damaged(_tar(tmp_path / "cifar_test.tar.gz", files), "truncate", 0.9)
+    with pytest.raises(DatasetError, match="cifar_test.tar.gz"):
+        build_dataset("image", "test", data_dir=str(tmp_path), check_counts=False)
+    assert archive.exists()
+
+
+def test_damaged_download_is_not_extracted(tmp_path):
+    archive = _damaged(_tar(tmp_path / "data.tar.gz", _reviews(5)), "overwrite", 0.9)
+    with pytest.raises(dl.DownloadError, match="data.tar.gz: cannot extract"):
+        dl._safe_extract(archive, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.tar.gz"]  # staging removed, no marker
+
+
+# ----------------------------------------------------------------------------- CIFAR python batches
+
+
+class _RunsCommand:
+    """What an attacker pickles: unpickling calls os.system(command)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (self.command,)
+
+
+class _Evaluates:
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def __reduce__(self):
+        return eval, (self.code,)
+
+
+def _cifar_folder(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    return folder
+
+
+@pytest.mark.parametrize("payload", ["system", "eval", "object_array"])
+def test_crafted_cifar_batch_does_not_execute(tmp_path, payload):
+    folder = _cifar_folder(tmp_path)
+    marker = tmp_path / "pwned"
+    if payload == "system":
+        evil = {b"data": _RunsCommand(f"touch {marker}"), b"labels": [0]}
+    elif payload == "eval":
+        evil = {b"data": _Evaluates(f"open({str(marker)!r}, 'w').close()"), b"labels": [0]}
+    else:
+        evil = {b"data": np.array([_RunsCommand(f"touch {marker}")], dtype=object), b"labels": [0]}
+    with open(folder / "test_batch", "wb") as handle:
+        pickle.dump(evil, handle, protocol=2)
+    with pytest.raises(DatasetError, match="test_batch: not a CIFAR-10 python batch .*refusing"):
+        build_dataset("image", "test", data_dir=str(tmp_path), check_counts=False)
+    assert not marker.exists(), "the crafted batch ran code"
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_genuine_batches_of_every_pickle_protocol_load(tmp_path, protocol):
+    folder = _cifar_folder(tmp_path)
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, (image.BATCH_ROWS, 3072), dtype=np.uint8)
+    labels = list(rng.integers(0, 10, image.BATCH_ROWS))  # numpy scalars, pickled as such
+    with open(folder / "test_batch", "wb") as handle:
+        pickle.dump({b"batch_label": b"testing batch 1 of 1", b"labels": labels, b"data": data,
+                     b"filenames": [b"x.png"] * image.BATCH_ROWS}, handle, protocol=protocol)
+    ds = build_dataset("image", "test", data_dir=str(tmp_path))  # the official count: 10,000
+    assert len(ds) == image.BATCH_ROWS and ds[3]["label"] == labels[3]
+
+
+def test_cifar_batch_counts_and_truncation(tmp_path):
+    folder = _cifar_folder(tmp_path)
+    data = np.zeros((7, 3072), np.uint8)
+    with open(folder / "test_batch", "wb") as handle:
+        pickle.dump({b"data": data, b"labels": [1] * 7}, handle)
+    with pytest.raises(DatasetError, match=r"test_batch: this batch has 7 examples .*10,000"):
+        build_dataset("image", "test", data_dir=str(tmp_path))
+    payload = (folder / "test_batch").read_bytes()
+    (folder / "test_batch").write_bytes(payload[: len(payload) // 2])
+    with pytest.raises(DatasetError, match="test_batch: not a CIFAR-10 python batch"):
+        build_dataset("image", "test", data_dir=str(tmp_path), check_counts=False)

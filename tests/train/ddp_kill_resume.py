@@ -1,0 +1,85 @@
+"""kill -9 of a 2-process gloo DDP run early, mid-run and during a checkpoint write, then resume:
+are the final weights bit-identical to an uninterrupted run? (issue 13; too slow for the suite)
+
+    OMP_NUM_THREADS=1 python3 tests/train/ddp_kill_resume.py OUT [--src SRC]
+
+``--src`` runs another source tree (e.g. an older checkout's ``src``) with the same worker.
+Prints one table row per kill moment; exit status 1 unless every resume is bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MOMENTS = (("early (step 3, rank 0)", "kill_at_step=3:0"), ("mid (step 7, rank 1)", "kill_at_step=7:1"),
+           ("in the 4th last.pt write (rank 0)", "kill_in_write=4"))
+
+
+def worker_env(src: Path = HERE.parents[1] / "src") -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
+def worker_command(out_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(HERE / "ddp_reliability_worker.py"), str(out_dir), *args]
+
+
+def final_weights(out_dir: Path) -> dict:
+    import torch
+
+    path = out_dir / "checkpoints" / "last.pt"
+    try:
+        from longattn.train.checkpoint import load_checkpoint
+
+        return load_checkpoint(path)["model"]
+    except (ImportError, ValueError):
+        return torch.load(path, weights_only=False)["model"]  # a source tree from before checksummed files
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--src", type=Path, default=HERE.parents[1] / "src")
+    args = parser.parse_args()
+    env = worker_env(args.src.resolve())
+    sys.path.insert(0, str(args.src.resolve()))
+
+    def run(out_dir: Path, *worker_args: str) -> tuple[int, float]:
+        started = time.perf_counter()
+        done = subprocess.run(worker_command(out_dir, *worker_args), env=env, capture_output=True, text=True)
+        if done.returncode not in (0, -9, 1):
+            print(done.stderr[-2000:], file=sys.stderr)
+        return done.returncode, time.perf_counter() - started
+
+    code, seconds = run(args.out / "full", "run")
+    if code != 0:
+        print(f"uninterrupted run failed (exit {code})", file=sys.stderr)
+        return 1
+    reference = final_weights(args.out / "full")
+    print(f"uninterrupted run: {seconds:.1f} s wall")
+    print("| kill moment | killed run exit | resume exit | bit-identical | max abs weight difference | temp files left |")
+    print("|---|---|---|---|---|---|")
+    identical_everywhere = True
+    for label, how in MOMENTS:
+        out = args.out / how.replace("=", "_").replace(":", "_")
+        killed, _ = run(out, "run", how)
+        resumed, _ = run(out, "resume")
+        weights = final_weights(out) if resumed == 0 else {}
+        same = bool(weights) and all((weights[k] == v).all().item() for k, v in reference.items())
+        diff = max(((weights[k].double() - v.double()).abs().max().item() for k, v in reference.items()),
+                   default=float("nan")) if weights else float("nan")
+        temps = len(list((out / "checkpoints").glob(".*.tmp")))
+        identical_everywhere &= same
+        print(f"| {label} | {killed} | {resumed} | {same} | {diff:.3g} | {temps} |")
+    return 0 if identical_everywhere else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""Run by test_train_reliability.py as one of two gloo processes (torch.distributed.run or by hand).
+
+    ddp_reliability_worker.py OUT run|resume [kill_at_step=K:RANK | kill_in_write=N | single_batch |
+                                              stop_rank1_at_step=K]
+"""
+
+import io
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the stub data API
+from lra_stub import API  # noqa: E402
+
+from longattn.train import lra  # noqa: E402
+from longattn.train.config import load_config  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+# dropout and gradient accumulation make the ranks' random streams and the step layout matter
+BASE = ["train.max_steps=12", "train.eval_every=4", "train.checkpoint_every=2", "train.batch_size=4",
+        "train.grad_accum=2", "data.options.num_examples=40", "data.val.num_examples=11", "optim.lr=3e-3",
+        "model.dim=16", "model.hidden=32", "model.dropout=0.3", "train.progress=false"]
+SINGLE_BATCH = ["train.max_steps=1", "train.eval_every=1", "train.log_every=1", "train.batch_size=4",
+                "data.options.num_examples=40", "model.dim=16", "model.hidden=32", "train.progress=false"]
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_in_write(nth: int) -> None:
+    """Rank 0 dies half-way through writing its nth last.pt (after the temp file is opened)."""
+    original, writes = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        if RANK == 0 and not isinstance(f, io.BytesIO) and ".last.pt." in getattr(f, "name", ""):
+            writes.append(f.name)
+            if len(writes) == nth:
+                buffer = io.BytesIO()
+                original(obj, buffer, *args, **kwargs)
+                f.write(buffer.getvalue()[: buffer.tell() // 2])
+                f.flush()
+                die()
+        return original(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
+def record_losses(out_dir: str) -> None:
+    original = lra.classification_step
+
+    def recording(dual):
+        step = original(dual)
+
+        def step_and_record(model, batch):
+            out = step(model, batch)
+            if model.training:
+                Path(out_dir, f"rank{RANK}.loss").write_text(json.dumps(float(out.loss)))
+            return out
+
+        return step_and_record
+
+    lra.classification_step = recording
+
+
+def main(out_dir: str, mode: str, option: str = "") -> None:
+    name, _, value = option.partition("=")
+    hook = None
+    if name == "kill_at_step":
+        step, rank = (int(v) for v in value.split(":"))
+
+        def hook(trainer, done):
+            if done == step and RANK == rank:
+                die()
+    elif name == "kill_in_write":
+        kill_in_write(int(value))
+    elif name == "stop_rank1_at_step":
+        def hook(trainer, done):
+            if done == int(value) and RANK == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+    elif name == "single_batch":
+        record_losses(out_dir)
+    config = load_config(task="listops", attention="softmax", overrides=SINGLE_BATCH if option == "single_batch" else BASE)
+    lra.run_lra(config, out_dir, resume=mode == "resume", data_api=API, on_step_end=hook)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,261 @@
+"""Reliability of training runs (issue 13): a non-finite loss stops the run with the last good
+checkpoint intact; one run per output folder; damaged checkpoints fall back or fail clearly;
+stale temp files go; a finished run is not redone; checkpoints load with weights_only=True;
+strict JSON logs; DDP keeps every rank's random state, logs the global loss and times out."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lra_stub import API
+from longattn.train.checkpoint import CheckpointError, load_checkpoint, previous_path
+from longattn.train.loop import Trainer, TrainingError
+from longattn.train.lra import run_lra
+from ddp_kill_resume import worker_command, worker_env
+from test_loop import Interrupt, final_state, interrupt_at, tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+STOCHASTIC = ["model.dropout=0.3", "train.grad_accum=2", "train.max_steps=12", "train.checkpoint_every=2",
+              "data.options.num_examples=36"]
+
+
+def strict_lines(path: Path) -> list[dict]:
+    """Parse JSON lines, refusing the non-standard NaN/Infinity tokens."""
+    def refuse(token):
+        raise AssertionError(f"{path} holds a bare {token}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def poison_loss_at(step_to_poison: int):
+    """An on_step_end hook that makes the loss of the following step NaN."""
+    def hook(trainer: Trainer, step: int) -> None:
+        if step == step_to_poison - 1:
+            step_fn = trainer.step_fn
+
+            def nan_step(model, batch):
+                out = step_fn(model, batch)
+                return out._replace(loss=out.loss * float("nan"))
+
+            trainer.step_fn = nan_step
+
+    return hook
+
+
+def test_non_finite_loss_stops_with_the_last_checkpoint_intact(tmp_path):
+    config = tiny_config(*STOCHASTIC)
+    with pytest.raises(TrainingError, match=r"non-finite training loss \(nan\) at step 7 .*step 6\) is intact"):
+        run_lra(config, tmp_path, data_api=API, on_step_end=poison_loss_at(7))
+    state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert state["progress"]["step"] == 6
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    records = strict_lines(tmp_path / "metrics.jsonl")
+    assert max(r["step"] for r in records) <= 6 and all(r["split"] != "test" for r in records)
+    # the lock is released: the interrupted run resumes to the same end as an uninterrupted one
+    resumed = run_lra(config, tmp_path, resume=True, data_api=API)
+    full = run_lra(config, tmp_path / "full", data_api=API)
+    assert resumed["test"] == full["test"] and resumed["steps"] == 12
+
+
+def test_overflowing_weights_are_never_checkpointed(tmp_path):
+    def overflow_at_step_3(trainer, step):
+        if step == 3:  # the update of step 4 overflows, as a huge learning rate would; its loss is finite
+            update = trainer.optimizer.step
+
+            def overflowing_update(*args, **kwargs):
+                result = update(*args, **kwargs)
+                with torch.no_grad():
+                    next(trainer.model.parameters()).fill_(float("inf"))
+                return result
+
+            trainer.optimizer.step = overflowing_update
+
+    config = tiny_config(*STOCHASTIC)
+    with pytest.raises(TrainingError, match=r"non-finite weights \(.*\) after step 4; not saved, the last "
+                                            r"checkpoint \(step 2\) is intact"):
+        run_lra(config, tmp_path, data_api=API, on_step_end=overflow_at_step_3)
+    state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert state["progress"]["step"] == 2 and all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_second_run_into_the_same_folder_is_refused(tmp_path):
+    config = tiny_config("train.max_steps=2", "train.eval_every=2")
+
+    def second_run(trainer, step):
+        with pytest.raises(TrainingError, match=rf"output folder {tmp_path} is in use by another run \(pid {os.getpid()}"):
+            run_lra(config, tmp_path, data_api=API)
+
+    run_lra(config, tmp_path, data_api=API, on_step_end=second_run)
+    # another process is refused too, with a one-line error and nothing written into the folder
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "f.seek(0); f.truncate(); f.write('pid 1 on elsewhere'); f.flush(); print('locked', flush=True); "
+        "time.sleep(60)"), str(tmp_path / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        with pytest.raises(TrainingError, match="in use by another run \\(pid 1 on elsewhere\\)"):
+            run_lra(config, tmp_path, data_api=API)
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_lra(config, tmp_path, data_api=API)["steps"] == 2  # the lock went with the process
+
+
+def _cut_run(tmp_path, config, stop_at=9):
+    with pytest.raises(Interrupt):
+        run_lra(config, tmp_path / "cut", data_api=API, on_step_end=interrupt_at(stop_at))
+    return tmp_path / "cut" / "checkpoints" / "last.pt"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeros", "missing"])
+def test_damaged_last_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, capsys):
+    config = tiny_config(*STOCHASTIC)
+    run_lra(config, tmp_path / "full", data_api=API)
+    last = _cut_run(tmp_path, config)  # checkpoints at steps 6 (prev) and 8 (last)
+    data = last.read_bytes()
+    if damage == "truncated":
+        last.write_bytes(data[: len(data) // 2])
+    elif damage == "zeros":
+        middle = len(data) // 2
+        last.write_bytes(data[:middle] + bytes(256) + data[middle + 256:])
+    else:
+        last.unlink()  # killed between the two renames of a checkpoint write
+    resumed = run_lra(config, tmp_path / "cut", resume=True, data_api=API)
+    assert "falling back to" in capsys.readouterr().err or damage == "missing"
+    full_results, full_lines, full_weights = final_state(tmp_path / "full")
+    cut_results, cut_lines, cut_weights = final_state(tmp_path / "cut")
+    assert resumed["steps"] == 12 and cut_results["test"] == full_results["test"] and cut_lines == full_lines
+    for name, tensor in full_weights.items():
+        assert torch.equal(tensor, cut_weights[name]), name
+
+
+def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
+    config = tiny_config(*STOCHASTIC)
+    last = _cut_run(tmp_path, config)
+    for path in (last, previous_path(last)):
+        path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint: .*last.pt is damaged .*last.prev.pt is damaged"):
+        run_lra(config, tmp_path / "cut", resume=True, data_api=API)
+
+
+def test_stale_temp_files_are_removed_and_checkpoints_are_weights_only(tmp_path):
+    config = tiny_config(*STOCHASTIC)
+    last = _cut_run(tmp_path, config)
+    stale = last.parent / ".last.pt.k1ll3d.tmp"
+    stale.write_bytes(b"")  # what a kill -9 during a write leaves
+    run_lra(config, tmp_path / "cut", resume=True, data_api=API)
+    assert not stale.exists()
+    assert sorted(p.name for p in last.parent.iterdir()) == ["best.pt", "finished.json", "last.prev.pt", "last.pt"]
+    raw = torch.load(last, weights_only=True)  # the checksummed container; load_checkpoint loads its
+    assert raw["format"] == "longattn-checkpoint-v1"  # payload with weights_only=True as well
+    assert len(load_checkpoint(last)["rng"]) == 1  # one random state per rank
+
+
+def test_crafted_checkpoint_does_not_execute(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class RunsCommand:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    evil = tmp_path / "last.pt"
+    evil.write_bytes(pickle.dumps({"model": RunsCommand()}))
+    with pytest.raises(CheckpointError, match="last.pt is damaged"):
+        load_checkpoint(evil)
+    torch.save({"format": "longattn-checkpoint-v1", "sha256": "0", "payload": b"x"}, evil)
+    with pytest.raises(CheckpointError, match="SHA256 does not match"):
+        load_checkpoint(evil)
+    assert not marker.exists()
+
+
+def test_resume_of_a_finished_run_does_nothing(tmp_path, capsys):
+    config = tiny_config("train.max_steps=4", "train.eval_every=2")
+    results = run_lra(config, tmp_path, data_api=API)
+    lines = (tmp_path / "metrics.jsonl").read_text()
+    stamp = (tmp_path / "checkpoints" / "last.pt").stat().st_mtime_ns
+    again = run_lra(config, tmp_path, resume=True, data_api=API)
+    assert "already finished at step 4; nothing to do" in capsys.readouterr().err
+    assert (tmp_path / "metrics.jsonl").read_text() == lines  # no duplicate test record
+    assert (tmp_path / "checkpoints" / "last.pt").stat().st_mtime_ns == stamp
+    assert again["test"] == results["test"] and again["steps"] == 4
+
+
+def test_logs_are_strict_json(tmp_path):
+    from longattn.train import lra
+
+    config = tiny_config("train.max_steps=4", "train.eval_every=2")
+    nan_metric = {"accuracy": lambda predictions, targets: float("nan")}
+    original = lra.accuracy
+    lra.accuracy = nan_metric["accuracy"]  # every validation and test metric is NaN
+    try:
+        run_lra(config, tmp_path, data_api=API)
+    finally:
+        lra.accuracy = original
+    records = strict_lines(tmp_path / "metrics.jsonl")
+    assert [r["accuracy"] for r in records if r["split"] != "train"] == [None, None, None]
+    results = json.loads((tmp_path / "results.json").read_text(), parse_constant=lambda t: pytest.fail(t))
+    assert results["test"]["accuracy"] is None
+
+
+# ----------------------------------------------------------------------------- DDP (2 gloo processes)
+
+needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is unavailable")
+
+
+def torchrun(out_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(worker_command(out_dir, *args), env=worker_env(), capture_output=True, text=True,
+                          timeout=180)
+
+
+@needs_gloo
+def test_ddp_log_reports_the_global_loss(tmp_path):
+    """Two ranks with batch b see, at the first step, exactly the examples of one process with
+    batch 2b: the logged (global) loss must be theirs, not rank 0's half."""
+    done = torchrun(tmp_path / "ddp", "run", "single_batch")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ddp = [r for r in strict_lines(tmp_path / "ddp" / "metrics.jsonl") if r["split"] == "train"]
+    rank_losses = [json.loads((tmp_path / "ddp" / f"rank{r}.loss").read_text()) for r in (0, 1)]
+    assert ddp[0]["loss"] == pytest.approx(sum(rank_losses) / 2, rel=1e-6)
+    assert abs(rank_losses[0] - rank_losses[1]) > 1e-4  # the ranks' own losses differ
+    # the checkpoint holds each rank's own random state (kill -9 and resume of a DDP run:
+    # tests/train/ddp_kill_resume.py, figures in docs/reliability.md)
+    states = load_checkpoint(tmp_path / "ddp" / "checkpoints" / "last.pt")["rng"]
+    assert len(states) == 2 and not torch.equal(states[0]["torch"], states[1]["torch"])
+
+
+def launch_by_hand(out_dir: Path, *args: str, env: dict) -> list[subprocess.Popen]:
+    """Two ranks without torchrun, so the test decides when the hung one is killed."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = {**worker_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", **env}
+    return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "train" / "ddp_reliability_worker.py"),
+                              str(out_dir), *args], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+
+
+@needs_gloo
+def test_hung_rank_becomes_a_clear_error(tmp_path):
+    ranks = launch_by_hand(tmp_path, "run", "stop_rank1_at_step=2", env={"LONGATTN_DIST_TIMEOUT_S": "4"})
+    try:
+        _, stderr = ranks[0].communicate(timeout=90)
+        assert ranks[0].returncode != 0
+        assert "another rank did not answer within 4 s" in stderr, stderr[-3000:]
+    finally:
+        for process in ranks:
+            process.kill()
+            process.communicate()
