@@ -10,3 +10,14 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 def _deterministic_seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def lra_stub_data(monkeypatch):
+    """The LRA tasks on the in-memory stand-in for longattn.data.lra (tests/lra_stub.py): no data files."""
+    from lra_stub import API
+
+    from longattn.tasks.lra import LRATask
+
+    monkeypatch.setattr(LRATask, "data_api", API)
+    return API

@@ -102,7 +102,7 @@ assert main(["--version"]) == 0
 def test_a_command_whose_extra_is_missing_says_which_extra_to_install():
     script = BLOCKER + """
 from longattn.cli import main
-raise SystemExit(main(["train", "--task", "listops"]))
+raise SystemExit(main(["train", "--task", "listops", "--preset", "demo", "--out", "unused"]))
 """
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src")},
                          capture_output=True, text=True)

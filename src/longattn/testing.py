@@ -85,3 +85,18 @@ class LocalFileServer:
     def __exit__(self, *exc: Any) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def scattered_mask(batch: int, length: int, seed: int = 5, pad_fraction: float = 0.3) -> torch.Tensor:
+    """A key-padding mask (True = real token) with padding scattered anywhere, first token always real."""
+    mask = torch.rand(batch, length, generator=torch.Generator().manual_seed(seed)) > pad_fraction
+    mask[:, 0] = True
+    return mask
+
+
+def random_qkv(batch: int, heads: int, length: int, head_dim: int, seed: int = 0, dtype: torch.dtype = torch.float64,
+               scale: float = 1.0) -> list[torch.Tensor]:
+    """Query, key and value [B, H, N, Dh] from one seeded generator, leaves that require gradients."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, heads, length, head_dim, generator=g, dtype=dtype) * scale).requires_grad_()
+            for _ in range(3)]

@@ -12,20 +12,9 @@ from longattn.attention.cosformer import (
     cosformer_attention_reference,
     cosformer_features,
 )
-from longattn.testing import LargestTensorRecorder
+from longattn.testing import LargestTensorRecorder, random_qkv, scattered_mask
 
 DIM, HEADS = 24, 3
-
-
-def scattered_mask(b, n, seed=5):
-    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
-
-
-def qkv(b, h, n, d, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3)]
 
 
 @pytest.mark.parametrize("n", [1, 7, 259])
@@ -34,7 +23,7 @@ def qkv(b, h, n, d, seed=0):
 @pytest.mark.parametrize("chunk_size", [4, 64])
 @pytest.mark.parametrize("feature_map", ["relu", "elu"])
 def test_functional_matches_reference_forward_and_backward(n, causal, reweight, chunk_size, feature_map):
-    q, k, v = qkv(2, 3, n, 5)
+    q, k, v = random_qkv(2, 3, n, 5)
     mask = scattered_mask(2, n)
     kwargs = dict(is_causal=causal, reweight=reweight, feature_map=feature_map)
     out = cosformer_attention(q, k, v, mask, chunk_size=chunk_size, **kwargs)
@@ -46,7 +35,7 @@ def test_functional_matches_reference_forward_and_backward(n, causal, reweight, 
 
 
 def test_max_positions_changes_the_reweighting_and_is_checked():
-    q, k, v = qkv(1, 2, 11, 4)
+    q, k, v = random_qkv(1, 2, 11, 4)
     out = cosformer_attention(q, k, v, max_positions=40)
     torch.testing.assert_close(out, cosformer_attention_reference(q, k, v, max_positions=40))
     assert not torch.allclose(out, cosformer_attention(q, k, v))
@@ -65,7 +54,7 @@ def test_features_decompose_the_cos_reweighting():
 
 
 def test_causal_outputs_ignore_the_future():
-    q, k, v = qkv(1, 2, 50, 4)
+    q, k, v = random_qkv(1, 2, 50, 4)
     out = cosformer_attention(q, k, v, is_causal=True, chunk_size=8, max_positions=50)
     k2, v2 = k.detach().clone(), v.detach().clone()
     k2[:, :, 30:] = torch.randn_like(k2[:, :, 30:])

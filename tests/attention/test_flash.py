@@ -6,6 +6,7 @@ import torch
 from longattn import attention
 from longattn.attention import AttentionError
 from longattn.attention.flash import mixed_chunk_attention, mixed_chunk_attention_reference, rotary
+from longattn.testing import scattered_mask
 
 B, H, S, E = 2, 1, 6, 5
 
@@ -14,12 +15,6 @@ def inputs(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     make = lambda w: torch.randn(B, H, n, w, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
     return {"query": make(S), "key": make(S), "value": make(E), "linear_query": make(S), "linear_key": make(S)}
-
-
-def scattered_mask(n, seed=5):
-    mask = torch.rand(B, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
 
 
 def call(fn, t, mask, **options):
@@ -35,7 +30,7 @@ def test_fast_path_matches_reference_forward_and_backward(n, causal, scaling, wi
     chunk_size = 8  # several chunks, the last one partial for odd n
     t = inputs(n)
     bias = torch.randn(2 * chunk_size - 1, dtype=torch.float64, requires_grad=True) if with_bias else None
-    mask = scattered_mask(n)
+    mask = scattered_mask(B, n)
     options = dict(chunk_size=chunk_size, causal=causal, position_bias=bias, scaling=scaling)
     fast = call(mixed_chunk_attention, t, mask, **options)
     ref = call(mixed_chunk_attention_reference, t, mask, **options)
@@ -85,7 +80,7 @@ def test_module_is_the_gated_unit_over_mixed_chunk_attention():
         layer.gamma.mul_(50.0)  # the paper's N(0, 0.02) init makes A ~ 0: sharpen to compare
         layer.position_bias.normal_()
     x = torch.randn(2, 21, 16, dtype=torch.float64)
-    mask = scattered_mask(21)
+    mask = scattered_mask(B, 21)
     u, v, (qq, kq, ql, kl) = layer.gates_and_queries(x)
     mixed = mixed_chunk_attention_reference(qq, kq, v.unsqueeze(1), mask, linear_query=ql, linear_key=kl,
                                             chunk_size=8, position_bias=layer.position_bias)

@@ -13,24 +13,14 @@ from longattn.attention.informer import (
     sample_informer_keys,
 )
 from longattn.attention.softmax import softmax_attention_reference
-
-
-def qkv(b, h, n, d, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-
-
-def scattered_mask(b, n, seed=1):
-    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
+from longattn.testing import random_qkv, scattered_mask
 
 
 @pytest.mark.parametrize("factor", [1.0, 5.0])
 @pytest.mark.parametrize("n", [1, 33, 301])
 def test_fast_matches_reference_forward_and_backward(factor, n):
-    q, k, v = qkv(2, 3, n, 8)
-    mask = scattered_mask(2, n)
+    q, k, v = random_qkv(2, 3, n, 8)
+    mask = scattered_mask(2, n, seed=1)
     samples = sample_informer_keys(mask, 2, n, factor, torch.device("cpu"), torch.Generator().manual_seed(2))
     out = probsparse_attention(q, k, v, mask, factor=factor, key_samples=samples)
     ref = probsparse_attention_reference(q, k, v, mask, factor=factor, key_samples=samples)
@@ -47,7 +37,7 @@ def test_counts_are_c_times_ceil_ln_m_within_1_and_m():
 
 
 def test_keys_are_sampled_among_real_tokens_only():
-    mask = scattered_mask(3, 200)
+    mask = scattered_mask(3, 200, seed=1)
     mask[2, :5] = True
     mask[2, 5:] = False
     samples = sample_informer_keys(mask, 3, 200, 5.0, torch.device("cpu"), torch.Generator().manual_seed(0))
@@ -59,7 +49,7 @@ def test_keys_are_sampled_among_real_tokens_only():
 
 def test_all_queries_active_gives_exact_softmax_attention():
     n = 20  # factor * ceil(ln 20) = 30 >= 20: u = n
-    q, k, v = (t.detach() for t in qkv(2, 2, n, 8))
+    q, k, v = (t.detach() for t in random_qkv(2, 2, n, 8))
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[1, 15:] = False
     out = probsparse_attention(q, k, v, mask, factor=10.0)
@@ -69,7 +59,7 @@ def test_all_queries_active_gives_exact_softmax_attention():
 
 def test_lazy_queries_get_the_mean_of_the_real_values():
     n = 50
-    q, k, v = (t.detach() for t in qkv(1, 1, n, 4))
+    q, k, v = (t.detach() for t in random_qkv(1, 1, n, 4))
     mask = torch.ones(1, n, dtype=torch.bool)
     mask[0, 40:] = False
     out = probsparse_attention(q, k, v, mask, factor=0.1)  # u = 1 active query
@@ -79,7 +69,7 @@ def test_lazy_queries_get_the_mean_of_the_real_values():
 
 
 def test_chunking_of_the_sampled_scores_does_not_change_the_result(monkeypatch):
-    q, k, v = (t.detach() for t in qkv(2, 2, 97, 8))
+    q, k, v = (t.detach() for t in random_qkv(2, 2, 97, 8))
     samples = sample_informer_keys(None, 2, 97, 5.0, torch.device("cpu"), torch.Generator().manual_seed(1))
     whole = probsparse_attention(q, k, v, factor=5.0, key_samples=samples)
     monkeypatch.setattr(informer_module, "_SAMPLE_CHUNK_ELEMENTS", 1000)
@@ -96,7 +86,7 @@ def test_module_is_reproducible_under_a_seed_and_rejects_bad_options():
     torch.testing.assert_close(layer(x), a)
     with pytest.raises(AttentionError, match="factor"):
         attention.build("informer", dim=16, heads=2, factor=0)
-    q, k, v = (t.detach() for t in qkv(1, 1, 10, 4))
+    q, k, v = (t.detach() for t in random_qkv(1, 1, 10, 4))
     with pytest.raises(AttentionError, match="key_samples"):
         probsparse_attention(q, k, v, key_samples=torch.zeros(1, 10, 1, dtype=torch.long))
     with pytest.raises(AttentionError, match="index keys"):

@@ -9,17 +9,13 @@ from longattn.attention.linear import (
     linear_attention,
     linear_attention_reference,
 )
-
-
-def qkv(b, h, n, d, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+from longattn.testing import random_qkv
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 63, 333])
 def test_fast_matches_reference_forward_and_backward(causal, n):
-    q, k, v = qkv(2, 3, n, 8)
+    q, k, v = random_qkv(2, 3, n, 8)
     mask = torch.rand(2, n, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[:, 0] = True
     out = linear_attention(q, k, v, mask, is_causal=causal)
@@ -31,7 +27,7 @@ def test_fast_matches_reference_forward_and_backward(causal, n):
 
 
 def test_causal_chunking_does_not_change_the_result():
-    q, k, v = qkv(1, 2, 100, 4)
+    q, k, v = random_qkv(1, 2, 100, 4)
     phi_q, phi_k = elu_feature_map(q), elu_feature_map(k)
     a = causal_kernel_attention(phi_q, phi_k, v, 1e-6, chunk=7)
     b = causal_kernel_attention(phi_q, phi_k, v, 1e-6, chunk=128)
@@ -51,7 +47,7 @@ def test_causal_module_never_looks_ahead():
 
 def test_matches_the_definition_with_the_elu_feature_map():
     # eq. 4 written out for one query: sum_j phi(q).phi(k_j) v_j / sum_j phi(q).phi(k_j)
-    q, k, v = (t.detach() for t in qkv(1, 1, 5, 3))
+    q, k, v = (t.detach() for t in random_qkv(1, 1, 5, 3))
     out = linear_attention(q, k, v)
     phi = lambda t: torch.where(t > 0, t + 1, torch.exp(t))  # elu(x) + 1
     sims = (phi(q[0, 0, 2]) * phi(k[0, 0])).sum(-1)
@@ -60,7 +56,7 @@ def test_matches_the_definition_with_the_elu_feature_map():
 
 
 def test_all_padded_sequence_gives_zeros_and_bad_option_errors():
-    q, k, v = (t.detach() for t in qkv(1, 1, 6, 4))
+    q, k, v = (t.detach() for t in random_qkv(1, 1, 6, 4))
     out = linear_attention(q, k, v, torch.zeros(1, 6, dtype=torch.bool), is_causal=True)
     assert torch.all(out == 0)
     with pytest.raises(AttentionError, match="eps"):

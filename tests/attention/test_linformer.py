@@ -11,29 +11,19 @@ from longattn.attention.linformer import (
     linformer_jl_attention_reference,
 )
 from longattn.attention.softmax import softmax_attention_reference
-
-
-def qkv(b, h, n, d, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-
-
-def scattered_mask(b, n, seed=1):
-    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
+from longattn.testing import random_qkv, scattered_mask
 
 
 @pytest.mark.parametrize("headwise", [True, False])
 @pytest.mark.parametrize("n", [1, 37, 101])
 def test_fast_matches_reference_forward_and_backward(headwise, n):
     max_len, k_dim, heads = 120, 16, 2  # n < max_len: the first n rows of E, F are used
-    q, k, v = qkv(2, heads, n, 8)
+    q, k, v = random_qkv(2, heads, n, 8)
     g = torch.Generator().manual_seed(4)
     shape = (max_len, k_dim) if headwise else (heads, max_len, k_dim)
     e = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
     f = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
-    mask = scattered_mask(2, n)
+    mask = scattered_mask(2, n, seed=1)
     out = linformer_attention(q, k, v, mask, proj_k=e, proj_v=f)
     ref = linformer_attention_reference(q, k, v, mask, proj_k=e, proj_v=f)
     torch.testing.assert_close(out, ref)
@@ -69,7 +59,7 @@ def test_shorter_input_uses_the_leading_rows_of_e_and_f():
 def test_bad_options_raise():
     with pytest.raises(AttentionError, match="k must"):
         attention.build("linformer", dim=16, heads=2, max_len=10, k=0)
-    q, k, v = (t.detach() for t in qkv(1, 2, 10, 4))
+    q, k, v = (t.detach() for t in random_qkv(1, 2, 10, 4))
     with pytest.raises(AttentionError, match="proj_k"):
         linformer_attention(q, k, v, proj_k=torch.randn(5, 3), proj_v=torch.randn(10, 3))
 
@@ -105,9 +95,9 @@ def test_matches_the_linformer_package_with_the_same_weights():
 
 @pytest.mark.parametrize("n", [1, 57, 203])
 def test_jl_fast_matches_reference_forward_and_backward(n):
-    q, k, v = qkv(2, 2, n, 8)
+    q, k, v = random_qkv(2, 2, n, 8)
     sketch = gaussian_sketch(n, 12, dtype=torch.float64, device=torch.device("cpu"))
-    mask = scattered_mask(2, n)
+    mask = scattered_mask(2, n, seed=1)
     out = linformer_jl_attention(q, k, v, mask, sketch=sketch)
     ref = linformer_jl_attention_reference(q, k, v, mask, sketch=sketch)
     torch.testing.assert_close(out, ref)
@@ -120,7 +110,7 @@ def test_jl_sketch_is_unbiased_and_large_sketches_recover_softmax_attention():
     torch.manual_seed(0)
     s = gaussian_sketch(30, 40000, dtype=torch.float64, device=torch.device("cpu"))
     torch.testing.assert_close(s @ s.T, torch.eye(30, dtype=torch.float64), atol=0.03, rtol=0)
-    q, k, v = (t.detach() for t in qkv(1, 1, 30, 8))
+    q, k, v = (t.detach() for t in random_qkv(1, 1, 30, 8))
     errors = []
     for d in (4, 40000):
         torch.manual_seed(1)

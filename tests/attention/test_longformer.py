@@ -6,14 +6,9 @@ import torch
 from longattn import attention
 from longattn.attention import AttentionError
 from longattn.attention.longformer import longformer_attention, longformer_attention_reference
+from longattn.testing import scattered_mask
 
 DIM, HEADS = 24, 3
-
-
-def scattered_mask(b, n, seed=5):
-    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
 
 
 def tensors(n, count, seed=0):

@@ -13,15 +13,9 @@ from longattn.attention.luna import (
     luna_causal_attention_reference,
 )
 from longattn.attention.softmax import softmax_attention_reference
-from longattn.testing import LargestTensorRecorder
+from longattn.testing import LargestTensorRecorder, scattered_mask
 
 DIM, HEADS = 24, 3
-
-
-def scattered_mask(b, n, seed=5):
-    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
 
 
 @pytest.mark.parametrize("n", [1, 7, 259])

@@ -6,18 +6,14 @@ from longattn import attention
 from longattn.attention import AttentionError
 from longattn.attention.nystrom import iterative_pinv, nystrom_attention, nystrom_attention_reference
 from longattn.attention.softmax import softmax_attention_reference
-
-
-def qkv(b, h, n, d, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+from longattn.testing import random_qkv
 
 
 @pytest.mark.parametrize("use_conv", [True, False])
 @pytest.mark.parametrize("n, landmarks", [(1, 4), (7, 16), (333, 16), (160, 8)])
 def test_fast_matches_reference_forward_and_backward(use_conv, n, landmarks):
     heads = 2
-    q, k, v = qkv(2, heads, n, 8)
+    q, k, v = random_qkv(2, heads, n, 8)
     g = torch.Generator().manual_seed(7)
     conv = torch.randn(heads, 1, 5, 1, generator=g, dtype=torch.float64, requires_grad=True) if use_conv else None
     mask = torch.rand(2, n, generator=g) > 0.4
@@ -45,13 +41,13 @@ def test_iterative_pinv_converges_to_the_moore_penrose_inverse():
 
 def test_one_token_per_landmark_recovers_exact_softmax_attention():
     # with m = n every token is a landmark: A A^+ A = A, so eq. 15 is exact softmax attention
-    q, k, v = (t.detach() * 0.3 for t in qkv(1, 2, 24, 8))
+    q, k, v = (t.detach() * 0.3 for t in random_qkv(1, 2, 24, 8))
     out = nystrom_attention(q, k, v, num_landmarks=24, pinv_iterations=60)
     torch.testing.assert_close(out, softmax_attention_reference(q, k, v), rtol=1e-5, atol=1e-6)
 
 
 def test_conv_skip_is_a_depthwise_convolution_of_v_along_the_sequence():
-    q, k, v = (t.detach() for t in qkv(1, 2, 30, 4))
+    q, k, v = (t.detach() for t in random_qkv(1, 2, 30, 4))
     weight = torch.randn(2, 1, 3, 1, dtype=torch.float64)
     with_conv = nystrom_attention(q, k, v, num_landmarks=5, conv_weight=weight)
     without = nystrom_attention(q, k, v, num_landmarks=5)

@@ -9,20 +9,13 @@ from longattn.attention.performer import (
     performer_attention_reference,
 )
 from longattn.attention.softmax import softmax_attention_reference
-
-
-def qkv(b, h, n, d, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) * scale).requires_grad_()
-        for _ in range(3)
-    ]
+from longattn.testing import random_qkv
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 65, 301])
 def test_fast_matches_reference_forward_and_backward(causal, n):
-    q, k, v = qkv(2, 2, n, 8)
+    q, k, v = random_qkv(2, 2, n, 8)
     w = orthogonal_random_features(20, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     mask = torch.rand(2, n, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[:, 0] = True
@@ -36,14 +29,14 @@ def test_fast_matches_reference_forward_and_backward(causal, n):
 
 def test_stabiliser_keeps_large_inputs_finite():
     # |q|, |k| ~ 30: exp(w.x) overflows without the max shift, the reference is inf/nan
-    q, k, v = (t.detach() for t in qkv(1, 1, 64, 16, scale=8.0))
+    q, k, v = (t.detach() for t in random_qkv(1, 1, 64, 16, scale=8.0))
     w = orthogonal_random_features(32, 16)
     out = performer_attention(q.float(), k.float(), v.float(), projection=w)
     assert torch.isfinite(out).all()
 
 
 def test_many_features_approximate_softmax_attention():
-    q, k, v = (t.detach() for t in qkv(1, 1, 40, 8, scale=0.5))
+    q, k, v = (t.detach() for t in random_qkv(1, 1, 40, 8, scale=0.5))
     exact = softmax_attention_reference(q, k, v)
     errors = []
     for m in (8, 8192):
@@ -92,7 +85,7 @@ def test_bad_options_raise():
         attention.build("performer", dim=16, heads=2, nb_features=0)
     with pytest.raises(AttentionError, match="redraw_interval"):
         attention.build("performer", dim=16, heads=2, redraw_interval=0)
-    q, k, v = (t.detach() for t in qkv(1, 1, 4, 8))
+    q, k, v = (t.detach() for t in random_qkv(1, 1, 4, 8))
     with pytest.raises(AttentionError, match="projection"):
         performer_attention(q, k, v, projection=torch.randn(4, 3))
 
@@ -101,7 +94,7 @@ def test_matches_performer_pytorch_with_the_same_projection():
     # performer-pytorch adds eps=1e-4 to every feature after its max shift (not in the paper);
     # its kernel functions with eps=0 are the paper's FAVOR+, which must equal ours exactly.
     peer = pytest.importorskip("performer_pytorch.performer_pytorch", reason="performer-pytorch not installed")
-    q, k, v = (t.detach() for t in qkv(2, 2, 77, 16))
+    q, k, v = (t.detach() for t in random_qkv(2, 2, 77, 16))
     w = orthogonal_random_features(32, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     phi_q = peer.softmax_kernel(q, projection_matrix=w, is_query=True, eps=0.0)
     phi_k = peer.softmax_kernel(k, projection_matrix=w, is_query=False, eps=0.0)

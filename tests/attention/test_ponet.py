@@ -11,6 +11,7 @@ from longattn.attention.ponet import (
     ponet_mixing,
     ponet_mixing_reference,
 )
+from longattn.testing import scattered_mask
 
 B, H, DH = 2, 3, 5
 
@@ -21,15 +22,9 @@ def branches(n, seed=0):
     return {k: (torch.randn(B, H, n, DH, generator=g, dtype=torch.float64) * 2).requires_grad_() for k in names}
 
 
-def scattered_mask(n, seed=5):
-    mask = torch.rand(B, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
-
-
-def call(fn, t, mask, segment_ids, kernel_size):
+def call(fn, t, mask, segment_ids, kernel_size, **options):
     return fn(t["query"], t["key"], t["value"], mask, segment=t["segment"], local=t["local"], gate=t["gate"],
-              segment_ids=segment_ids, kernel_size=kernel_size)
+              segment_ids=segment_ids, kernel_size=kernel_size, **options)
 
 
 @pytest.mark.parametrize("n", [1, 37, 101])
@@ -37,7 +32,7 @@ def call(fn, t, mask, segment_ids, kernel_size):
 @pytest.mark.parametrize("segments", ["fixed", "sentences"])
 def test_fast_path_matches_reference_forward_and_backward(n, kernel_size, segments):
     t = branches(n)
-    mask = scattered_mask(n)
+    mask = scattered_mask(B, n)
     if segments == "fixed":
         ids = fixed_segment_ids(B, n, 4)
     else:  # irregular, non-contiguous, sparse sentence labels, different per row
@@ -120,3 +115,26 @@ def test_bad_segment_ids_and_options_raise():
         attention.build("ponet", dim=8, heads=2, kernel_size=4)
     with pytest.raises(AttentionError, match="segment_num"):
         attention.build("ponet", dim=8, heads=2, segment_num=0)
+
+
+@pytest.mark.parametrize("parts", [("segment", "local"), ("global", "local"), ("global", "segment"), ("local",)])
+def test_component_ablations_match_the_reference_and_drop_their_projections(parts):
+    t = branches(19)
+    mask = scattered_mask(B, 19)
+    ids = fixed_segment_ids(B, 19, 3)
+    fast = call(ponet_mixing, t, mask, ids, 3, parts=parts)
+    torch.testing.assert_close(fast, call(ponet_mixing_reference, t, mask, ids, 3, parts=parts))
+    assert not torch.allclose(fast, call(ponet_mixing, t, mask, ids, 3))
+    torch.manual_seed(0)
+    layer = attention.build("ponet", dim=8, heads=2, parts=parts)
+    expected = {
+        ("segment", "local"): ("segment", "local", "gate"),
+        ("global", "local"): ("query", "key", "value", "local", "gate"),
+        ("global", "segment"): ("query", "key", "value", "segment", "gate"),
+        ("local",): ("local",),
+    }[parts]
+    assert layer.branches == expected and layer.to_branches.out_features == 8 * len(expected)
+    layer(torch.randn(1, 7, 8)).sum().backward()
+    assert all(p.grad is not None for p in layer.parameters())  # no unused parameters (DDP)
+    with pytest.raises(AttentionError, match="parts"):
+        attention.build("ponet", dim=8, heads=2, parts=("global", "pooling"))

@@ -8,6 +8,7 @@ from longattn import attention
 from longattn.attention import AttentionError
 from longattn.attention.realformer import SCORES_KEY, realformer_attention, realformer_attention_reference
 from longattn.attention.softmax import softmax_attention
+from longattn.testing import scattered_mask
 
 B, H, DH = 2, 3, 4
 
@@ -17,18 +18,12 @@ def qkv(n, seed=0):
     return [(torch.randn(B, H, n, DH, generator=g, dtype=torch.float64) * 2).requires_grad_() for _ in range(3)]
 
 
-def scattered_mask(n, seed=5):
-    mask = torch.rand(B, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
-
-
 @pytest.mark.parametrize("n", [1, 37, 129])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_prev", [False, True])
 def test_fast_path_matches_reference_forward_and_backward(n, causal, with_prev):
     q, k, v = qkv(n)
-    mask = scattered_mask(n)
+    mask = scattered_mask(B, n)
     prev = torch.randn(B, H, n, n, dtype=torch.float64, requires_grad=True) if with_prev else None
     fast = realformer_attention(q, k, v, mask, prev_scores=prev, is_causal=causal)
     ref = realformer_attention_reference(q, k, v, mask, prev_scores=prev, is_causal=causal)
@@ -45,7 +40,7 @@ def test_fast_path_matches_reference_forward_and_backward(n, causal, with_prev):
 
 def test_first_layer_is_softmax_attention():
     q, k, v = qkv(41)
-    mask = scattered_mask(41)
+    mask = scattered_mask(B, 41)
     out, _ = realformer_attention(q, k, v, mask, is_causal=True)
     real = mask[:, None, :, None]
     torch.testing.assert_close(out * real, softmax_attention(q, k, v, mask, is_causal=True) * real)
@@ -67,7 +62,7 @@ def test_second_layer_adds_the_first_layers_raw_scores():
     torch.manual_seed(0)
     first, second = (attention.build("realformer", dim=12, heads=H).double() for _ in range(2))
     x = torch.randn(B, 19, 12, dtype=torch.float64)
-    mask = scattered_mask(19)
+    mask = scattered_mask(B, 19)
     out, state = Stack([first, second])(x, mask)
     # by hand: layer 1's scores S_1 from its own q, k; layer 2 uses S_1 + its own
     q1, k1, v1 = first.proj.qkv(x)

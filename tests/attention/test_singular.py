@@ -16,7 +16,7 @@ from longattn.attention.singular import (
     singular_attention_reference,
     singular_factors,
 )
-from longattn.testing import LargestTensorRecorder
+from longattn.testing import LargestTensorRecorder, scattered_mask
 
 DIM, HEADS = 24, 3  # head dim 8 = default rank
 
@@ -31,12 +31,6 @@ def build(seed=0, **options):
         layer.to_q.weight.mul_(4.0)
         layer.to_k.weight.mul_(4.0)
     return layer
-
-
-def scattered_mask(b, n, seed=5):
-    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
 
 
 def module_reference(layer, x, mask, prev_scores=None):

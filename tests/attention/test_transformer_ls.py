@@ -10,14 +10,9 @@ from longattn.attention.transformer_ls import (
     long_short_attention,
     long_short_attention_reference,
 )
+from longattn.testing import scattered_mask
 
 DIM, HEADS = 24, 3
-
-
-def scattered_mask(b, n, seed=5):
-    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) > 0.3
-    mask[:, 0] = True
-    return mask
 
 
 def inputs(b, h, n, d, r, seed=0):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import types
 from pathlib import Path
 
@@ -12,8 +11,10 @@ import pytest
 import lra_stub
 from longattn import attention
 from longattn.cli import main
-from longattn.train.config import configs_root, load_config, read_yaml
-from longattn.train.experiments import load_sweep, sweep_rows
+from longattn.config import read_yaml
+from longattn.experiment.config import resolve_config
+from longattn.experiment.grid import load_sweep, sweep_rows
+from longattn.tasks.lra import LRA_CONFIGS, LRATask
 
 TINY = ["--set", "train.max_steps=2", "--set", "train.eval_every=2", "--set", "model.dim=8",
         "--set", "model.hidden=16", "--set", "data.options.num_examples=12", "--set", "train.batch_size=4",
@@ -21,10 +22,8 @@ TINY = ["--set", "train.max_steps=2", "--set", "train.eval_every=2", "--set", "m
 
 
 @pytest.fixture(autouse=True)
-def stub_data(monkeypatch):
-    module = types.ModuleType("longattn.data.lra")
-    module.get_task, module.build_dataset, module.collate = lra_stub.get_task, lra_stub.build_dataset, lra_stub.collate
-    monkeypatch.setitem(sys.modules, "longattn.data.lra", module)
+def stub_data(lra_stub_data, monkeypatch):
+    monkeypatch.setattr(LRATask, "data_api", types.SimpleNamespace(**vars(lra_stub_data)))  # a copy we may edit
 
 
 def test_train_eval_and_resume(tmp_path, capsys):
@@ -48,16 +47,21 @@ def test_unknown_config_key_is_a_clear_cli_error(tmp_path, capsys):
     assert code == 2 and "train.learning_rate" in err and "max_steps" in err
 
 
+def test_compare_rejects_an_unknown_mechanism_before_training(tmp_path, capsys):
+    code = main(["compare", "--task", "listops", "--attentions", "softmax,skeletn", "--out", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert code == 2 and "skeletn" in err and "skeleton" in err
+    assert not (tmp_path / "c").exists()
+
+
 def test_compare_writes_table_results_and_plot(tmp_path, capsys):
     out = tmp_path / "cmp"
-    code = main(["compare", "--task", "listops", "--attentions", "softmax,not_a_mechanism", "--preset", "demo",
+    code = main(["compare", "--task", "listops", "--attentions", "softmax", "--preset", "demo",
                  "--out", str(out), *TINY, "--set", "data.max_len=null", "--set", "data.train.num_examples=12",
                  "--set", "data.val.num_examples=6", "--set", "data.test.num_examples=5"])
-    printed = capsys.readouterr().out
     assert code == 0
-    assert "not_a_mechanism" in printed and "skipping" in printed
     table = (out / "table.md").read_text()
-    assert "| softmax" in table and "test acc" in table
+    assert "| softmax" in table and "test accuracy" in table
     summary = json.loads((out / "results.json").read_text())
     assert [r["attention"] for r in summary["runs"]] == ["softmax"]
     assert summary["runs"][0]["results"][0]["test"]["examples"] == 5
@@ -80,7 +84,7 @@ paper:
     table = (out / "table.md").read_text()
     assert "layers=1" in table and "layers=2" in table and "retrieval" in table and "Paper" in table
     cells = json.loads((out / "results.json").read_text())["cells"]
-    assert len(cells) == 4 and all(len(c["test_accuracy"]) == 1 for c in cells)
+    assert len(cells) == 4 and all(len(c["test"]) == 1 for c in cells)
     # resume reuses the finished runs instead of training again
     before = (out / "layers=1" / "listops" / "seed0" / "results.json").stat().st_mtime_ns
     assert main(["sweep", "--config", str(sweep), "--out", str(out), "--resume", *TINY]) == 0
@@ -102,7 +106,7 @@ def test_noise_command_adds_the_dataset_option(tmp_path, monkeypatch):
         seen.append(options.get("noise_amplitude"))
         return original(name, split, data_dir, **options)
 
-    monkeypatch.setattr(sys.modules["longattn.data.lra"], "build_dataset", recording)
+    monkeypatch.setattr(LRATask.data_api, "build_dataset", recording)
     out = tmp_path / "noise"
     assert main(["noise", "--attentions", "softmax", "--levels", "0,4", "--preset", "demo", "--out", str(out),
                  *TINY]) == 0
@@ -123,7 +127,7 @@ def _check_options(mechanism: str, option: str, where: str) -> None:
         assert option in attention.get_spec(mechanism).option_names, f"{where}: {mechanism}.{option}"
 
 
-@pytest.mark.parametrize("path", sorted((configs_root() / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((LRA_CONFIGS / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_sweeps_load_and_name_real_options(path):
     spec = load_sweep(path)
     rows = sweep_rows(spec)
@@ -134,13 +138,13 @@ def test_shipped_sweeps_load_and_name_real_options(path):
             if key.startswith("attention_options."):
                 _check_options(key.split(".")[1], key.split(".")[2], path.name)
         for task in spec.get("tasks", []):
-            load_config(task=task, attention=mechanism, preset=spec.get("preset", "standard"), overrides=overrides)
+            resolve_config(task, spec.get("preset", "standard"), None, overrides, attention=mechanism)
     for key in spec.get("grid") or {}:
         if key.startswith("attention_options."):
             _check_options(key.split(".")[1], key.split(".")[2], path.name)
 
 
-@pytest.mark.parametrize("path", sorted(configs_root().glob("*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize("path", sorted(LRA_CONFIGS.glob("*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_shipped_presets_name_real_options(path: Path):
     if path.parent.name == "sweeps":
         return

@@ -13,8 +13,11 @@ import torch
 
 from longattn.cli import main
 from longattn.data.timeseries import load_forecast_data
-from longattn.forecast.experiment import format_table, parse_overrides, resolve_run_config
-from longattn.forecast.train import evaluate_forecaster, forecast_settings, train_forecaster
+from longattn.experiment.config import resolve_config
+from longattn.experiment.run import run
+from longattn.forecast.table import format_table
+from longattn.tasks.base import get_task
+from longattn.tasks.forecasting import evaluate_forecaster
 from longattn.models.forecasters import build_forecaster
 from longattn.train.checkpoint import load_checkpoint
 from longattn.utils import seed_everything
@@ -43,18 +46,31 @@ def _data(path: Path):
     return load_forecast_data(str(path), seq_len=24, label_len=12, pred_len=6)
 
 
-def _settings(**train):
-    seed = train.pop("seed", 0)
-    return forecast_settings(train, seed=seed)
+def _config(series: Path, model: str = "dlinear", *overrides: str, attention: str | None = None, seed: int = 0,
+            config_file: Path | None = None):
+    return resolve_config("forecasting", None, config_file, list(overrides), model_name=model, attention=attention,
+                          seed=seed, data={"dataset": str(series), "seq_len": 24, "label_len": 12, "pred_len": 6})
+
+
+def _run(config, out: Path, **kwargs):
+    """A run through the one run path; returns its results and the trained model."""
+    seen = {}
+
+    def keep(trainer, step):
+        seen["model"] = trainer.model
+        if kwargs.get("on_step_end"):
+            kwargs["on_step_end"](trainer, step)
+
+    results = run(config, out, resume=kwargs.get("resume", False), on_step_end=keep, plots=False)
+    return results, seen["model"]
 
 
 def test_dlinear_learns_seasonal_series(series, tmp_path):
     data = _data(series)
     seed_everything(0)
-    model = build_forecaster("dlinear", data.channels, 24, 6)
-    untrained = evaluate_forecaster(model, data, "test")
-    summary = train_forecaster(model, data, _settings(epochs=4, batch_size=16, lr=1e-2, patience=4), tmp_path / "run",
-                               log=lambda *_: None)
+    untrained = evaluate_forecaster(build_forecaster("dlinear", data.channels, 24, 6), data, "test")
+    summary, model = _run(_config(series, "dlinear", "train.epochs=4", "train.batch_size=16", "optim.lr=1e-2",
+                                  "train.patience=4"), tmp_path / "run")
     assert summary["test"]["mse"] < 0.1 * untrained["mse"]
     assert summary["test"]["windows"] == len(data.test)  # no drop_last in evaluation
     assert summary["val"]["windows"] == len(data.val)
@@ -64,27 +80,26 @@ def test_dlinear_learns_seasonal_series(series, tmp_path):
     assert evaluate_forecaster(model, data, "test") == pytest.approx(summary["test"])
 
 
-def test_settings_translate_forecast_config():
-    settings = _settings(lr_schedule="halve", grad_clip=1.0, max_steps_per_epoch=7)
-    assert (settings.schedule, settings.step_decay, settings.clip_norm) == ("step", 0.5, 1.0)
-    assert (settings.select_metric, settings.select_mode, settings.eval_every_epoch) == ("mse", "min", True)
-    assert settings.optimizer == "adam" and settings.patience == 3 and settings.drop_last
-    assert _settings(lr_schedule="constant").schedule == "constant"
+def test_task_settings_and_earlier_config_names(series, tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("train: {lr_schedule: halve, grad_clip: 1.0, max_steps_per_epoch: 7}\n")
+    config = _config(series, "dlinear", config_file=path)
+    assert (config.optim.schedule, config.optim.step_decay, config.train.clip_norm) == ("step", 0.5, 1.0)
+    task = get_task("forecasting")
+    assert (task.select_metric, task.select_mode, config.train.eval_every_epoch) == ("mse", "min", True)
+    assert config.optim.optimizer == "adam" and config.train.patience == 3 and config.train.drop_last
+    path.write_text("train: {lr_schedule: cosine}\n")
     with pytest.raises(ValueError, match="lr_schedule"):
-        _settings(lr_schedule="cosine")
-    with pytest.raises(ValueError, match="unknown train option"):
-        _settings(select_mode="max")
-    with pytest.raises(ValueError, match="patience"):
-        _settings(patience=0)
+        _config(series, config_file=path)
+    with pytest.raises(ValueError, match="train.patience must be >= 1"):
+        _config(series, "dlinear", "train.patience=0")
 
 
 def test_early_stopping_and_best_checkpoint(series, tmp_path):
-    data = _data(series)
-    seed_everything(0)
-    model = build_forecaster("dlinear", data.channels, 24, 6)
-    # lr = 0: the first epoch sets the best, every later one ties (no improvement) -> stop after 1 + patience.
-    summary = train_forecaster(model, data, _settings(epochs=10, batch_size=16, lr=0.0, patience=2), tmp_path / "r",
-                               log=lambda *_: None)
+    # lr = 0 is refused; a tiny lr with a constant schedule moves nothing measurable: the first epoch sets the
+    # best, every later one ties (no improvement) -> stop after 1 + patience.
+    summary, model = _run(_config(series, "dlinear", "train.epochs=10", "train.batch_size=16", "optim.lr=1e-30",
+                                  "train.patience=2"), tmp_path / "r")
     assert summary["epochs_run"] == 3 and summary["best_epoch"] == 0
     best = load_checkpoint(tmp_path / "r" / "checkpoints" / "best.pt")["model"]
     assert all(torch.equal(best[k], v) for k, v in model.state_dict().items())
@@ -92,8 +107,6 @@ def test_early_stopping_and_best_checkpoint(series, tmp_path):
 
 def test_best_checkpoint_is_tested_not_the_last(series, tmp_path):
     data = _data(series)
-    seed_everything(0)
-    model = build_forecaster("dlinear", data.channels, 24, 6)
     spe = len(data.train) // 16
 
     def spoil_after_first_epoch(trainer, step):  # later epochs end with useless weights: epoch 0 stays best
@@ -102,17 +115,16 @@ def test_best_checkpoint_is_tested_not_the_last(series, tmp_path):
                 for param in trainer.model.parameters():
                     param.fill_(3.0)
 
-    settings = _settings(epochs=3, batch_size=16, lr=1e-2, patience=5)
-    summary = train_forecaster(model, data, settings, tmp_path / "r", log=lambda *_: None,
-                               on_step_end=spoil_after_first_epoch)
-    val_mses = [h["val_mse"] for h in summary["history"]]
+    summary, model = _run(_config(series, "dlinear", "train.epochs=3", "train.batch_size=16", "optim.lr=1e-2",
+                                  "train.patience=5"), tmp_path / "r", on_step_end=spoil_after_first_epoch)
+    val_mses = [h["mse"] for h in summary["history"]]
     assert summary["best_epoch"] == 0 and val_mses[0] < min(val_mses[1:])
     assert summary["val"]["mse"] == pytest.approx(min(val_mses))
     assert evaluate_forecaster(model, data, "test") == pytest.approx(summary["test"])
 
 
-def _skt(data):
-    return build_forecaster("skt", data.channels, 24, 6, d_model=16, heads=2, attention="softmax", dropout=0.3)
+SKT = ("model.d_model=16", "model.heads=2", "model.dropout=0.3", "train.epochs=3", "train.batch_size=16",
+       "optim.lr=1e-3", "train.patience=5")
 
 
 class Interrupt(Exception):
@@ -129,66 +141,49 @@ def _interrupt_at(step):
 
 def test_interrupted_and_resumed_run_gives_identical_metrics(series, tmp_path):
     data = _data(series)
-    settings = _settings(epochs=3, batch_size=16, lr=1e-3, patience=5, seed=3)
-    seed_everything(3)
-    straight = _skt(data)
-    full = train_forecaster(straight, data, settings, tmp_path / "straight", log=lambda *_: None)
+    full, straight = _run(_config(series, "skt", *SKT, attention="softmax", seed=3), tmp_path / "straight")
     spe = len(data.train) // 16  # drop_last: whole batches only
     assert full["epochs_run"] == 3 and [h["lr"] for h in full["history"]] == [1e-3, 5e-4, 2.5e-4]  # halve per epoch
 
     # Interrupted right after an epoch-end checkpoint, between two of them (resume redoes the lost steps) and
     # after a mid-epoch checkpoint (train.checkpoint_every), then resumed.
     assert spe >= 6
-    for name, cut, extra in (("edge", spe, {}), ("mid", spe + 2, {}), ("mid_ckpt", spe + 3, {"checkpoint_every": 2})):
-        cut_settings = _settings(epochs=3, batch_size=16, lr=1e-3, patience=5, seed=3, **extra)
-        seed_everything(3)
+    for name, cut, extra in (("edge", spe, ()), ("mid", spe + 2, ()), ("mid_ckpt", spe + 3, ("train.checkpoint_every=2",))):
+        config = _config(series, "skt", *SKT, *extra, attention="softmax", seed=3)
         with pytest.raises(Interrupt):
-            train_forecaster(_skt(data), data, cut_settings, tmp_path / name, log=lambda *_: None,
-                             on_step_end=_interrupt_at(cut))
+            _run(config, tmp_path / name, on_step_end=_interrupt_at(cut))
         if extra:
             saved = load_checkpoint(tmp_path / name / "checkpoints" / "last.pt")["progress"]
             assert saved["batches_in_epoch"] > 0 and saved["epoch"] == 1  # really mid-epoch
         torch.manual_seed(12345)  # a crash and restart leaves the process RNG anywhere
-        seed_everything(3)
-        restarted = _skt(data)
-        resumed = train_forecaster(restarted, data, cut_settings, tmp_path / name, log=lambda *_: None)
+        resumed, restarted = _run(config, tmp_path / name, resume=True)
         assert resumed["history"] == full["history"], name
         assert resumed["val"] == full["val"] and resumed["test"] == full["test"], name
         assert resumed["best_epoch"] == full["best_epoch"] and resumed["epochs_run"] == full["epochs_run"]
         for (key, a), b in zip(straight.state_dict().items(), restarted.state_dict().values()):
             assert torch.equal(a, b), (name, key)
 
-    with pytest.raises(ValueError, match="another configuration"):
-        train_forecaster(_skt(data), data, settings, tmp_path / "mid", log=lambda *_: None, fingerprint="other")
+    with pytest.raises(ValueError, match="differs from the one saved"):
+        _run(_config(series, "skt", *SKT, "optim.lr=0.5", attention="softmax", seed=3), tmp_path / "mid", resume=True)
 
 
-def test_resolve_run_config_and_overrides():
-    config = {
-        "data": {"seq_len": 96},
-        "train": {"lr": 1e-4, "epochs": 10},
-        "models": {"skt": {"d_model": 512, "attention": "skeleton",
-                           "attention_options": {"skeleton": {"smoother": True}, "skein": {}}},
-                   "dlinear": {"kernel_size": 25, "train": {"lr": 1e-3}}},
-    }
-    overrides = parse_overrides(["train.lr=1e-3", "model.d_model=64", "data.seq_len=36"])
-    run = resolve_run_config(config, "skt", None, overrides)
-    assert run["train"]["lr"] == 1e-3 and run["model"]["d_model"] == 64 and run["data"]["seq_len"] == 36
-    assert run["model"]["attention_options"] == {"smoother": True}
-    ablated = resolve_run_config(config, "skt", None, parse_overrides(["model.attention_options.smoother=false"]))
-    assert ablated["model"]["attention_options"] == {"smoother": False}
+def test_model_options_attention_and_scoped_overrides(series):
+    config = _config(series, "skt", "optim.lr=1e-3", "model.d_model=64", "data.seq_len=36")
+    assert config.optim.lr == 1e-3 and config.model["d_model"] == 64 and config.data.seq_len == 24  # flag wins
+    assert config.attention == "skeleton" and config.chosen_attention_options()["smoother"] is True
+    ablated = _config(series, "skt", "model.attention_options.smoother=false")
+    assert ablated.chosen_attention_options()["smoother"] is False
     with pytest.raises(ValueError, match="--attention"):
-        resolve_run_config(config, "skt", None, {"model.attention": "skein"})
-    swapped = resolve_run_config(config, "skt", "softmax", {})
-    assert swapped["model"]["attention"] == "softmax" and swapped["model"]["attention_options"] == {}
-    assert resolve_run_config(config, "dlinear", None, {})["train"]["lr"] == 1e-3
+        _config(series, "skt", "model.attention=skein")
+    swapped = _config(series, "skt", attention="softmax")
+    assert swapped.attention == "softmax" and swapped.chosen_attention_options() == {}
+    assert _config(series, "dlinear").optim.lr == 1e-3
     with pytest.raises(ValueError, match="takes no attention"):
-        resolve_run_config(config, "dlinear", "softmax", {})
-    with pytest.raises(ValueError, match="key=value"):
-        parse_overrides(["lr"])
-    scoped = resolve_run_config(config, "dlinear", None, parse_overrides(["models.skt.d_model=8", "models.dlinear.kernel_size=5"]))
-    assert scoped["model"] == {"kernel_size": 5}
-    with pytest.raises(ValueError, match="must start with"):
-        resolve_run_config(config, "skt", None, {"optim.lr": 1})
+        _config(series, "dlinear", attention="softmax")
+    scoped = _config(series, "dlinear", "models.skt.d_model=8", "models.dlinear.kernel_size=5")
+    assert scoped.model == {"kernel_size": 5, "individual": False}
+    with pytest.raises(ValueError, match="did you mean 'optim'"):
+        _config(series, "skt", "optimm.lr=1")
 
 
 TINY = ["--set", "model.d_model=16", "--set", "model.heads=2", "--set", "model.d_ff=32", "--set", "train.epochs=2",
@@ -202,14 +197,14 @@ def test_cli_forecast_writes_results_and_plot(series, tmp_path, capsys):
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     for key in ("dataset", "model", "attention", "options", "seed", "params", "val", "test", "time_seconds",
-                "peak_memory_mb", "config"):
+                "peak_memory_mb", "config", "provenance"):
         assert key in results, key
     assert results["attention"] == "softmax" and results["config"]["data"]["seq_len"] == 24
     assert math.isfinite(results["test"]["mse"]) and results["params"] > 0
     assert (out / "forecast.png").stat().st_size > 1000
     assert main(["forecast", "--dataset", str(series), "--model", "dlinear", "--pred-len", "6", "--out",
                  str(tmp_path / "bad"), "--set", "model.depth=3"]) == 2
-    assert "unknown option" in capsys.readouterr().err
+    assert "unknown config key 'model.depth'" in capsys.readouterr().err
 
 
 def test_cli_table_layout_with_paper_numbers(tmp_path, capsys):
@@ -224,7 +219,7 @@ def test_cli_table_layout_with_paper_numbers(tmp_path, capsys):
     table = (out / "table.md").read_text()
     assert "| ili | 24 | 2.185 | 0.926 | 2.431 | 0.997 |" in table  # conference and journal SKT numbers
     assert "failed" in table
-    rows = json.loads((out / "table.json").read_text())
+    rows = json.loads((out / "table.json").read_text())["rows"]
     assert {r["model"] for r in rows if "mse" in r} == {"dlinear", "skt:softmax"}
     # Finished cells are reused: a second invocation trains nothing new.
     mtime = (out / "ili" / "dlinear" / "h24_s0" / "results.json").stat().st_mtime

@@ -16,8 +16,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the stub data API
 from lra_stub import API  # noqa: E402
 
-from longattn.train import lra  # noqa: E402
-from longattn.train.config import load_config  # noqa: E402
+from longattn.experiment.config import resolve_config  # noqa: E402
+from longattn.experiment.run import run  # noqa: E402
+from longattn.tasks.lra import LRATask  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 # dropout and gradient accumulation make the ranks' random streams and the step layout matter
@@ -51,20 +52,20 @@ def kill_in_write(nth: int) -> None:
 
 
 def record_losses(out_dir: str) -> None:
-    original = lra.classification_step
+    original = LRATask.step_fn
 
-    def recording(dual):
-        step = original(dual)
+    def step_and_record(task, config, data):
+        step = original(task, config, data)
 
-        def step_and_record(model, batch):
+        def recording(model, batch):
             out = step(model, batch)
             if model.training:
                 Path(out_dir, f"rank{RANK}.loss").write_text(json.dumps(float(out.loss)))
             return out
 
-        return step_and_record
+        return recording
 
-    lra.classification_step = recording
+    LRATask.step_fn = step_and_record
 
 
 def main(out_dir: str, mode: str, option: str = "") -> None:
@@ -84,8 +85,9 @@ def main(out_dir: str, mode: str, option: str = "") -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
     elif name == "single_batch":
         record_losses(out_dir)
-    config = load_config(task="listops", attention="softmax", overrides=SINGLE_BATCH if option == "single_batch" else BASE)
-    lra.run_lra(config, out_dir, resume=mode == "resume", data_api=API, on_step_end=hook)
+    LRATask.data_api = API
+    config = resolve_config("listops", attention="softmax", overrides=SINGLE_BATCH if option == "single_batch" else BASE)
+    run(config, out_dir, resume=mode == "resume", on_step_end=hook)
 
 
 if __name__ == "__main__":

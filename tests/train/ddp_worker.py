@@ -8,12 +8,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the stub data API
 from lra_stub import API  # noqa: E402
 
-from longattn.train.config import load_config  # noqa: E402
-from longattn.train.lra import run_lra  # noqa: E402
+from longattn.experiment.config import resolve_config  # noqa: E402
+from longattn.experiment.run import run  # noqa: E402
+from longattn.tasks.lra import LRATask  # noqa: E402
 
 
 def main(out_dir: str) -> None:
-    config = load_config(task="listops", attention="softmax", overrides=[
+    LRATask.data_api = API
+    config = resolve_config("listops", attention="softmax", overrides=[
         "train.max_steps=4", "train.eval_every=2", "train.batch_size=4", "data.options.num_examples=20",
         "data.val.num_examples=11", "model.dim=16", "model.hidden=32", "train.progress=false", "train.grad_accum=2",
     ])
@@ -22,7 +24,7 @@ def main(out_dir: str) -> None:
     def keep_trainer(trainer, step):
         seen["trainer"] = trainer
 
-    results = run_lra(config, out_dir, data_api=API, on_step_end=keep_trainer)
+    results = run(config, out_dir, on_step_end=keep_trainer)
     model = seen["trainer"].model
     checksum = float(sum(p.double().sum() for p in model.parameters()))
     rank = os.environ["RANK"]

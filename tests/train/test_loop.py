@@ -10,18 +10,30 @@ import pytest
 import torch
 from torch import nn
 
-from lra_stub import API
 from longattn.attention import AttentionBase
+from longattn.experiment.config import resolve_config
+from longattn.experiment.run import run
 from longattn.train.checkpoint import load_checkpoint
-from longattn.train.config import load_config
-from longattn.train.loop import StepOutput, Trainer, TrainSettings, accuracy, build_scheduler, mae, mse
-from longattn.train.lra import run_lra
+from longattn.train.loop import StepOutput, Trainer, accuracy, build_scheduler, mae, mse
+from longattn.train.settings import OptimConfig, TrainConfig
 
 
-def tiny_config(*overrides: str, task: str = "listops") -> dict:
+@pytest.fixture(autouse=True)
+def _stub(lra_stub_data):
+    """LRA runs below use the in-memory stand-in for the LRA data."""
+
+
+def tiny_config(*overrides: str, task: str = "listops"):
     base = ["train.max_steps=12", "train.eval_every=4", "train.batch_size=8", "data.options.num_examples=40",
             "optim.lr=3e-3", "optim.warmup_steps=2", "model.dim=16", "model.hidden=32", "train.progress=false"]
-    return load_config(task=task, attention="softmax", overrides=[*base, *overrides])
+    return resolve_config(task, attention="softmax", overrides=[*base, *overrides])
+
+
+def loop_settings(**values) -> dict:
+    """Trainer keyword arguments from flat settings (train, optim, seed and selection in one call)."""
+    optim = {k: values.pop(k) for k in list(values) if k in OptimConfig.__dataclass_fields__}
+    chosen = {k: values.pop(k) for k in ("select_metric", "select_mode", "seed") if k in values}
+    return {"train": TrainConfig(**values), "optim": OptimConfig(**optim), **chosen}
 
 
 def final_state(out_dir) -> tuple[dict, list[str], dict]:
@@ -51,10 +63,10 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, checkpoint_every
     if checkpoint_every:
         overrides.append(f"train.checkpoint_every={checkpoint_every}")
     config = tiny_config(*overrides)
-    run_lra(config, tmp_path / "full", data_api=API)
+    run(config, tmp_path / "full")
     with pytest.raises(Interrupt):
-        run_lra(config, tmp_path / "cut", data_api=API, on_step_end=interrupt_at(10))
-    resumed = run_lra(config, tmp_path / "cut", resume=True, data_api=API)
+        run(config, tmp_path / "cut", on_step_end=interrupt_at(10))
+    resumed = run(config, tmp_path / "cut", resume=True)
     full_results, full_lines, full_weights = final_state(tmp_path / "full")
     cut_results, cut_lines, cut_weights = final_state(tmp_path / "cut")
     assert resumed["steps"] == 14
@@ -66,17 +78,17 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, checkpoint_every
 
 
 def test_resume_without_checkpoint_starts_fresh(tmp_path, capsys):
-    results = run_lra(tiny_config("train.max_steps=2", "train.eval_every=2"), tmp_path, resume=True, data_api=API)
+    results = run(tiny_config("train.max_steps=2", "train.eval_every=2"), tmp_path, resume=True)
     assert results["steps"] == 2
     assert "starting from scratch" in capsys.readouterr().err
 
 
 def test_results_json_and_learning(tmp_path):
-    results = run_lra(tiny_config("train.max_steps=100", "train.eval_every=20", "data.options.num_examples=64"),
-                      tmp_path, data_api=API)
+    results = run(tiny_config("train.max_steps=100", "train.eval_every=20", "data.options.num_examples=64"),
+                      tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
     for key in ("task", "attention", "options", "seed", "parameters", "val", "test", "train_time_s",
-                "peak_memory_mb", "config"):
+                "peak_memory_mb", "config", "provenance"):
         assert key in saved, key
     assert saved["config"]["model"]["dim"] == 16
     assert (tmp_path / "config.yaml").is_file()
@@ -86,21 +98,20 @@ def test_results_json_and_learning(tmp_path):
 
 
 def test_evaluation_counts_every_example_once(tmp_path):
-    results = run_lra(tiny_config("train.max_steps=1", "train.eval_every=1", "train.eval_batch_size=5", "optim.warmup_steps=0",
-                                  "data.val.num_examples=13", "data.test.num_examples=11"), tmp_path, data_api=API)
+    results = run(tiny_config("train.max_steps=1", "train.eval_every=1", "train.eval_batch_size=5", "optim.warmup_steps=0",
+                                  "data.val.num_examples=13", "data.test.num_examples=11"), tmp_path)
     assert results["val"]["examples"] == 13
     assert results["test"]["examples"] == 11
 
 
 def test_dual_tower_retrieval_trains(tmp_path):
-    results = run_lra(tiny_config("train.max_steps=2", "train.eval_every=2", task="retrieval"), tmp_path, data_api=API)
+    results = run(tiny_config("train.max_steps=2", "train.eval_every=2", task="retrieval"), tmp_path)
     assert results["test"]["examples"] == 40
     assert math.isfinite(results["test"]["loss"])
 
 
 def test_bf16_autocast_on_cpu(tmp_path):
-    results = run_lra(tiny_config("train.max_steps=2", "train.eval_every=2", "train.precision=bf16"), tmp_path,
-                      data_api=API)
+    results = run(tiny_config("train.max_steps=2", "train.eval_every=2", "train.precision=bf16"), tmp_path)
     assert math.isfinite(results["val"]["loss"])
 
 
@@ -108,21 +119,21 @@ def test_fp16_needs_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: fp16 is allowed")
     with pytest.raises(ValueError, match="fp16"):
-        run_lra(tiny_config("train.precision=fp16"), tmp_path, data_api=API)
+        run(tiny_config("train.precision=fp16"), tmp_path)
 
 
 def test_early_stopping_when_validation_does_not_improve(tmp_path):
     # A learning rate far too small to change any prediction: validation never improves after the first check.
-    results = run_lra(tiny_config("train.max_steps=40", "train.eval_every=2", "train.patience=2", "optim.lr=1e-12",
-                                  "optim.schedule=constant", "optim.warmup_steps=0"), tmp_path, data_api=API)
+    results = run(tiny_config("train.max_steps=40", "train.eval_every=2", "train.patience=2", "optim.lr=1e-12",
+                                  "optim.schedule=constant", "optim.warmup_steps=0"), tmp_path)
     assert results["stopped_early"]
     assert results["steps"] == 6 and results["best_step"] == 2
 
 
 def _weights_after(tmp_path, *overrides: str) -> dict:
-    run_lra(tiny_config("model.dropout=0", "model.embedding_dropout=0", "optim.schedule=constant",
+    run(tiny_config("model.dropout=0", "model.embedding_dropout=0", "optim.schedule=constant",
                         "optim.warmup_steps=0", "data.options.num_examples=16", "data.options.min_length=24",
-                        *overrides), tmp_path, data_api=API)
+                        *overrides), tmp_path)
     return load_checkpoint(tmp_path / "checkpoints" / "last.pt")["model"]
 
 
@@ -156,10 +167,10 @@ def test_gradient_clipping_shrinks_the_update(tmp_path):
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine", "onecycle"])
 def test_schedules(schedule):
-    settings = TrainSettings(lr=1.0, max_steps=10, warmup_steps=2, schedule=schedule, min_lr_ratio=0.1)
+    settings = OptimConfig(lr=1.0, warmup_steps=2, schedule=schedule, min_lr_ratio=0.1)
     param = nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.AdamW([param], lr=1.0)
-    scheduler = build_scheduler(optimizer, settings)
+    scheduler = build_scheduler(optimizer, settings, max_steps=10)
     lrs = []
     for _ in range(10):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -215,12 +226,12 @@ def collate_regression(items):
 def test_trainer_is_generic_and_adds_aux_losses(tmp_path):
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(3, 4, generator=g), torch.randn((), generator=g)) for _ in range(16)]
-    settings = TrainSettings(max_steps=30, eval_every=10, batch_size=4, lr=0.05, schedule="constant",
+    settings = loop_settings(max_steps=30, eval_every=10, batch_size=4, lr=0.05, schedule="constant",
                              select_metric="mae", select_mode="min", progress=False, log_every=10)
     mae = lambda p, t: float((p - t).abs().mean())  # noqa: E731
     model = Regressor()
     results = Trainer(model, data, data[:5], data[:7], collate_regression, regression_step, {"mae": mae},
-                      settings, tmp_path, run_info={"experiment": "toy"}).fit()
+                      **settings, out_dir=tmp_path, run_info={"experiment": "toy"}).fit()
     # the aux penalty pulls the scale towards 3 although the task loss alone would not
     assert abs(model.mix.scale.item() - 3.0) < abs(1.0 - 3.0)
     assert results["experiment"] == "toy" and results["test"]["examples"] == 7
@@ -236,14 +247,14 @@ def test_accuracy_metric():
 def test_bad_select_metric(tmp_path):
     with pytest.raises(ValueError, match="select_metric"):
         Trainer(Regressor(), [1], None, None, list, regression_step, {"mae": accuracy},
-                TrainSettings(select_metric="accuracy"), tmp_path)
+                **loop_settings(select_metric="accuracy"), out_dir=tmp_path)
 
 
 def test_step_schedule_decays_per_epoch():
-    settings = TrainSettings(lr=1.0, max_steps=10, schedule="step", step_decay=0.5)
+    settings = OptimConfig(lr=1.0, schedule="step", step_decay=0.5)
     param = nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.Adam([param], lr=1.0)
-    scheduler = build_scheduler(optimizer, settings, steps_per_epoch=3)
+    scheduler = build_scheduler(optimizer, settings, max_steps=10, steps_per_epoch=3)
     lrs = []
     for _ in range(7):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -261,10 +272,10 @@ def test_epoch_options_and_min_selection(tmp_path):
     # 18 examples, batch 4: 5 batches, 4 with drop_last, 3 with the cap; validation after each epoch.
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(3, 4, generator=g), torch.randn((), generator=g)) for _ in range(18)]
-    settings = TrainSettings(epochs=2, batch_size=4, lr=0.01, schedule="step", optimizer="adam", drop_last=True,
+    settings = loop_settings(epochs=2, batch_size=4, lr=0.01, schedule="step", optimizer="adam", drop_last=True,
                              eval_every_epoch=True, select_metric="mse", select_mode="min", progress=False)
     trainer = Trainer(Regressor(), data, data[:5], data[:7], collate_regression, regression_step, {"mse": mse},
-                      settings, tmp_path / "a", results_file=None)
+                      **settings, out_dir=tmp_path / "a")
     assert isinstance(trainer.optimizer, torch.optim.Adam) and not isinstance(trainer.optimizer, torch.optim.AdamW)
     results = trainer.fit()
     assert trainer.steps_per_epoch == 4 and results["steps"] == 8
@@ -273,18 +284,18 @@ def test_epoch_options_and_min_selection(tmp_path):
     best = min(results["history"], key=lambda r: r["mse"])
     assert results["best_step"] == best["step"] and results["val"]["mse"] == best["mse"]
     assert not (tmp_path / "a" / "results.json").exists()
-    capped = dataclasses.replace(settings, max_steps_per_epoch=3)
+    capped = {**settings, "train": dataclasses.replace(settings["train"], max_steps_per_epoch=3)}
     trainer = Trainer(Regressor(), data, data[:5], None, collate_regression, regression_step, {"mse": mse},
-                      capped, tmp_path / "b")
+                      **capped, out_dir=tmp_path / "b")
     assert trainer.steps_per_epoch == 3 and trainer.settings.max_steps == 6 and trainer.settings.eval_every == 3
 
 
 def test_resume_refuses_another_fingerprint(tmp_path):
     data = [(torch.zeros(3, 4), torch.zeros(())) for _ in range(4)]
-    settings = TrainSettings(max_steps=2, eval_every=2, batch_size=2, progress=False, select_metric="loss",
+    settings = loop_settings(max_steps=2, eval_every=2, batch_size=2, progress=False, select_metric="loss",
                              select_mode="min")
     make = lambda fp: Trainer(Regressor(), data, data, None, collate_regression, regression_step, {},  # noqa: E731
-                              settings, tmp_path, fingerprint=fp)
+                              **settings, out_dir=tmp_path, fingerprint=fp)
     make("a").fit()
     assert make("a").fit(resume=True)["steps"] == 2
     with pytest.raises(ValueError, match="another configuration"):

@@ -16,14 +16,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lra_stub import API
 from longattn.train.checkpoint import CheckpointError, load_checkpoint, previous_path
 from longattn.train.loop import Trainer, TrainingError
-from longattn.train.lra import run_lra
+from longattn.experiment.run import run
 from ddp_kill_resume import worker_command, worker_env
 from test_loop import Interrupt, final_state, interrupt_at, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _stub(lra_stub_data):
+    """LRA runs below use the in-memory stand-in for the LRA data."""
 STOCHASTIC = ["model.dropout=0.3", "train.grad_accum=2", "train.max_steps=12", "train.checkpoint_every=2",
               "data.options.num_examples=36"]
 
@@ -54,15 +58,15 @@ def poison_loss_at(step_to_poison: int):
 def test_non_finite_loss_stops_with_the_last_checkpoint_intact(tmp_path):
     config = tiny_config(*STOCHASTIC)
     with pytest.raises(TrainingError, match=r"non-finite training loss \(nan\) at step 7 .*step 6\) is intact"):
-        run_lra(config, tmp_path, data_api=API, on_step_end=poison_loss_at(7))
+        run(config, tmp_path, on_step_end=poison_loss_at(7))
     state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
     assert state["progress"]["step"] == 6
     assert all(torch.isfinite(t).all() for t in state["model"].values())
     records = strict_lines(tmp_path / "metrics.jsonl")
     assert max(r["step"] for r in records) <= 6 and all(r["split"] != "test" for r in records)
     # the lock is released: the interrupted run resumes to the same end as an uninterrupted one
-    resumed = run_lra(config, tmp_path, resume=True, data_api=API)
-    full = run_lra(config, tmp_path / "full", data_api=API)
+    resumed = run(config, tmp_path, resume=True)
+    full = run(config, tmp_path / "full")
     assert resumed["test"] == full["test"] and resumed["steps"] == 12
 
 
@@ -82,7 +86,7 @@ def test_overflowing_weights_are_never_checkpointed(tmp_path):
     config = tiny_config(*STOCHASTIC)
     with pytest.raises(TrainingError, match=r"non-finite weights \(.*\) after step 4; not saved, the last "
                                             r"checkpoint \(step 2\) is intact"):
-        run_lra(config, tmp_path, data_api=API, on_step_end=overflow_at_step_3)
+        run(config, tmp_path, on_step_end=overflow_at_step_3)
     state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
     assert state["progress"]["step"] == 2 and all(torch.isfinite(t).all() for t in state["model"].values())
 
@@ -92,9 +96,9 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path):
 
     def second_run(trainer, step):
         with pytest.raises(TrainingError, match=rf"output folder {tmp_path} is in use by another run \(pid {os.getpid()}"):
-            run_lra(config, tmp_path, data_api=API)
+            run(config, tmp_path)
 
-    run_lra(config, tmp_path, data_api=API, on_step_end=second_run)
+    run(config, tmp_path, on_step_end=second_run)
     # another process is refused too, with a one-line error and nothing written into the folder
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
@@ -104,24 +108,24 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path):
         assert holder.stdout.readline().strip() == "locked"
         before = sorted(p.name for p in tmp_path.rglob("*"))
         with pytest.raises(TrainingError, match="in use by another run \\(pid 1 on elsewhere\\)"):
-            run_lra(config, tmp_path, data_api=API)
+            run(config, tmp_path)
         assert sorted(p.name for p in tmp_path.rglob("*")) == before
     finally:
         holder.kill()
         holder.wait()
-    assert run_lra(config, tmp_path, data_api=API)["steps"] == 2  # the lock went with the process
+    assert run(config, tmp_path)["steps"] == 2  # the lock went with the process
 
 
 def _cut_run(tmp_path, config, stop_at=9):
     with pytest.raises(Interrupt):
-        run_lra(config, tmp_path / "cut", data_api=API, on_step_end=interrupt_at(stop_at))
+        run(config, tmp_path / "cut", on_step_end=interrupt_at(stop_at))
     return tmp_path / "cut" / "checkpoints" / "last.pt"
 
 
 @pytest.mark.parametrize("damage", ["truncated", "zeros", "missing"])
 def test_damaged_last_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, capsys):
     config = tiny_config(*STOCHASTIC)
-    run_lra(config, tmp_path / "full", data_api=API)
+    run(config, tmp_path / "full")
     last = _cut_run(tmp_path, config)  # checkpoints at steps 6 (prev) and 8 (last)
     data = last.read_bytes()
     if damage == "truncated":
@@ -131,7 +135,7 @@ def test_damaged_last_checkpoint_falls_back_to_the_previous_one(tmp_path, damage
         last.write_bytes(data[:middle] + bytes(256) + data[middle + 256:])
     else:
         last.unlink()  # killed between the two renames of a checkpoint write
-    resumed = run_lra(config, tmp_path / "cut", resume=True, data_api=API)
+    resumed = run(config, tmp_path / "cut", resume=True)
     assert "falling back to" in capsys.readouterr().err or damage == "missing"
     full_results, full_lines, full_weights = final_state(tmp_path / "full")
     cut_results, cut_lines, cut_weights = final_state(tmp_path / "cut")
@@ -146,7 +150,7 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
     for path in (last, previous_path(last)):
         path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"no usable checkpoint: .*last.pt is damaged .*last.prev.pt is damaged"):
-        run_lra(config, tmp_path / "cut", resume=True, data_api=API)
+        run(config, tmp_path / "cut", resume=True)
 
 
 def test_stale_temp_files_are_removed_and_checkpoints_are_weights_only(tmp_path):
@@ -154,7 +158,7 @@ def test_stale_temp_files_are_removed_and_checkpoints_are_weights_only(tmp_path)
     last = _cut_run(tmp_path, config)
     stale = last.parent / ".last.pt.k1ll3d.tmp"
     stale.write_bytes(b"")  # what a kill -9 during a write leaves
-    run_lra(config, tmp_path / "cut", resume=True, data_api=API)
+    run(config, tmp_path / "cut", resume=True)
     assert not stale.exists()
     assert sorted(p.name for p in last.parent.iterdir()) == ["best.pt", "finished.json", "last.prev.pt", "last.pt"]
     raw = torch.load(last, weights_only=True)  # the checksummed container; load_checkpoint loads its
@@ -181,27 +185,23 @@ def test_crafted_checkpoint_does_not_execute(tmp_path):
 
 def test_resume_of_a_finished_run_does_nothing(tmp_path, capsys):
     config = tiny_config("train.max_steps=4", "train.eval_every=2")
-    results = run_lra(config, tmp_path, data_api=API)
+    results = run(config, tmp_path)
     lines = (tmp_path / "metrics.jsonl").read_text()
     stamp = (tmp_path / "checkpoints" / "last.pt").stat().st_mtime_ns
-    again = run_lra(config, tmp_path, resume=True, data_api=API)
+    again = run(config, tmp_path, resume=True)
     assert "already finished at step 4; nothing to do" in capsys.readouterr().err
     assert (tmp_path / "metrics.jsonl").read_text() == lines  # no duplicate test record
     assert (tmp_path / "checkpoints" / "last.pt").stat().st_mtime_ns == stamp
     assert again["test"] == results["test"] and again["steps"] == 4
 
 
-def test_logs_are_strict_json(tmp_path):
-    from longattn.train import lra
+def test_logs_are_strict_json(tmp_path, monkeypatch):
+    from longattn.tasks.classification import ClassificationTask
 
     config = tiny_config("train.max_steps=4", "train.eval_every=2")
-    nan_metric = {"accuracy": lambda predictions, targets: float("nan")}
-    original = lra.accuracy
-    lra.accuracy = nan_metric["accuracy"]  # every validation and test metric is NaN
-    try:
-        run_lra(config, tmp_path, data_api=API)
-    finally:
-        lra.accuracy = original
+    # every validation and test metric is NaN
+    monkeypatch.setattr(ClassificationTask, "metrics", lambda self, config, data: {"accuracy": lambda p, t: float("nan")})
+    run(config, tmp_path)
     records = strict_lines(tmp_path / "metrics.jsonl")
     assert [r["accuracy"] for r in records if r["split"] != "train"] == [None, None, None]
     results = json.loads((tmp_path / "results.json").read_text(), parse_constant=lambda t: pytest.fail(t))

@@ -40,6 +40,9 @@ from longattn.attention.base import (
 
 __all__ = ["PoNetMixing", "fixed_segment_ids", "ponet_mixing", "ponet_mixing_reference"]
 
+#: The three poolings fused in eq. 6; leaving one out is the paper's ablation of that component.
+PARTS = ("global", "segment", "local")
+
 #: ``layer_state`` key where a model may put segment ids [B, N] (e.g. sentence numbers) for SMP.
 SEGMENT_IDS_KEY = "segment_ids"
 
@@ -75,6 +78,11 @@ def _check_pooling_inputs(tensors: dict[str, Tensor], like: Tensor, kernel_size:
         raise AttentionError(f"local max-pooling kernel_size must be a positive odd int, got {kernel_size!r}")
 
 
+def _check_parts(parts: tuple[str, ...]) -> None:
+    if not isinstance(parts, (tuple, list)) or not parts or any(p not in PARTS for p in parts):
+        raise AttentionError(f"parts must be a non-empty subset of {PARTS}, got {parts!r}")
+
+
 def _real(attention_mask: Tensor | None, like: Tensor) -> Tensor:
     """Bool [B, 1, N, 1] of real tokens."""
     if attention_mask is None:
@@ -95,6 +103,7 @@ def ponet_mixing(
     segment_ids: Tensor,
     kernel_size: int = 3,
     scale: float | None = None,
+    parts: tuple[str, ...] = PARTS,
 ) -> Tensor:
     """PoNet's token mixing (eqs. 1-6) on [B, H, N, Dh]: ``query, key, value`` are H_Q, H_K, H_V,
     ``segment, local, gate`` are H_s, H_l, H_o; ``segment_ids`` [B, N] name each token's segment.
@@ -103,6 +112,7 @@ def ponet_mixing(
     """
     check_qkv(query, key, value, attention_mask)
     _check_pooling_inputs({"segment": segment, "local": local, "gate": gate}, query, kernel_size)
+    _check_parts(parts)
     batch, heads, length, head_dim = query.shape
     _check_segment_ids(segment_ids, batch, length, query.device)
     real = _real(attention_mask, query)
@@ -134,7 +144,8 @@ def ponet_mixing(
     # window): zero them before the product, or its backward computes 0 * inf = NaN.
     zero = torch.zeros((), dtype=query.dtype, device=query.device)
     seg, loc = torch.where(real, seg, zero), torch.where(real, loc, zero)
-    return ((g_prime + seg) * gate + loc).masked_fill(~real, 0.0)
+    pooled = (g_prime if "global" in parts else zero) + (seg if "segment" in parts else zero)
+    return (pooled * gate + (loc if "local" in parts else zero)).masked_fill(~real, 0.0)
 
 
 @padding_safe
@@ -150,6 +161,7 @@ def ponet_mixing_reference(
     segment_ids: Tensor,
     kernel_size: int = 3,
     scale: float | None = None,
+    parts: tuple[str, ...] = PARTS,
 ) -> Tensor:
     """Eqs. 1-6 written plainly with loops over sequences, segments and positions; tests only."""
     batch, heads, length, head_dim = query.shape
@@ -170,7 +182,8 @@ def ponet_mixing_reference(
             s = segment[b][:, members].amax(1)  # eq. 3
             window = tokens[(tokens - n).abs() <= radius]
             l_n = local[b][:, window].amax(1)  # eq. 4
-            out[b, :, n] = g_prime * gate[b, :, n] + s * gate[b, :, n] + l_n  # eqs. 5-6
+            fused = {"global": g_prime * gate[b, :, n], "segment": s * gate[b, :, n], "local": l_n}  # eq. 5
+            out[b, :, n] = sum(fused[part] for part in parts)  # eq. 6
     return out
 
 
@@ -191,6 +204,8 @@ class PoNetMixing(AttentionBase):
         kernel_size: local max-pooling window k (odd).
         share_key_value: H_V = H_K (the authors' code) instead of a separate H_V (eq. 2 as written).
         scale: score scale of the global cross-attention; None = 1/sqrt(head dim).
+        parts: the poolings fused in eq. 6, a subset of ("global", "segment", "local"); leaving one
+            out is the paper's component ablation.
         bias: biases of the projections.
     """
 
@@ -204,6 +219,7 @@ class PoNetMixing(AttentionBase):
         kernel_size: int = 3,
         share_key_value: bool = False,
         scale: float | None = None,
+        parts: tuple[str, ...] | list[str] = PARTS,
         bias: bool = True,
     ) -> None:
         super().__init__(dim, heads, max_len, causal)
@@ -216,19 +232,28 @@ class PoNetMixing(AttentionBase):
         self.segment_num = segment_num
         self.kernel_size = kernel_size
         self.share_key_value = share_key_value
+        _check_parts(parts)
         self.scale = scale
-        # H_Q, H_K, [H_V,] H_s, H_l, H_o in one matmul
-        self.branches = ("query", "key") + (() if share_key_value else ("value",)) + ("segment", "local", "gate")
+        self.parts = tuple(parts)
+        # H_Q, H_K, [H_V,] H_s, H_l, H_o in one matmul, only those the chosen parts use
+        uses = {
+            "query": "global" in parts, "key": "global" in parts,
+            "value": "global" in parts and not share_key_value, "segment": "segment" in parts,
+            "local": "local" in parts, "gate": "global" in parts or "segment" in parts,
+        }
+        self.branches = tuple(name for name, used in uses.items() if used)
         self.to_branches = nn.Linear(dim, len(self.branches) * dim, bias=bias)
         self.to_out = nn.Linear(dim, dim, bias=bias)
 
     def project(self, x: Tensor) -> dict[str, Tensor]:
-        """The branch features H_* of eq. 1-6 split into heads, [B, H, N, Dh] each."""
-        parts = self.to_branches(x).chunk(len(self.branches), dim=-1)
-        features = {name: split_heads(part, self.heads) for name, part in zip(self.branches, parts)}
-        if self.share_key_value:
+        """The branch features H_* of eqs. 1-6 split into heads, [B, H, N, Dh] each; zeros for those
+        the chosen parts leave out."""
+        chunks = self.to_branches(x).chunk(len(self.branches), dim=-1)
+        features = {name: split_heads(chunk, self.heads) for name, chunk in zip(self.branches, chunks)}
+        if self.share_key_value and "key" in features:
             features["value"] = features["key"]
-        return features
+        unused = torch.zeros_like(next(iter(features.values())))
+        return {name: features.get(name, unused) for name in ("query", "key", "value", "segment", "local", "gate")}
 
     def segment_ids(self, x: Tensor, layer_state: dict | None) -> Tensor:
         given = None if layer_state is None else layer_state.get(SEGMENT_IDS_KEY)
@@ -243,6 +268,7 @@ class PoNetMixing(AttentionBase):
             features["query"], features["key"], features["value"], attention_mask,
             segment=features["segment"], local=features["local"], gate=features["gate"],
             segment_ids=self.segment_ids(x, layer_state), kernel_size=self.kernel_size, scale=self.scale,
+            parts=self.parts,
         )
         return self.to_out(merge_heads(mixed).to(x.dtype))
 

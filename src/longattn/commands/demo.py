@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from longattn import attention
+from longattn.experiment.results import write_results
 from longattn.utils import seed_everything
 
 
@@ -54,7 +54,7 @@ def _cmd(args: argparse.Namespace) -> int:
     print(format_table(rows, ["attention", "output_shape", "parameters", "fwd_bwd_ms", "finite"]))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "demo.json").write_text(json.dumps(rows, indent=2))
+        write_results(Path(args.out) / "demo.json", {"rows": rows})
     return 0 if all(r["finite"] for r in rows) else 1
 
 

@@ -7,30 +7,36 @@ import json
 from pathlib import Path
 
 from longattn.data.timeseries import SERIES, download_series
-from longattn.forecast.experiment import format_table, parse_overrides, run_forecast, run_table
+from longattn.experiment.config import resolve_config
+from longattn.experiment.results import write_results
+from longattn.experiment.run import run
+from longattn.forecast.table import format_table, run_table
+from longattn.models.registry import model_names
+from longattn.tasks.base import get_task
+from longattn.tasks.forecasting import find_preset
 
 
 def _forecast(args: argparse.Namespace) -> int:
-    results = run_forecast(
-        args.dataset, args.data_dir, args.model, args.pred_len, args.out, attention=args.attention,
-        overrides=parse_overrides(args.set), config_path=args.config, seed=args.seed, device=args.device,
-        plot=not args.no_plot,
-    )
-    print(json.dumps({k: results[k] for k in ("dataset", "model", "attention", "pred_len", "params", "val", "test")},
-                     indent=2))
+    # --config replaces the dataset's shipped config (it is a complete forecast config of its own).
+    preset = None if args.config else find_preset(args.dataset)
+    config = resolve_config("forecasting", preset, args.config, args.set or [], model_name=args.model,
+                            attention=args.attention, seed=args.seed,
+                            data={"dataset": args.dataset, "data_dir": args.data_dir, "pred_len": args.pred_len},
+                            train={"device": args.device})
+    results = run(config, args.out, resume=True, log=print, plots=not args.no_plot)
+    print(json.dumps(get_task("forecasting").summary(results), indent=2))
     return 0
 
 
 def _table(args: argparse.Namespace) -> int:
     rows = run_table(args.data_dir, args.datasets, args.models, args.out, horizons=args.horizons,
-                     overrides=parse_overrides(args.set), seeds=args.seeds, device=args.device,
-                     collect_only=args.collect_only)
+                     overrides=args.set or [], seeds=args.seeds, device=args.device, collect_only=args.collect_only)
     table = format_table(rows, args.models)
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table + "\n")
-    (out / "table.json").write_text(json.dumps(rows, indent=2))
+    write_results(out / "table.json", {"rows": rows}, seeds=args.seeds)
     return 0 if not any("error" in r for r in rows) else 1
 
 
@@ -41,17 +47,19 @@ def _download(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    forecasters = model_names("forecaster")
     p = subparsers.add_parser("forecast", help="train and test one long-term forecaster on one dataset/horizon")
     p.add_argument("--dataset", required=True, help=f"{', '.join(SERIES)} or a path to a CSV with a date column")
     p.add_argument("--data-dir", help="folder holding the benchmark CSV files")
-    p.add_argument("--model", required=True, choices=["skt", "encoder", "dlinear"])
-    p.add_argument("--attention", help="registered attention for skt/encoder (default: the config's)")
+    p.add_argument("--model", required=True, choices=forecasters, metavar="MODEL",
+                   help=f"registered forecaster: {', '.join(forecasters)}")
+    p.add_argument("--attention", help="registered attention for models that take one (default: the config's)")
     p.add_argument("--pred-len", type=int, required=True)
     p.add_argument("--config", help="YAML config (default: configs/forecast/<dataset>.yaml if present)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override, e.g. train.epochs=3, model.d_model=64, data.seq_len=36 (repeatable)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", help="cpu (default), cuda, ...")
     p.add_argument("--no-plot", action="store_true", help="skip forecast.png")
     p.add_argument("--out", required=True, help="folder for results.json, checkpoints and forecast.png")
     p.set_defaults(func=_forecast)
@@ -64,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="model or model:attention, e.g. skt encoder:skein dlinear")
     t.add_argument("--seeds", nargs="+", type=int, default=[0])
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override applied to every cell")
-    t.add_argument("--device", default="cpu")
+    t.add_argument("--device", help="cpu (default), cuda, ...")
     t.add_argument("--collect-only", action="store_true", help="train nothing; tabulate the finished cells")
     t.add_argument("--out", required=True, help="folder for per-cell results and table.md/table.json")
     t.set_defaults(func=_table)

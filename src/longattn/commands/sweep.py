@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from longattn.train.experiments import load_sweep, run_sweep
+from longattn.commands._args import attention_list, seed_list
+from longattn.experiment.grid import load_sweep, run_sweep
 
 NOISE_LEVELS = (0, 2, 4, 8)
 
@@ -17,7 +18,7 @@ def _split(text: str | None) -> list[str] | None:
 
 def _sweep(args: argparse.Namespace) -> int:
     spec = load_sweep(args.config)
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    seeds = seed_list(args.seeds) if args.seeds else None
     summary = run_sweep(spec, args.out, preset=args.preset, tasks=_split(args.tasks), extra_overrides=args.overrides,
                         seeds=seeds, resume=args.resume)
     return 1 if any(cell["error"] for cell in summary["cells"]) else 0
@@ -47,9 +48,12 @@ def noise_spec(attentions: list[str], levels: list[float]) -> dict[str, Any]:
 
 
 def _noise(args: argparse.Namespace) -> int:
-    levels = [float(v) if "." in v else int(v) for v in _split(args.levels) or []]
-    spec = noise_spec(_split(args.attentions) or [], levels)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        levels = [float(v) if "." in v else int(v) for v in _split(args.levels) or []]
+    except ValueError:
+        raise ValueError(f"--levels must be comma-separated numbers, got {args.levels!r}") from None
+    spec = noise_spec(attention_list(args.attentions), levels)
+    seeds = seed_list(args.seeds)
     summary = run_sweep(spec, args.out, preset=args.preset, extra_overrides=args.overrides, seeds=seeds,
                         resume=args.resume)
     return 1 if any(cell["error"] for cell in summary["cells"]) else 0

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from longattn.models.encoder import LRAEncoder
+from longattn.models.registry import register_model
 
 HEADS = ("mlp", "singular")
 
@@ -80,6 +81,7 @@ class LRADualClassifier(nn.Module):
         return self.head(torch.cat([x0, x1, x0 * x1, x0 - x1], dim=-1))
 
 
+@register_model("lra_classifier", family="classifier")
 def build_classifier(
     vocab_size: int,
     num_classes: int,
@@ -93,9 +95,9 @@ def build_classifier(
     heads: int = 2,
     dropout: float = 0.1,
     embedding_dropout: float = 0.1,
-    norm: str = "pre",
-    pooling: str = "mean",
-    head: str = "mlp",
+    norm: Literal["pre", "post"] = "pre",
+    pooling: Literal["mean", "cls", "maxmean"] = "mean",
+    head: Literal["mlp", "singular"] = "mlp",
 ) -> nn.Module:
     """Build the single- or dual-tower LRA model; the keyword names match the config's ``model`` section."""
     encoder = LRAEncoder(

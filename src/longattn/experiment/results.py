@@ -1,0 +1,107 @@
+"""The one writer of results files, and the provenance every results.json carries.
+
+``write_results(path, payload, config=..., seeds=..., started=...)`` writes ``payload`` plus a
+``provenance`` block (longattn version, git commit when run from a checkout, torch version, device,
+command line, config hash, seeds, start and end time) atomically and as strict JSON: NaN and infinities
+become null, so every reader can parse it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longattn.config import config_hash
+
+__all__ = ["now", "provenance", "strict_json", "write_results"]
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@functools.lru_cache(maxsize=1)
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("longattn")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def _git() -> dict[str, Any] | None:
+    """Commit and dirtiness of the checkout this package runs from (None when not in a git checkout)."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": sha, "dirty": bool(status.strip())}
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)}"
+    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def provenance(config: Any = None, seeds: list[int] | None = None, started: str | None = None) -> dict[str, Any]:
+    """Where a result comes from: code, library versions, machine, command line, config, seeds, times."""
+    return {
+        "longattn_version": _version(),
+        "git": _git(),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "device": _device(),
+        "torch_threads": torch.get_num_threads(),
+        "argv": list(sys.argv),
+        "config_hash": config_hash(config) if config is not None else None,
+        "seeds": list(seeds) if seeds is not None else None,
+        "started": started,
+        "finished": now(),
+    }
+
+
+def strict_json(obj: Any) -> Any:
+    """``obj`` with non-finite floats replaced by None (JSON has no NaN) and tuples as lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        return strict_json(obj.item())
+    return str(obj)
+
+
+def write_results(path: str | Path, payload: dict[str, Any], *, config: Any = None, seeds: list[int] | None = None,
+                  started: str | None = None) -> Path:
+    """Write ``payload`` + ``provenance`` to ``path`` (atomically: a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {**payload, "provenance": provenance(config, seeds, started)}
+    text = json.dumps(strict_json(document), indent=2, allow_nan=False)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
+    return path

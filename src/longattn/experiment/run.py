@@ -1,0 +1,160 @@
+"""The one run path: a resolved :class:`RunConfig` -> data, model, :class:`Trainer` -> results.json.
+
+Every command that trains (``train``, ``compare``, ``sweep``, ``noise``, ``forecast``, ``forecast-table``)
+comes here; this is the only place a Trainer is built. A run folder holds ``config.yaml`` (the resolved
+config, reloadable by :func:`longattn.experiment.config.load_saved`), ``metrics.jsonl``, ``checkpoints/``
+and ``results.json`` (with provenance).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+
+from longattn.config import ConfigError, to_dict
+from longattn.experiment.config import RunConfig, load_saved, save_config
+from longattn.experiment.results import now, write_results
+from longattn.models.registry import build_model
+from longattn.tasks.base import Task, TaskData, get_task
+from longattn.train.checkpoint import load_checkpoint
+from longattn.train.distributed import resolve_device
+from longattn.train.loop import Trainer, evaluate
+from longattn.utils import seed_everything
+
+__all__ = ["build_run_model", "evaluate_run", "run"]
+
+
+def build_run_model(config: RunConfig, task: Task, data: TaskData) -> nn.Module:
+    """The registered model of ``config`` with the task's inputs, the user's options and the attention's."""
+    kwargs: dict[str, Any] = {**task.model_inputs(config, data), **config.model}
+    if config.attention is not None:
+        kwargs["attention"] = config.attention
+        kwargs["attention_options"] = config.chosen_attention_options()
+    try:
+        return build_model(config.model_name, family=task.model_family, **kwargs)
+    except (RuntimeError, TypeError, ValueError) as err:  # e.g. a negative size: say which model and options
+        options = {k: v for k, v in config.model.items()}
+        raise ConfigError(f"model {config.model_name!r} cannot be built with {options}"
+                          f"{' and attention ' + repr(config.attention) if config.attention else ''}: {err}") from None
+
+
+def _data(task: Task, config: RunConfig, cache: dict[Any, Any] | None) -> TaskData:
+    key = task.data_cache_key(config)
+    if cache is not None and key in cache:
+        return cache[key]
+    data = task.build_data(config)
+    if cache is not None:
+        cache.clear()  # hold one task's data at a time (full LRA splits are large)
+        cache[key] = data
+    return data
+
+
+def check_resume(config: RunConfig, out_dir: Path) -> None:
+    """``--resume`` must continue the same settings: compare with the saved config, section by section."""
+    saved = out_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    previous = to_dict(load_saved(saved))
+    current = to_dict(config)
+    changed = sorted(k for k in set(current) | set(previous) if current.get(k) != previous.get(k))
+    if changed:
+        raise ConfigError(f"--resume: the config differs from the one saved in {saved} (sections {changed}); "
+                          "resume with the same options, or train into a new --out folder")
+
+
+def run(
+    config: RunConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    data_cache: dict[Any, Any] | None = None,
+    on_step_end: Callable[[Trainer, int], None] | None = None,
+    log: Callable[[str], Any] | None = None,
+    plots: bool = True,
+) -> dict[str, Any]:
+    """Train ``config`` into ``out_dir`` and return the results (also written to results.json).
+
+    ``resume`` continues exactly from ``checkpoints/last.pt`` (refused if the config differs from the
+    saved one). Runs sharing a ``data_cache`` dict reuse built data when the task's cache key matches.
+    ``log`` receives one line per validation (tasks that have something to say, e.g. forecasting's epochs).
+    """
+    started = now()
+    task = get_task(config.task)
+    out_dir = Path(out_dir)
+    if resume:
+        check_resume(config, out_dir)
+    data = _data(task, config, data_cache)
+    seed_everything(config.seed)  # identical initial weights on every rank and every resume
+    model = build_run_model(config, task, data)
+    logged: list[int] = []
+
+    def step_end(trainer: Trainer, step: int) -> None:
+        if log is not None:
+            history = trainer.progress.history
+            if not logged:  # a resumed run logged its earlier validations before
+                logged.append(sum(1 for record in history if record["step"] < step))
+            for record in history[logged[0]:]:
+                line = task.validation_line(record)
+                if line:
+                    log(line)
+            logged[0] = len(history)
+        if on_step_end is not None:
+            on_step_end(trainer, step)
+
+    def finish(results: dict[str, Any]) -> None:
+        results.update(task.describe(config, data, results))
+        write_results(out_dir / "results.json", results, config=config, seeds=[config.seed], started=started)
+
+    trainer = Trainer(
+        model, data.train, data.val, data.test, data.collate, task.step_fn(config, data), task.metrics(config, data),
+        train=config.train, optim=config.optim, seed=config.seed, out_dir=out_dir,
+        select_metric=task.select_metric, select_mode=task.select_mode,
+        run_info={"task": config.task, "model": config.model_name, "attention": config.attention,
+                  "options": config.chosen_attention_options(), "config": to_dict(config)},
+        on_step_end=step_end, fingerprint=config.hash(), write_results=finish,
+    )
+    if trainer.dist.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, out_dir / "config.yaml")
+    results = trainer.fit(resume=resume)
+    if not trainer.dist.is_main:  # the main process added these in finish()
+        results.update(task.describe(config, data, results))
+    if trainer.dist.is_main and plots:
+        task.after_run(config, data, model, out_dir)
+    return results
+
+
+def evaluate_run(out_dir: str | Path, split: str = "test", checkpoint: str = "best",
+                 data_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Evaluate the ``best``/``last`` (or a path) checkpoint of a finished run on ``split``.
+
+    ``data_options`` are extra dataset options for this evaluation only (e.g. ``noise_amplitude``), for
+    tasks whose splits take options.
+    """
+    out_dir = Path(out_dir)
+    config = load_saved(out_dir / "config.yaml")
+    task = get_task(config.task)
+    if split not in ("train", "val", "test"):
+        raise ConfigError(f"split must be train, val or test, got {split!r}")
+    if data_options:
+        if not hasattr(task, "split"):
+            raise ConfigError(f"task {config.task!r} takes no per-evaluation data options")
+        dataset = task.split(config, split, **data_options)
+        data = TaskData(dataset, None, None, task.make_collate(config))
+    else:
+        data = task.build_data(config)
+        dataset = getattr(data, split)
+    model = build_run_model(config, task, data)
+    path = out_dir / "checkpoints" / f"{checkpoint}.pt" if checkpoint in ("best", "last") else Path(checkpoint)
+    device = resolve_device(config.train.device)
+    model.load_state_dict(load_checkpoint(path, map_location="cpu")["model"])
+    model.to(device)
+    result = evaluate(
+        model, dataset, data.collate, task.step_fn(config, data), task.metrics(config, data),
+        batch_size=config.train.eval_batch_size or config.train.batch_size, device=device,
+        precision=config.train.precision, split=split,
+    )
+    return {"task": config.task, "model": config.model_name, "attention": config.attention, "split": split,
+            "checkpoint": str(path), "data_overrides": data_options or {}, **result}

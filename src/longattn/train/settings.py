@@ -1,0 +1,56 @@
+"""The training loop's settings: the ``train`` and ``optim`` sections of every run config.
+
+These two dataclasses are the one place the loop's defaults are written (the standard LRA settings of
+Nystromformer's code); tasks change them with an overlay, presets and ``--set`` with theirs. Values
+are checked when a config is loaded (:func:`longattn.config.from_dict`): a negative clip norm, an
+infinite learning rate or zero epochs are refused before anything runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from longattn.config import option
+
+__all__ = ["OptimConfig", "TrainConfig"]
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser and learning-rate schedule (see :func:`longattn.train.loop.build_scheduler`)."""
+
+    lr: float = option(1e-4, gt=0, help="peak learning rate")
+    optimizer: Literal["adamw", "adam"] = option("adamw", help="adamw: decoupled weight decay; adam: L2 in the gradient")
+    weight_decay: float = option(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = option(1e-8, gt=0)
+    schedule: Literal["constant", "linear", "cosine", "onecycle", "step"] = option(
+        "linear", help="after warmup: constant, linear or cosine decay, OneCycle, or per-epoch step decay")
+    warmup_steps: int = option(0, ge=0, help="linear warmup steps (OneCycle: its rising phase)")
+    min_lr_ratio: float = option(0.0, ge=0, le=1, help="floor of the linear/cosine decay, as a fraction of lr")
+    step_decay: float = option(0.5, gt=0, help="schedule step: lr * step_decay ** epoch (0.5 = FEDformer's type1)")
+
+
+@dataclass
+class TrainConfig:
+    """Batches, budget, evaluation, checkpoints, precision and device of a run."""
+
+    batch_size: int = option(32, ge=1)
+    eval_batch_size: int | None = option(None, ge=1, help="null: batch_size")
+    max_steps: int = option(1000, ge=1, help="optimiser steps")
+    epochs: float | None = option(None, ge=1, help="if set: max_steps = this many passes over the training data")
+    grad_accum: int = option(1, ge=1)
+    clip_norm: float | None = option(None, gt=0, help="gradient-norm clipping; null: none")
+    precision: Literal["fp32", "bf16", "fp16"] = option("fp32", help="fp16 on CUDA only")
+    eval_every: int = option(100, ge=1, help="optimiser steps between validations")
+    eval_every_epoch: bool = option(False, help="validate after every epoch instead (eval_every is then ignored)")
+    drop_last: bool = option(False, help="drop each epoch's incomplete last training batch")
+    max_steps_per_epoch: int | None = option(None, ge=1, help="cap each epoch (quick runs); null: full epochs")
+    checkpoint_every: int | None = option(None, ge=1, help="null: at every validation")
+    patience: int | None = option(None, ge=1, help="validations without improvement before stopping; null: never")
+    log_every: int = option(10, ge=1)
+    progress: bool = option(True, help="tqdm bar (only on a TTY)")
+    device: str = option("auto", help="auto, cpu, cuda, cuda:1, ...")
+    num_workers: int = option(0, ge=0)
+    find_unused_parameters: bool = option(False, help="DDP: for models whose forward skips some parameters")
