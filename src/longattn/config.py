@@ -60,10 +60,10 @@ class ConfigError(ValueError):
 
 
 def option(default: Any = dataclasses.MISSING, *, gt: float | None = None, ge: float | None = None,
-           le: float | None = None, choices: tuple[Any, ...] | None = None, help: str = "",
+           le: float | None = None, lt: float | None = None, choices: tuple[Any, ...] | None = None, help: str = "",
            default_factory: Any = dataclasses.MISSING) -> Any:
     """A dataclass field with constraints that :func:`from_dict` checks (and a help text)."""
-    metadata = {"gt": gt, "ge": ge, "le": le, "choices": choices, "help": help}
+    metadata = {"gt": gt, "ge": ge, "le": le, "lt": lt, "choices": choices, "help": help}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     if isinstance(default, (list, dict, set)):
@@ -217,7 +217,7 @@ def _check_field(f: dataclasses.Field, hint: Any, value: Any, path: str) -> Any:
         raise ConfigError(f"{path} must be one of {', '.join(map(str, choices))}; got {value!r}{nearest(str(value), [str(c) for c in choices])}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         for bound, ok, words in (("gt", lambda v, b: v > b, "> "), ("ge", lambda v, b: v >= b, ">= "),
-                                 ("le", lambda v, b: v <= b, "<= ")):
+                                 ("le", lambda v, b: v <= b, "<= "), ("lt", lambda v, b: v < b, "< ")):
             limit = meta.get(bound)
             if limit is not None and not ok(value, limit):
                 raise ConfigError(f"{path} must be {words}{limit}, got {value!r}")

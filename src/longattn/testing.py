@@ -100,3 +100,12 @@ def random_qkv(batch: int, heads: int, length: int, head_dim: int, seed: int = 0
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, heads, length, head_dim, generator=g, dtype=dtype) * scale).requires_grad_()
             for _ in range(3)]
+
+
+def assert_forward_backward_close(out: torch.Tensor, ref: torch.Tensor, inputs: list[torch.Tensor], **tolerances: Any) -> None:
+    """A fast path equals its reference: outputs, and the gradients of ``inputs`` for one random upstream
+    gradient (drawn from the global RNG, so seed it for reproducible tests)."""
+    torch.testing.assert_close(out, ref, **tolerances)
+    upstream = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, inputs, upstream), torch.autograd.grad(ref, inputs, upstream)):
+        torch.testing.assert_close(got, want, **tolerances)

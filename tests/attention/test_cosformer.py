@@ -12,7 +12,7 @@ from longattn.attention.cosformer import (
     cosformer_attention_reference,
     cosformer_features,
 )
-from longattn.testing import LargestTensorRecorder, random_qkv, scattered_mask
+from longattn.testing import LargestTensorRecorder, assert_forward_backward_close, random_qkv, scattered_mask
 
 DIM, HEADS = 24, 3
 
@@ -73,11 +73,7 @@ def test_module_matches_reference(causal):
     out = layer(x, mask)
     ref = layer.proj.out(cosformer_attention_reference(*layer.proj.qkv(x), mask, is_causal=causal))
     ref = ref * mask[..., None]
-    torch.testing.assert_close(out, ref)
-    params = [x, *layer.parameters()]
-    g = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
-        torch.testing.assert_close(got, want)
+    assert_forward_backward_close(out, ref, [x, *layer.parameters()])
 
 
 def test_causal_module_has_no_quadratic_intermediate():

@@ -6,7 +6,7 @@ import torch
 from longattn import attention
 from longattn.attention import AttentionError
 from longattn.attention.longformer import longformer_attention, longformer_attention_reference
-from longattn.testing import scattered_mask
+from longattn.testing import assert_forward_backward_close, scattered_mask
 
 DIM, HEADS = 24, 3
 
@@ -110,11 +110,7 @@ def test_module_matches_reference(separate, causal):
         global_query=gq, global_key=gk, global_value=gv, is_causal=causal,
     )
     ref = layer.proj.out(ref) * mask[..., None]
-    torch.testing.assert_close(out, ref)
-    params = [x, *layer.parameters()]
-    g = torch.randn_like(out)
-    for a, r in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
-        torch.testing.assert_close(a, r)
+    assert_forward_backward_close(out, ref, [x, *layer.parameters()])
 
 
 def test_defaults_and_bad_options():

@@ -16,7 +16,7 @@ from longattn.attention.singular import (
     singular_attention_reference,
     singular_factors,
 )
-from longattn.testing import LargestTensorRecorder, scattered_mask
+from longattn.testing import LargestTensorRecorder, assert_forward_backward_close, scattered_mask
 
 DIM, HEADS = 24, 3  # head dim 8 = default rank
 
@@ -95,11 +95,7 @@ def test_module_fast_path_matches_reference_forward_and_backward(n, shared):
     mask = scattered_mask(2, n)
     out = layer(x, mask)
     ref, _ = module_reference(layer, x, mask)
-    torch.testing.assert_close(out, ref)
-    params = [x, *layer.parameters()]
-    g = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
-        torch.testing.assert_close(got, want)
+    assert_forward_backward_close(out, ref, [x, *layer.parameters()])
 
 
 def test_pseudo_tokens_ignore_padding_and_empty_sequences_give_zeros():

@@ -12,7 +12,7 @@ from longattn.attention.sinkhorn import (
     sinkhorn_balance,
 )
 from longattn.attention.softmax import softmax_attention_reference
-from longattn.testing import scattered_mask
+from longattn.testing import assert_forward_backward_close, scattered_mask
 
 DIM, HEADS = 24, 3
 
@@ -110,11 +110,7 @@ def test_module_matches_reference(n, sortcut):
         *layer.proj.qkv(x), mask, sort_logits=layer.sort_logits(x, mask), block_size=4, sortcut_blocks=sortcut
     )
     ref = layer.proj.out(ref) * mask[..., None]
-    torch.testing.assert_close(out, ref)
-    params = [x, *layer.parameters()]
-    g = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
-        torch.testing.assert_close(got, want)
+    assert_forward_backward_close(out, ref, [x, *layer.parameters()])
 
 
 def test_sorting_network_sums_real_tokens_of_each_block():

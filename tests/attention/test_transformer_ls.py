@@ -10,7 +10,7 @@ from longattn.attention.transformer_ls import (
     long_short_attention,
     long_short_attention_reference,
 )
-from longattn.testing import scattered_mask
+from longattn.testing import assert_forward_backward_close, scattered_mask
 
 DIM, HEADS = 24, 3
 
@@ -134,11 +134,7 @@ def test_module_matches_reference(n, causal):
         short_norm=layer.short_norm, long_norm=layer.long_norm, is_causal=causal, chunk_size=6,
     )
     ref = layer.proj.out(ref) * mask[..., None]
-    torch.testing.assert_close(out, ref)
-    params = [x, *layer.parameters()]
-    g = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
-        torch.testing.assert_close(got, want)
+    assert_forward_backward_close(out, ref, [x, *layer.parameters()])
 
 
 def test_dual_ln_normalises_each_token_over_all_heads():

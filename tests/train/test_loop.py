@@ -300,3 +300,46 @@ def test_resume_refuses_another_fingerprint(tmp_path):
     assert make("a").fit(resume=True)["steps"] == 2
     with pytest.raises(ValueError, match="another configuration"):
         make("b").fit(resume=True)
+
+
+def test_ema_of_the_weights_is_what_validation_and_test_see(tmp_path):
+    """A loop option is the config field, the loop and this test: train.ema_decay."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(3, 4, generator=g), torch.randn((), generator=g)) for _ in range(16)]
+    trajectory = []
+
+    def record(trainer, step):
+        trajectory.append({k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+
+    settings = loop_settings(max_steps=6, eval_every=6, batch_size=4, lr=0.05, schedule="constant",
+                             select_metric="mae", select_mode="min", progress=False, ema_decay=0.5)
+    trainer = Trainer(Regressor(), data, data[:5], data[:7], collate_regression, regression_step,
+                      {"mae": mae}, **settings, out_dir=tmp_path / "ema", on_step_end=record)
+    results = trainer.fit()
+    expected = {k: v.clone() for k, v in trajectory[0].items()}  # the average starts at the first step's weights
+    for weights in trajectory[1:]:
+        expected = {k: 0.5 * expected[k] + 0.5 * weights[k] for k in expected}
+    best = load_checkpoint(tmp_path / "ema" / "checkpoints" / "best.pt")["model"]
+    for name, tensor in expected.items():
+        torch.testing.assert_close(best[name], tensor)
+        torch.testing.assert_close(trainer.model.state_dict()[name], tensor)  # the model ends with them
+    assert not torch.equal(trajectory[-1]["out.weight"], expected["out.weight"])  # the check can fail
+    plain = Trainer(Regressor(), data, data[:5], data[:7], collate_regression, regression_step, {"mae": mae},
+                    **loop_settings(max_steps=6, eval_every=6, batch_size=4, lr=0.05, schedule="constant",
+                                    select_metric="mae", select_mode="min", progress=False),
+                    out_dir=tmp_path / "plain").fit()
+    assert results["test"]["mae"] != plain["test"]["mae"]
+
+
+def test_ema_run_resumes_exactly(tmp_path):
+    config = tiny_config("train.ema_decay=0.9", "model.dropout=0.3", "train.max_steps=8", "train.checkpoint_every=2")
+    run(config, tmp_path / "full")
+    with pytest.raises(Interrupt):
+        run(config, tmp_path / "cut", on_step_end=interrupt_at(5))
+    run(config, tmp_path / "cut", resume=True)
+    full, cut = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("full", "cut"))
+    assert full["val"] == cut["val"] and full["test"] == cut["test"]
+    a, b = (load_checkpoint(tmp_path / d / "checkpoints" / "best.pt")["model"] for d in ("full", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="train.ema_decay must be < 1"):
+        tiny_config("train.ema_decay=1")

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from longattn.attention.base import AttentionBase, AttentionError, Capabilities, QKVProjection, check_qkv, padding_safe, register_attention
 from longattn.attention.softmax import softmax_attention
@@ -62,6 +63,11 @@ def key_block_indices(num_blocks: int, random_idx: Tensor, window_blocks: int) -
     return idx, in_range & first
 
 
+# Query tokens per chunk of middle blocks: one chunk's gathered key/value blocks are the only
+# such copies alive at a time (recomputed in backward).
+BIGBIRD_CHUNK_TOKENS = 512
+
+
 @padding_safe
 def bigbird_attention(
     query: Tensor,
@@ -103,23 +109,39 @@ def bigbird_attention(
     # (head, block) rows copies whole [bs, D] blocks straight into that layout, which is also the layout
     # the kernel's gradients come back in. The mask depends only on the key (padding, and blocks listed
     # twice), so one [K*bs] row per (batch, head, block) is broadcast over the block's queries.
-    rows = (torch.arange(h, device=query.device)[:, None, None] * nb + idx).flatten()  # [H * (nb-2) * K]
-    pairs, keys = b * h * (nb - 2), idx.shape[-1] * block_size
-
-    def gather_blocks(t: Tensor) -> Tensor:  # [B, H, nb*bs, D] -> [B*H*(nb-2), 1, K*bs, D]
-        blocks = t.contiguous().view(b, h * nb, -1).index_select(1, rows)
-        return blocks.view(pairs, 1, keys, t.shape[-1])
-
-    mb = valid.unflatten(1, (nb, block_size))  # [B, nb, bs]
-    visible = (mb[:, idx] & keep[None, ..., None]).view(pairs, 1, 1, keys)
-    q_mid = query[:, :, block_size:-block_size].reshape(pairs, 1, block_size, d)
-    mid_out = F.scaled_dot_product_attention(q_mid, gather_blocks(key), gather_blocks(value),
-                                             attn_mask=visible, scale=scale)
-    mid_out = torch.where(visible.any(-1, keepdim=True), mid_out, 0.0)  # queries that see no key output zeros
-    mid_out = mid_out.view(b, h, (nb - 2) * block_size, value.shape[-1])
+    # Done in chunks of query blocks, each recomputed in backward (checkpoint), so the gathered
+    # key/value blocks and masks of one chunk are the only such copies alive at a time.
+    key, value = key.contiguous(), value.contiguous()
+    step = max(1, BIGBIRD_CHUNK_TOKENS // block_size)
+    mid_out = torch.cat([
+        checkpoint(_middle_blocks, query, key, value, valid, idx, keep, start, min(start + step, nb - 2), block_size,
+                   scale, use_reentrant=False)
+        for start in range(0, nb - 2, step)
+    ], dim=2)
 
     out = torch.cat([glob_out[:, :, :block_size], mid_out, glob_out[:, :, block_size:]], dim=2)
     return out[:, :, :n]
+
+
+def _middle_blocks(query: Tensor, key: Tensor, value: Tensor, valid: Tensor, idx: Tensor, keep: Tensor, start: int,
+                   stop: int, block_size: int, scale: float) -> Tensor:
+    """Middle query blocks start+1 .. stop (of nb) against their gathered key blocks:
+    [B, H, (stop - start) * block_size, Dv]. ``key`` and ``value`` are contiguous [B, H, nb*bs, D]."""
+    b, h, _, d = query.shape
+    nb = idx.shape[1] + 2
+    idx, keep = idx[:, start:stop], keep[:, start:stop]
+    rows = (torch.arange(h, device=query.device)[:, None, None] * nb + idx).flatten()  # [H * chunk * K]
+    pairs, keys = b * h * (stop - start), idx.shape[-1] * block_size
+
+    def gather_blocks(t: Tensor) -> Tensor:  # [B, H, nb*bs, D] -> [B*H*chunk, 1, K*bs, D]
+        return t.view(b, h * nb, -1).index_select(1, rows).view(pairs, 1, keys, t.shape[-1])
+
+    mb = valid.unflatten(1, (nb, block_size))  # [B, nb, bs]
+    visible = (mb[:, idx] & keep[None, ..., None]).view(pairs, 1, 1, keys)
+    q_mid = query[:, :, (start + 1) * block_size:(stop + 1) * block_size].reshape(pairs, 1, block_size, d)
+    out = F.scaled_dot_product_attention(q_mid, gather_blocks(key), gather_blocks(value), attn_mask=visible, scale=scale)
+    out = torch.where(visible.any(-1, keepdim=True), out, 0.0)  # queries that see no key output zeros
+    return out.view(b, h, (stop - start) * block_size, value.shape[-1])
 
 
 @padding_safe

@@ -16,21 +16,19 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from longattn.attention.base import AttentionBase, AttentionError, Capabilities, QKVProjection, check_qkv, padding_safe, register_attention
+
+
+# Query tokens per chunk: the chunk's neighbourhood copies and SDPA mask and temporaries are the
+# only per-chunk memory (a few MiB at the default window), recomputed in backward.
+LOCAL_CHUNK_TOKENS = 512
 
 
 def _blocks(x: Tensor, block: int) -> Tensor:
     """[..., N, D] (N a multiple of block) -> [..., N // block, block, D]."""
     return x.unflatten(-2, (x.shape[-2] // block, block))
-
-
-def look_around(x: Tensor, backward: int, forward: int, fill: float | bool = 0) -> Tensor:
-    """[..., nb, block, D] -> [..., nb, (backward + 1 + forward) * block, D]: each block followed by
-    its neighbours, missing neighbours at the ends filled with ``fill``."""
-    padded = F.pad(x, (0, 0, 0, 0, backward, forward), value=fill)
-    nb = x.shape[-3]
-    return torch.cat([padded[..., i:i + nb, :, :] for i in range(backward + forward + 1)], dim=-2)
 
 
 @padding_safe
@@ -63,30 +61,58 @@ def local_attention(
     if pad:
         query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
         valid = F.pad(valid, (0, pad), value=False)
-    positions = torch.arange(n + pad, device=query.device)
+    options = (w, look_backward, look_forward, exact_window, is_causal, scale, dropout_p)
+    blocks = (n + pad) // w
+    step = max(1, LOCAL_CHUNK_TOKENS // w)
+    # Query blocks in chunks, each recomputed in backward (checkpoint): only one chunk's
+    # neighbourhood copies, mask and SDPA temporaries exist at a time, forward or backward;
+    # what is kept for backward is q, k, v themselves.
+    chunks = [
+        checkpoint(_local_chunk, query, key, value, valid, start, min(start + step, blocks), options,
+                   use_reentrant=False)
+        for start in range(0, blocks, step)
+    ]
+    return torch.cat(chunks, dim=2)[:, :, :n]
 
-    key_pos = look_around(_blocks(positions[:, None], w), look_backward, look_forward, fill=-1)[..., 0]
-    key_ok = look_around(_blocks(valid[..., None], w), look_backward, look_forward, fill=False)[..., 0]
-    query_pos = _blocks(positions[:, None], w)[..., 0]  # [nb, w]
-    offset = key_pos[:, None, :] - query_pos[:, :, None]  # j - i, [nb, w, span]
+
+def _neighbourhood(blocks: Tensor, start: int, stop: int, backward: int, forward: int, fill: float | bool = 0) -> Tensor:
+    """Blocks [start, stop) each followed by its neighbours, missing neighbours at the ends
+    filled with ``fill``: [..., nb, block, D] -> [..., stop - start, (backward + 1 + forward) * block, D]."""
+    nb = blocks.shape[-3]
+    lo, hi = max(0, start - backward), min(nb, stop + forward)
+    context = F.pad(blocks[..., lo:hi, :, :], (0, 0, 0, 0, lo - (start - backward), (stop + forward) - hi), value=fill)
+    count = stop - start
+    return torch.cat([context[..., i:i + count, :, :] for i in range(backward + forward + 1)], dim=-2)
+
+
+def _local_chunk(query: Tensor, key: Tensor, value: Tensor, valid: Tensor, start: int, stop: int,
+                 options: tuple) -> Tensor:
+    """Query blocks [start, stop) against their neighbourhoods: [B, H, (stop - start) * w, Dh]."""
+    w, look_backward, look_forward, exact_window, is_causal, scale, dropout_p = options
+    b = query.shape[0]
+    positions = torch.arange(query.shape[2], device=query.device)
+    key_pos = _neighbourhood(_blocks(positions[:, None], w), start, stop, look_backward, look_forward, fill=-1)[..., 0]
+    key_ok = _neighbourhood(_blocks(valid[..., None], w), start, stop, look_backward, look_forward, fill=False)[..., 0]
+    query_pos = _blocks(positions[:, None], w)[start:stop, :, 0]  # [chunk, w]
+    offset = key_pos[:, None, :] - query_pos[:, :, None]  # j - i, [chunk, w, span]
     structural = (key_pos >= 0)[:, None, :].expand_as(offset)  # neighbour block exists
     if exact_window:
         structural = structural & (offset <= w * look_forward) & (offset >= -w * look_backward)
     if is_causal:
         structural = structural & (offset <= 0)
-    allowed = (structural[None] & key_ok[:, :, None, :]).flatten(0, 1)[:, None]  # [B*nb, 1, w, span]
+    allowed = (structural[None] & key_ok[:, :, None, :]).flatten(0, 1)[:, None]  # [B*chunk, 1, w, span]
 
-    # every query block against its neighbourhood in SDPA's fused kernel (no [N, span] score tensor is
-    # kept for backward); heads sit beside each other so one [w, span] mask per block serves them all
-    def heads_inner(t: Tensor) -> Tensor:  # [B, H, nb, rows, D] -> [B*nb, H, rows, D]
+    # every query block against its neighbourhood in SDPA's fused kernel; heads sit beside each
+    # other so one [w, span] mask per block serves them all
+    def heads_inner(t: Tensor) -> Tensor:  # [B, H, chunk, rows, D] -> [B*chunk, H, rows, D]
         return t.transpose(1, 2).flatten(0, 1)
 
-    q = heads_inner(_blocks(query, w))
-    k = heads_inner(look_around(_blocks(key, w), look_backward, look_forward))
-    v = heads_inner(look_around(_blocks(value, w), look_backward, look_forward))
+    q = heads_inner(_blocks(query, w)[:, :, start:stop])
+    k = heads_inner(_neighbourhood(_blocks(key, w), start, stop, look_backward, look_forward))
+    v = heads_inner(_neighbourhood(_blocks(value, w), start, stop, look_backward, look_forward))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
     out = torch.where(allowed.any(-1, keepdim=True), out, 0.0)  # queries that see no key output zeros
-    return out.unflatten(0, (b, -1)).transpose(1, 2).flatten(2, 3)[:, :, :n]
+    return out.unflatten(0, (b, -1)).transpose(1, 2).flatten(2, 3)
 
 
 @padding_safe

@@ -17,10 +17,11 @@ kernel: memory O(N (1 + 2 delta + 2G/w) Dh) per head for the gathered keys, neve
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from torch import Tensor, nn
 
 from longattn.attention.base import (
@@ -62,6 +63,10 @@ def _global_index(global_positions: Sequence[int], length: int, device: torch.de
     """The global positions that exist in a sequence of ``length`` tokens (longer ones are ignored)."""
     positions = [p for p in _check_global_positions(global_positions) if p < length]
     return torch.tensor(positions, dtype=torch.long, device=device)
+
+
+# Query tokens per group of window chunks (recomputed together in backward).
+LONGFORMER_GROUP_TOKENS = 512
 
 
 @padding_safe
@@ -150,16 +155,27 @@ def longformer_attention(
     # alone, one [c, span + G] tensor for all of them. Only the others (sequence ends, padding, global
     # tokens inside the span) get masks of their own, so masks cost O(such chunks), not O(N (w + G)).
     unmasked = key_ok.all(-1) & visible_glob.flatten(2).all(-1)  # [B, C]
+    # Groups of chunks, each recomputed in backward (checkpoint): one group's gathered keys, values
+    # and masks are the only such copies alive at a time, forward or backward.
+    step = max(1, LONGFORMER_GROUP_TOKENS // chunk)
+
+    def attend_in_groups(batch: Tensor, chunk_idx: Tensor, visible_of: Callable[[slice], Tensor]) -> Tensor:
+        return torch.cat([
+            checkpoint(attend_chunks, batch[i:i + step], chunk_idx[i:i + step], visible_of(slice(i, i + step)),
+                       use_reentrant=False)
+            for i in range(0, batch.numel(), step)
+        ])
+
     out = query_t.new_zeros(b, chunks, chunk, h, value.shape[-1])
     open_chunks = unmasked.nonzero().unbind(1)
     if open_chunks[0].numel():
         band = torch.cat([in_window, in_window.new_ones(chunk, g)], dim=-1)
-        out = out.index_put(open_chunks, attend_chunks(*open_chunks, band))
+        out = out.index_put(open_chunks, attend_in_groups(*open_chunks, lambda _: band))
     masked_chunks = (~unmasked).nonzero().unbind(1)
     if masked_chunks[0].numel():
         visible_win = in_window & key_ok[masked_chunks][:, None, :]  # [M, c, span]
         visible = torch.cat([visible_win, visible_glob[masked_chunks]], dim=-1)[:, None]  # [M, 1, c, span + G]
-        out = out.index_put(masked_chunks, attend_chunks(*masked_chunks, visible))
+        out = out.index_put(masked_chunks, attend_in_groups(*masked_chunks, lambda rows: visible[rows]))
     out = out.flatten(1, 2)[:, :n].transpose(1, 2)  # [B, H, N, D]
     if g == 0:
         return out

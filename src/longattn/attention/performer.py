@@ -22,6 +22,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from longattn.attention.base import (
     AttentionBase,
@@ -32,7 +33,7 @@ from longattn.attention.base import (
     padding_safe,
     register_attention,
 )
-from longattn.attention.linear import causal_kernel_attention, kernel_attention
+from longattn.attention.linear import causal_kernel_attention
 
 
 def orthogonal_random_features(
@@ -65,19 +66,26 @@ def orthogonal_random_features(
     return (directions * lengths[:, None]).to(dtype=dtype, device=device)
 
 
-def _positive_features(
-    x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None
-) -> Tensor:
-    """phi(x) of Lemma 1 up to a constant that cancels (see module doc). x: [B, H, N, d] already scaled."""
-    projected = x @ projection.T.to(x.dtype)  # [B, H, N, m]
-    half_sq_norm = x.square().sum(dim=-1, keepdim=True) / 2
-    with torch.no_grad():  # the shift cancels exactly: no gradient, and nothing kept for backward
-        exponent = projected - half_sq_norm
+def _feature_shift(x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None) -> Tensor:
+    """The stabiliser of phi(x): the largest exponent over ``stabiliser_dims`` (padded rows
+    excluded; 0 where nothing is real). It cancels exactly, so it carries no gradient."""
+    with torch.no_grad():
+        exponent = x @ projection.T.to(x.dtype) - x.square().sum(dim=-1, keepdim=True) / 2
         if real is not None:
             exponent = exponent.masked_fill(~real, float("-inf"))
         shift = exponent.amax(dim=stabiliser_dims, keepdim=True)
-        shift = shift.masked_fill(~torch.isfinite(shift), 0.0)  # a fully padded row / head
-        del exponent
+        return shift.masked_fill(~torch.isfinite(shift), 0.0)  # a fully padded row / head
+
+
+def _positive_features(
+    x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None, shift: Tensor | None = None
+) -> Tensor:
+    """phi(x) of Lemma 1 up to a constant that cancels (see module doc). x: [B, H, N, d] already
+    scaled; ``shift`` the stabiliser when it was taken over more rows than x holds."""
+    projected = x @ projection.T.to(x.dtype)  # [B, H, N, m]
+    half_sq_norm = x.square().sum(dim=-1, keepdim=True) / 2
+    if shift is None:
+        shift = _feature_shift(x, projection, stabiliser_dims, real)
     # exp(w.x - |x|^2/2 - shift) / sqrt(m), with every per-row term folded into one [.., N, 1] offset
     offset = half_sq_norm + (shift + 0.5 * math.log(projection.shape[0]))
     features = torch.exp(projected - offset)
@@ -113,15 +121,60 @@ def performer_attention(
         )
     if is_causal and query.shape[-2] != key.shape[-2]:
         raise AttentionError("causal Performer attention needs as many queries as keys")
-    phi_q, phi_k = favor_features(query, key, projection, attention_mask)
     if attention_mask is not None:
         value = value * attention_mask[:, None, :, None].to(value.dtype)
     # All-positive features: the normaliser is > 0 unless every key is padded; the tiny eps only
     # turns that 0/0 into 0.
     eps = torch.finfo(query.dtype).tiny
     if is_causal:
+        phi_q, phi_k = favor_features(query, key, projection, attention_mask)
         return causal_kernel_attention(phi_q, phi_k, value, eps)
-    return kernel_attention(phi_q, phi_k, value, eps)
+    return _chunked_favor(query, key, value, projection, attention_mask, eps)
+
+
+# Tokens per chunk of the non-causal path: the [chunk, m] features of one chunk are the only
+# feature tensors alive at a time, forward or backward (recomputed there: checkpoint).
+FAVOR_CHUNK = 2048
+
+
+def _chunked_favor(query: Tensor, key: Tensor, value: Tensor, projection: Tensor, attention_mask: Tensor | None,
+                   eps: float) -> Tensor:
+    """Non-causal FAVOR+ (eq. 5-6 with Lemma 1's features) chunk by chunk along N: the key
+    sums phi(K)^T [V, 1] accumulated over key chunks, then each query chunk's output; the same
+    numbers as kernel_attention on favor_features, without any [N, m] feature tensor."""
+    data_scale = query.shape[-1] ** -0.25  # x.y = q.k / sqrt(d)
+    n = key.shape[2]
+    real = None if attention_mask is None else attention_mask[:, None, :, None]
+    spans = [(start, min(start + FAVOR_CHUNK, n)) for start in range(0, n, FAVOR_CHUNK)]
+
+    def real_of(start: int, stop: int) -> Tensor | None:
+        return None if real is None else real[:, :, start:stop]
+
+    # the keys' stabiliser is one maximum over every key and feature (see favor_features)
+    shifts = [_feature_shift(key[:, :, a:b] * data_scale, projection, (-1, -2), real_of(a, b)) for a, b in spans]
+    shift = torch.stack(shifts).amax(0)
+    context = normaliser = None
+    for a, b in spans:
+        part_context, part_normaliser = checkpoint(_favor_key_sums, key[:, :, a:b] * data_scale, value[:, :, a:b],
+                                                   projection, real_of(a, b), shift, use_reentrant=False)
+        context = part_context if context is None else context + part_context
+        normaliser = part_normaliser if normaliser is None else normaliser + part_normaliser
+    outputs = [checkpoint(_favor_query_output, query[:, :, a:b] * data_scale, projection, context, normaliser, eps,
+                          use_reentrant=False) for a, b in spans]
+    return torch.cat(outputs, dim=2)
+
+
+def _favor_key_sums(key: Tensor, value: Tensor, projection: Tensor, real: Tensor | None,
+                    shift: Tensor) -> tuple[Tensor, Tensor]:
+    """One key chunk's phi(K)^T V [B, H, m, Dv] and sum_j phi(K_j) [B, H, 1, m]."""
+    phi_k = _positive_features(key, projection, (-1, -2), real, shift)
+    return phi_k.transpose(-1, -2) @ value, phi_k.sum(dim=-2, keepdim=True)
+
+
+def _favor_query_output(query: Tensor, projection: Tensor, context: Tensor, normaliser: Tensor, eps: float) -> Tensor:
+    """One query chunk's phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j) + eps)."""
+    phi_q = _positive_features(query, projection, (-1,), None)
+    return (phi_q @ context) / (phi_q @ normaliser.transpose(-1, -2) + eps)
 
 
 @padding_safe

@@ -167,9 +167,10 @@ def _layer_calls(config: SpeedConfig, target_name: str, device: torch.device):
 _CALLS = {"layer": _layer_calls, "lra_text": _lra_text_calls}
 
 
-def measure(config: SpeedConfig) -> dict[str, Any]:
-    """Time forward and forward+backward of one configuration in this process (and SDPA's,
-    interleaved, for a layer target other than SDPA when ``config.reference`` is set)."""
+def measure(config: SpeedConfig, part: str = "time") -> dict[str, Any]:
+    """``part="time"``: FLOPs and times of forward and forward+backward of one configuration in
+    this process (and SDPA's, interleaved, for a layer target other than SDPA when
+    ``config.reference`` is set). ``part="memory"``: the peak memory of one forward+backward."""
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     device = torch.device(config.device)
@@ -179,9 +180,8 @@ def measure(config: SpeedConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"parameters": sum(p.numel() for p in module.parameters())}
     for _ in range(config.warmup):
         forward_backward()
-    result["peak_memory_bytes"] = _peak_memory(forward_backward, device)
-    # counted after the memory step: the counter's dispatch changes which freed blocks the
-    # allocator keeps, and the peak must be that of a plain step
+    if part == "memory":
+        return {**result, "peak_memory_bytes": _peak_memory(forward_backward, device)}
     result["flops"] = count_flops(forward_backward)
     calls = {"forward": forward, "forward_backward": forward_backward}
     if config.reference and config.target not in (SDPA, SDPA_MATH):
@@ -273,35 +273,46 @@ def _child_env(config: SpeedConfig) -> dict[str, str]:
                 PYTHONPATH=os.pathsep.join(filter(None, [src_dir, os.environ.get("PYTHONPATH")])))
 
 
+# glibc serves a block at least this large with its own mmap and unmaps it when freed; fixed
+# (not glibc's adaptive threshold) in the memory process, the peak RSS of a step is the peak of
+# its live tensors instead of depending on which freed blocks earlier steps left in the heap
+MEMORY_PROCESS_MMAP_THRESHOLD = 1 << 20
+
+
 def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes: int | None) -> dict[str, Any]:
-    """Measure ``config`` in a fresh Python process; out-of-memory and time-outs become statuses."""
+    """Measure ``config`` in fresh Python processes, the peak memory in one (CPU: glibc's mmap
+    threshold fixed, see MEMORY_PROCESS_MMAP_THRESHOLD) and the times in another (the default
+    allocator behaviour); out-of-memory and time-outs become statuses."""
     row: dict[str, Any] = asdict(config)
-    cmd = [sys.executable, "-m", "longattn.bench.speed", json.dumps(asdict(config))]
     env = _child_env(config)
     if memory_limit_bytes:
         env["LONGATTN_BENCH_MEMORY_LIMIT"] = str(memory_limit_bytes)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {**row, "status": "timeout"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode == 0 and lines:
-        return {**row, **json.loads(lines[-1])}
-    err = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-    oom = proc.returncode in (-9, 137) or any(
-        s in proc.stderr for s in ("can't allocate memory", "out of memory", "OutOfMemoryError", "MemoryError")
-    )
-    return {**row, "status": "oom" if oom else "error", "error": err[0]}
+    memory_env = dict(env, MALLOC_MMAP_THRESHOLD_=str(MEMORY_PROCESS_MMAP_THRESHOLD))
+    for part, part_env in (("memory", memory_env), ("time", env)):
+        cmd = [sys.executable, "-m", "longattn.bench.speed", json.dumps(asdict(config)), part]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=part_env)
+        except subprocess.TimeoutExpired:
+            return {**row, "status": "timeout"}
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            err = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+            oom = proc.returncode in (-9, 137) or any(
+                s in proc.stderr for s in ("can't allocate memory", "out of memory", "OutOfMemoryError", "MemoryError")
+            )
+            return {**row, "status": "oom" if oom else "error", "error": err[0]}
+        row.update(json.loads(lines[-1]))
+    return row
 
 
-def _worker(config_json: str) -> None:
+def _worker(config_json: str, part: str) -> None:
     limit = os.environ.get("LONGATTN_BENCH_MEMORY_LIMIT")
     if limit:
         # Cap the address space so running out of memory is a clean allocation failure in this
         # process instead of the kernel's OOM killer hitting something else on the machine.
         resource.setrlimit(resource.RLIMIT_AS, (int(limit), int(limit)))
     config = SpeedConfig(**json.loads(config_json))
-    print(json.dumps({"status": "ok", **measure(config)}), flush=True)
+    print(json.dumps({"status": "ok", **measure(config, part)}), flush=True)
 
 
 # ----------------------------------------------------------------------------- machine floor
@@ -519,4 +530,4 @@ def plot_speed(rows: list[dict[str, Any]], path: str | Path) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "time")

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from longattn.commands._args import add_config_arguments, add_run_arguments, no_progress
-from longattn.config import parse_value
+from longattn.config import merge, parse_set
 from longattn.experiment.config import resolve_config
 from longattn.experiment.results import write_results
 from longattn.experiment.run import evaluate_run, run
@@ -25,12 +25,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    options = {}
+    options: dict = {}
     for text in args.data_option:
-        key, equals, value = text.partition("=")
-        if not key or not equals:
-            raise ValueError(f"--data-option {text!r} must look like key=value")
-        options[key] = parse_value(value)
+        options = merge(options, parse_set(text))
     result = evaluate_run(args.out, split=args.split, checkpoint=args.checkpoint, data_options=options)
     suffix = "".join(f"_{k}={v}" for k, v in options.items())
     write_results(Path(args.out) / f"eval_{args.split}_{Path(args.checkpoint).stem}{suffix}.json", result)

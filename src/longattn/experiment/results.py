@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import json
-import math
 import os
 import platform
 import subprocess
@@ -22,8 +20,9 @@ from typing import Any
 import torch
 
 from longattn.config import config_hash
+from longattn.utils import dumps_strict
 
-__all__ = ["now", "provenance", "strict_json", "write_results"]
+__all__ = ["now", "provenance", "write_results"]
 
 
 def now() -> str:
@@ -77,30 +76,13 @@ def provenance(config: Any = None, seeds: list[int] | None = None, started: str 
     }
 
 
-def strict_json(obj: Any) -> Any:
-    """``obj`` with non-finite floats replaced by None (JSON has no NaN) and tuples as lists."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict_json(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, (str, int, bool)) or obj is None:
-        return obj
-    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
-        return strict_json(obj.item())
-    return str(obj)
-
-
 def write_results(path: str | Path, payload: dict[str, Any], *, config: Any = None, seeds: list[int] | None = None,
                   started: str | None = None) -> Path:
     """Write ``payload`` + ``provenance`` to ``path`` (atomically: a reader never sees half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {**payload, "provenance": provenance(config, seeds, started)}
-    text = json.dumps(strict_json(document), indent=2, allow_nan=False)
+    text = dumps_strict(document, indent=2, default=str)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text + "\n")
     tmp.replace(path)

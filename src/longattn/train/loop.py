@@ -310,6 +310,13 @@ class Trainer:
         )
         self.scheduler = build_scheduler(self.optimizer, optim, train.max_steps, self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler("cuda", enabled=train.precision == "fp16")
+        # An exponential moving average of the weights (train.ema_decay): what validation, best.pt and the
+        # test see; torch's AveragedModel keeps it (parameters and buffers) and checkpoints with the run.
+        self.ema = None
+        if train.ema_decay is not None:
+            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+            self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(train.ema_decay), use_buffers=True)
         self.progress = _Progress()
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -399,10 +406,14 @@ class Trainer:
         return value > best if self.select_mode == "max" else value < best
 
     # ------------------------------------------------------------------ evaluation
+    def evaluated_model(self) -> nn.Module:
+        """The weights validation and test see: the moving average if ``train.ema_decay`` is set."""
+        return self.ema.module if self.ema is not None else self.model
+
     def evaluate(self, dataset: Dataset, split: str = "val") -> dict[str, float]:
         """Loss and metrics over the whole ``dataset`` in eval mode (no example dropped or repeated)."""
         return evaluate(
-            self.model, dataset, self.collate_fn, self.step_fn, self.metrics,
+            self.evaluated_model(), dataset, self.collate_fn, self.step_fn, self.metrics,
             batch_size=self.settings.eval_batch_size or self.settings.batch_size, device=self.device,
             precision=self.settings.precision, dist=self.dist, num_workers=self.settings.num_workers,
             progress=self._show_progress(), split=split,
@@ -422,6 +433,7 @@ class Trainer:
             "rng": rng_states,  # one entry per rank: each rank resumes its own random stream
             "settings": dataclasses.asdict(self.settings),
             "fingerprint": self.fingerprint,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
         }
 
     def save_checkpoint(self) -> None:
@@ -452,6 +464,8 @@ class Trainer:
             raise TrainingError(f"{source} was written by {ranks} process(es), this run has {self.dist.world_size}; "
                                 f"resume with the same number of processes (--nproc_per_node={ranks})")
         self.model.load_state_dict(state["model"])
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -584,6 +598,8 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
         return total_task / s.grad_accum, total_aux / s.grad_accum
 
     def _stop_non_finite(self, what: str, value: float) -> None:
@@ -604,7 +620,7 @@ class Trainer:
         if improved:
             p.best_value, p.best_step, p.evals_without_improvement = value, p.step, 0
             if self.dist.is_main:
-                save_atomic({"model": self.model.state_dict(), "step": p.step, "val": result},
+                save_atomic({"model": self.evaluated_model().state_dict(), "step": p.step, "val": result},
                             self.checkpoint_dir / "best.pt")
         else:
             p.evals_without_improvement += 1
@@ -624,7 +640,9 @@ class Trainer:
         val_result: dict[str, Any] | None = None
         if best.is_file():
             state = load_checkpoint(best, map_location=self.device)
-            self.model.load_state_dict(state["model"])
+            self.model.load_state_dict(state["model"])  # with EMA: the averaged weights become the model's
+            if self.ema is not None:
+                self.ema.module.load_state_dict(state["model"])
             val_result = state["val"]
         test_result = self.evaluate(self.test_data, "test") if self.test_data is not None else None
         if test_result is not None:

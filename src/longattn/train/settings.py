@@ -54,3 +54,5 @@ class TrainConfig:
     device: str = option("auto", help="auto, cpu, cuda, cuda:1, ...")
     num_workers: int = option(0, ge=0)
     find_unused_parameters: bool = option(False, help="DDP: for models whose forward skips some parameters")
+    ema_decay: float | None = option(None, gt=0, lt=1, help="validate, select and test an exponential moving "
+                                     "average of the weights with this decay (e.g. 0.999); null: the weights")
