@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from longattn import attention as attention_registry
+from longattn.attention.base import merge_heads, split_heads
 from longattn.attention.informer import probsparse_counts, sample_informer_keys, sparsity_measure
 from longattn.models.forecast_blocks import GenerativeTransformer
 from longattn.models.registry import register_model
@@ -76,11 +77,10 @@ class MaskedProbSparseAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, n, d = x.shape
-        split = lambda t: t.reshape(b, n, self.heads, -1).transpose(1, 2)  # noqa: E731
-        out = masked_probsparse_attention(split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)),
-                                          factor=self.factor, lazy=self.lazy,
+        q, k, v = (split_heads(f(x), self.heads) for f in (self.to_q, self.to_k, self.to_v))
+        out = masked_probsparse_attention(q, k, v, factor=self.factor, lazy=self.lazy,
                                           dropout_p=self.dropout if self.training else 0.0)  # [B, H, N, Dh]
-        out = out.reshape(b, n, d) if self.mix else out.transpose(1, 2).reshape(b, n, d)
+        out = out.reshape(b, n, d) if self.mix else merge_heads(out)
         return self.to_out(out)
 
 

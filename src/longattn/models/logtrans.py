@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longattn.attention.base import merge_heads, split_heads
 from longattn.models.forecast_blocks import GenerativeTransformer
 from longattn.models.registry import register_model
 
@@ -63,12 +64,11 @@ class LogSparseConvAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, n, d = x.shape
-        split = lambda t: t.reshape(b, n, self.heads, -1).transpose(1, 2)  # noqa: E731
-        q, k, v = split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x))
+        q, k, v = (split_heads(f(x), self.heads) for f in (self.to_q, self.to_k, self.to_v))
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
         allowed = logsparse_mask(n, self.local_window, x.device)
         weights = self.dropout(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1))
-        return self.to_out((weights @ v).transpose(1, 2).reshape(b, n, d))
+        return self.to_out(merge_heads(weights @ v))
 
 
 @register_model("logtrans", family="forecaster")

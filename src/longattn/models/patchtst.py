@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from longattn.attention.base import merge_heads, split_heads
 from longattn.models.forecast_blocks import Activation, check_window
 from longattn.models.registry import register_model
 
@@ -78,14 +79,12 @@ class ResidualAttention(nn.Module):
         self.dropout = nn.Dropout(attention_dropout)
 
     def forward(self, x: Tensor, previous_scores: Tensor | None) -> tuple[Tensor, Tensor]:
-        b, n, d = x.shape
-        split = lambda t: t.reshape(b, n, self.heads, -1).transpose(1, 2)  # noqa: E731
-        q, k, v = split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x))
+        q, k, v = (split_heads(f(x), self.heads) for f in (self.to_q, self.to_k, self.to_v))
         scores = q @ k.transpose(-1, -2) * self.scale  # [B, H, N, N]; N = number of patches (small)
         if previous_scores is not None:
             scores = scores + previous_scores
         out = self.dropout(torch.softmax(scores, dim=-1)) @ v
-        return self.to_out(out.transpose(1, 2).reshape(b, n, d)), scores
+        return self.to_out(merge_heads(out)), scores
 
 
 class PatchEncoderLayer(nn.Module):
