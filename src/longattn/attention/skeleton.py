@@ -21,7 +21,7 @@ no N x N tensor exists at any step.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -538,14 +538,26 @@ class SkeletonAttention(AttentionBase):
         if self.row_attention:
             row_keys = split_heads(proj.to_k(sampled_tokens), self.heads)  # [B, H, s1, Dh]
             row_values = split_heads(proj.to_v(sampled_tokens), self.heads)
+        out = self.combine_samples(x, query, row_keys, row_values, column_keys, column_values, attention_mask)
+        return _linear(proj.to_out, out, gemm_dtype)
+
+    def combine_samples(self, x: Tensor, query: Tensor, row_keys: Tensor | None, row_values: Tensor | None,
+                        column_keys: Tensor, column_values: Tensor, attention_mask: Tensor | None,
+                        sum_over_tokens: Callable[[Tensor], Tensor] | None = None, **extra: Any) -> Tensor:
+        """The two branches on the sampled keys/values with this layer's settings. ``sum_over_tokens``
+        completes sums over the sequence (identity here; an all-reduce over the shards of a
+        sequence-parallel layer, which also passes its ``extra`` arguments)."""
         if self.column_scale == "max_len":
             column_scale: float | Tensor = 1.0 / math.sqrt(self.max_len)
         elif self.column_scale == "valid":
             real = x.new_full((x.shape[0],), x.shape[1]) if attention_mask is None else attention_mask.sum(-1)
-            column_scale = real.to(x.dtype).clamp_min(1).rsqrt()
+            real = real.to(x.dtype)
+            column_scale = (real if sum_over_tokens is None else sum_over_tokens(real)).clamp_min(1).rsqrt()
         else:
             column_scale = float(self.column_scale)
-        out = _skeleton_from_samples(
+        if sum_over_tokens is not None:
+            extra["sum_over_tokens"] = sum_over_tokens
+        return _skeleton_from_samples(
             query, self.heads,
             row_keys=row_keys,
             row_values=row_values,
@@ -559,8 +571,8 @@ class SkeletonAttention(AttentionBase):
             mask_padded_samples=self.mask_padded_samples,
             row_norm=None if self.row_norm is None else (self.row_norm.weight, self.row_norm.bias),
             column_norm=None if self.column_norm is None else (self.column_norm.weight, self.column_norm.bias),
+            **extra,
         )
-        return _linear(proj.to_out, out, gemm_dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -18,7 +18,6 @@ What each part needs from the other ranks (all exact: the same sums, in a differ
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from longattn.attention.base import AttentionBase, AttentionError, split_heads
-from longattn.attention.skeleton import _linear, _SampledProjections, _skeleton_from_samples
+from longattn.attention.skeleton import _linear, _SampledProjections
 from longattn.attention.smoother import _ACTIVATIONS, Smoother
 from longattn.parallel.api import register_form
 from longattn.parallel.comm import Shard, all_reduce_sum, exchange_halos
@@ -93,28 +92,6 @@ def skeleton_form(layer: AttentionBase, x: Tensor, attention_mask: Tensor | None
         sampled_tokens, row_valid = gathered[..., :-1], gathered[..., -1] > 0
         row_keys = split_heads(proj.to_k(sampled_tokens), layer.heads)
         row_values = split_heads(proj.to_v(sampled_tokens), layer.heads)
-    if layer.column_scale == "max_len":
-        column_scale: float | Tensor = 1.0 / math.sqrt(layer.max_len)
-    elif layer.column_scale == "valid":
-        local_real = x.new_full((x.shape[0],), n) if attention_mask is None else attention_mask.sum(-1).to(x.dtype)
-        column_scale = all_reduce_sum(local_real, shard).clamp_min(1).rsqrt()
-    else:
-        column_scale = float(layer.column_scale)
-    out = _skeleton_from_samples(
-        query, layer.heads,
-        row_keys=row_keys,
-        row_values=row_values,
-        column_keys=column_keys,
-        column_values=column_values,
-        attention_mask=attention_mask,
-        row_indices=layer.row_indices,
-        row_scale=layer.row_scale,
-        column_scale=column_scale,
-        dropout_p=layer.dropout if layer.training else 0.0,
-        mask_padded_samples=layer.mask_padded_samples,
-        row_norm=None if layer.row_norm is None else (layer.row_norm.weight, layer.row_norm.bias),
-        column_norm=None if layer.column_norm is None else (layer.column_norm.weight, layer.column_norm.bias),
-        row_valid=row_valid,
-        sum_over_tokens=partial(all_reduce_sum, shard=shard),
-    )
+    out = layer.combine_samples(x, query, row_keys, row_values, column_keys, column_values, attention_mask,
+                                sum_over_tokens=partial(all_reduce_sum, shard=shard), row_valid=row_valid)
     return _linear(proj.to_out, out, gemm_dtype)
