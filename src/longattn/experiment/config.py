@@ -61,10 +61,6 @@ class RunConfig:
         return dict(self.attention_options.get(self.attention or "", {}))
 
 
-# Keys of the top level and of each section that resolve_config fills in, for the error messages.
-_SECTIONS = ("data", "model", "attention_options", "optim", "train", "models")
-
-
 def _as_layer(value: Any, where: str) -> dict[str, Any]:
     if value is None:
         return {}
@@ -168,13 +164,9 @@ def build_run_config(tree: dict[str, Any], task_obj: Task | None = None) -> RunC
     return config
 
 
-def _task_supplied(task_obj: Task) -> set[str]:
-    return set(getattr(task_obj, "model_input_names", ()))
-
-
 def model_options(model_name: str, task_obj: Task) -> dict[str, Any]:
     """The user-settable options of a model and their defaults (its builder's signature)."""
-    skip = tuple(_task_supplied(task_obj) | {"attention", "attention_options"})
+    skip = (*task_obj.model_input_names, "attention", "attention_options")
     return model_defaults(model_name, skip)
 
 
@@ -184,7 +176,7 @@ def _check_model_keys(config: RunConfig, task_obj: Task) -> None:
     target = builder.__init__ if isinstance(builder, type) else builder
     params = set(inspect.signature(target).parameters) - {"self"}
     hints = typing.get_type_hints(target)
-    settable = params - _task_supplied(task_obj) - {"attention", "attention_options"}
+    settable = params - set(task_obj.model_input_names) - {"attention", "attention_options"}
     for key, value in config.model.items():
         if key in ("attention", "attention_options"):
             raise ConfigError(f"model.{key}: choose the attention with `attention:` (--attention) and its "

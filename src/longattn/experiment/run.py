@@ -35,8 +35,7 @@ def build_run_model(config: RunConfig, task: Task, data: TaskData) -> nn.Module:
     try:
         return build_model(config.model_name, family=task.model_family, **kwargs)
     except (RuntimeError, TypeError, ValueError) as err:  # e.g. a negative size: say which model and options
-        options = {k: v for k, v in config.model.items()}
-        raise ConfigError(f"model {config.model_name!r} cannot be built with {options}"
+        raise ConfigError(f"model {config.model_name!r} cannot be built with {config.model}"
                           f"{' and attention ' + repr(config.attention) if config.attention else ''}: {err}") from None
 
 
