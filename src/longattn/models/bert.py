@@ -1,0 +1,235 @@
+"""BERT-architecture encoders from transformers' BERT classes with any longattn mechanism, for the
+transfer-learning experiment of SKTformer / S^3 (Table 3: MLM pretraining, then GLUE fine-tuning).
+
+* ``bert_mlm`` (family ``mlm``): ``transformers.BertForMaskedLM`` (decoder tied to the word embeddings)
+  whose self-attention is the chosen mechanism; ``forward(input_ids, attention_mask, predict)`` returns
+  the vocabulary logits of the positions in the bool mask ``predict`` only (an MLM loss needs the 15%
+  masked positions; all positions x 30,522 words would be most of the memory and time).
+* ``bert_glue`` (family ``glue``): ``transformers.BertModel`` plus a classification / regression head on
+  the pooled [CLS] (BERT's pooler) or the mean of the real tokens; starts from a ``bert_mlm`` run
+  folder (``longattn pretrain --out``), from the pretrained MiniLM-L6 (``pretrained="minilm"``), or from
+  scratch.
+
+How a mechanism gets into the model (:func:`use_mechanism`):
+
+* ``softmax``: transformers' own SDPA attention (the bridge's ``longattn_softmax`` is tested equal to it);
+* the token mixers ``fnet`` and ``ponet`` replace the whole self-attention module (no query/key/value:
+  FNet eq. 3 mixes the hidden states; PoNet eqs. 1-6 own their projections) and the model's output
+  projection becomes the identity (FNet has none; PoNet has its own), the residual and LayerNorm stay;
+* every other mechanism goes through :func:`longattn.hf.convert` (the model's Q/K/V, new parameters under
+  ``.longattn.``; ``fresh`` projections for those that cannot use them). Mechanisms without attention
+  dropout run without it (``ignore_dropout``); the hidden-state dropout of Table 15 stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from longattn.attention import build as build_mechanism
+from longattn.attention import capabilities
+from longattn.config import read_yaml
+from longattn.hf.bridge import _transformers, register
+from longattn.hf.convert import NO_QKV_MAPPING, convert
+from longattn.hf.minilm import minilm_path
+from longattn.models.registry import register_model
+from longattn.train.checkpoint import load_checkpoint
+
+__all__ = ["BertGlue", "BertMLM", "BertShape", "MIXERS", "MixerSelfAttention", "bert_config", "use_mechanism"]
+
+#: Token mixers that replace the self-attention module itself (no query/key/value to map).
+MIXERS = frozenset({"fnet", "ponet"})
+MINILM = "minilm"
+
+
+@dataclass(frozen=True)
+class BertShape:
+    """The encoder size of a from-scratch model (the CPU preset's; the paper preset sets BERT-Base)."""
+
+    hidden_size: int = 256
+    layers: int = 4
+    heads: int = 4
+    intermediate_size: int = 1024
+
+
+def bert_config(vocab_size: int, max_len: int, shape: BertShape, dropout: float) -> Any:
+    """A ``transformers.BertConfig`` of this size; ``max_len`` is the position table's length."""
+    transformers = _transformers()
+    if shape.hidden_size % shape.heads:
+        raise ValueError(f"hidden_size {shape.hidden_size} is not a multiple of heads {shape.heads}")
+    return transformers.BertConfig(
+        vocab_size=vocab_size, hidden_size=shape.hidden_size, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, intermediate_size=shape.intermediate_size,
+        max_position_embeddings=max_len, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+        attn_implementation="sdpa",
+    )
+
+
+class MixerSelfAttention(nn.Module):
+    """Stands in for ``BertSelfAttention``: the token mixer on the hidden states, ``(output, None)``."""
+
+    def __init__(self, mixer: nn.Module) -> None:
+        super().__init__()
+        self.mixer = mixer
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+        # attention_mask is the bridge's bool [B, N] key padding mask (None without padding)
+        return self.mixer(hidden_states, attention_mask=attention_mask), None
+
+
+def use_mechanism(bert: nn.Module, name: str, options: dict[str, Any], max_len: int, seed: int = 0) -> None:
+    """Put mechanism ``name`` (with ``options``) into every layer of the ``transformers.BertModel`` ``bert``."""
+    if name == "softmax" and not options:
+        return
+    if name in MIXERS:
+        # The bridge's mask function hands the layers the bool [B, N] padding mask; no layer attends any more.
+        bert.set_attn_implementation(register("softmax"))
+        config = bert.config
+        for index, layer in enumerate(bert.encoder.layer):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + index)
+                mixer = build_mechanism(name, dim=config.hidden_size, heads=config.num_attention_heads,
+                                        max_len=max_len, **options)
+            layer.attention.self = MixerSelfAttention(mixer)
+            layer.attention.output.dense = nn.Identity()  # FNet has no output projection; PoNet has its own
+        return
+    convert(bert, name, max_len=max_len if capabilities(name).needs_max_len else None, fresh=name in NO_QKV_MAPPING,
+            ignore_dropout=True, seed=seed, **options)
+
+
+@register_model("bert_mlm", family="mlm", description="BERT (transformers) with any mechanism, MLM head")
+class BertMLM(nn.Module):
+    """``transformers.BertForMaskedLM`` with mechanism ``attention``; see the module docstring."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_len: int,
+        attention: str = "softmax",
+        attention_options: dict[str, Any] | None = None,
+        hidden_size: int = BertShape.hidden_size,
+        layers: int = BertShape.layers,
+        heads: int = BertShape.heads,
+        intermediate_size: int = BertShape.intermediate_size,
+        dropout: float = 0.1,
+        mechanism_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        transformers = _transformers()
+        shape = BertShape(hidden_size, layers, heads, intermediate_size)
+        self.mlm = transformers.BertForMaskedLM(bert_config(vocab_size, max_len, shape, dropout))
+        use_mechanism(self.mlm.bert, attention, dict(attention_options or {}), max_len, mechanism_seed)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, predict: Tensor) -> Tensor:
+        """Vocabulary logits [M, V] of the M positions where ``predict`` [B, N] is True."""
+        hidden = self.mlm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.mlm.cls(hidden[predict])
+
+
+def _pretrain_checkpoint(folder: Path) -> Path:
+    for name in ("best.pt", "last.pt"):
+        if (folder / "checkpoints" / name).is_file():
+            return folder / "checkpoints" / name
+    raise FileNotFoundError(f"{folder}/checkpoints has no best.pt or last.pt: is {folder} a finished "
+                            "`longattn pretrain` run?")
+
+
+def _from_pretrain_run(folder: Path, attention: str, options: dict[str, Any], dropout: float) -> nn.Module:
+    """The encoder of a ``bert_mlm`` run folder, with its saved architecture, mechanism and weights."""
+    saved_path = folder / "config.yaml"
+    if not saved_path.is_file():
+        raise FileNotFoundError(f"{saved_path} does not exist: pretrained= must be the --out folder of "
+                                "`longattn pretrain`, or 'minilm'")
+    saved = read_yaml(saved_path)
+    if saved.get("model_name") != "bert_mlm":
+        raise ValueError(f"{folder} is a {saved.get('model_name')!r} run, not a bert_mlm pretraining")
+    pretrained_options = (saved.get("attention_options") or {}).get(saved["attention"], {})
+    if (saved["attention"], pretrained_options) != (attention, options):
+        raise ValueError(f"{folder} was pretrained with attention {saved['attention']!r} {pretrained_options}; "
+                         f"fine-tune it with the same (got {attention!r} {options})")
+    model = saved["model"]
+    shape = BertShape(model["hidden_size"], model["layers"], model["heads"], model["intermediate_size"])
+    max_len = int(saved["data"]["max_len"])
+    state = load_checkpoint(_pretrain_checkpoint(folder))["model"]
+    prefix = "mlm.bert."
+    vocab_size = state[prefix + "embeddings.word_embeddings.weight"].shape[0]
+    bert = _transformers().BertModel(bert_config(vocab_size, max_len, shape, dropout))
+    use_mechanism(bert, attention, options, max_len, model["mechanism_seed"])
+    encoder_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    missing, unexpected = bert.load_state_dict(encoder_state, strict=False)
+    missing = [k for k in missing if not k.startswith("pooler.")]  # BERT's pooler is trained by NSP, absent here
+    if missing or unexpected:
+        raise ValueError(f"{folder}: the checkpoint does not fit the encoder (missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]})")
+    return bert
+
+
+def _from_minilm(attention: str, options: dict[str, Any], max_len: int, dropout: float, seed: int) -> nn.Module:
+    transformers = _transformers()
+    bert = transformers.BertModel.from_pretrained(
+        str(minilm_path()), local_files_only=True, attn_implementation="sdpa",
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )
+    use_mechanism(bert, attention, options, max_len, seed)
+    return bert
+
+
+@register_model("bert_glue", family="glue", description="BERT (transformers) with any mechanism, GLUE head")
+class BertGlue(nn.Module):
+    """A BERT encoder plus dropout and a linear head: ``forward(input_ids, token_type_ids, attention_mask)
+    -> [B, num_labels]`` (num_labels = 1: a regression score, STS-B).
+
+    ``pretrained``: a ``longattn pretrain`` run folder (its architecture, mechanism and best weights;
+    ``attention`` must be the one it was pretrained with), ``"minilm"`` (the pretrained MiniLM-L6,
+    converted to ``attention``), or null (a from-scratch encoder of :class:`BertShape`'s size).
+    ``pooling``: ``cls`` (BERT's pooler on [CLS], as BERT's GLUE runs) or ``mean`` over the real tokens
+    (how all-MiniLM-L6-v2 was trained).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_labels: int,
+        max_len: int,
+        attention: str = "softmax",
+        attention_options: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        pooling: Literal["cls", "mean"] = "cls",
+        dropout: float = 0.1,
+        mechanism_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        options = dict(attention_options or {})
+        transformers = _transformers()
+        if pretrained == MINILM:
+            self.bert = _from_minilm(attention, options, max_len, dropout, mechanism_seed)
+        elif pretrained is not None:
+            self.bert = _from_pretrain_run(Path(pretrained), attention, options, dropout)
+        else:
+            self.bert = transformers.BertModel(bert_config(vocab_size, max_len, BertShape(), dropout))
+            use_mechanism(self.bert, attention, options, max_len, mechanism_seed)
+        if self.bert.config.vocab_size != vocab_size:
+            raise ValueError(f"the encoder has a vocabulary of {self.bert.config.vocab_size} words but the "
+                             f"task's tokenizer has {vocab_size}")
+        if pooling == "mean":
+            self.bert.pooler = None
+        self.pooling = pooling
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(self.bert.config.hidden_size, num_labels)
+        nn.init.normal_(self.head.weight, std=self.bert.config.initializer_range)  # as BERT's classifier
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None, attention_mask: Tensor | None) -> Tensor:
+        out = self.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
+        if self.pooling == "cls":
+            pooled = out.pooler_output
+        else:
+            hidden = out.last_hidden_state
+            weights = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).unsqueeze(-1)
+            weights = weights.to(hidden.dtype)
+            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+        return self.head(self.dropout(pooled))
