@@ -14,6 +14,7 @@ Presets live in ``configs/transfer/{mlm,glue}/`` (``paper``: Table 15; ``cpu``: 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +36,29 @@ TRANSFER_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "transfer"
 SPLITS = ("train", "val", "test")
 
 
-def _subset(dataset: Dataset, size: int | None, seed: int, split: str) -> Dataset:
-    """A seeded random subset of ``size`` examples (not the first rows: files are often ordered)."""
-    if size is None or size >= len(dataset):
-        return dataset
+def _subset_indices(count: int, size: int | None, seed: int, split: str) -> list[int] | None:
+    """A seeded random subset of ``size`` of ``count`` examples (not the first rows: files are often
+    ordered), or None for all of them."""
+    if size is None or size >= count:
+        return None
     generator = torch.Generator().manual_seed(seed * 7919 + SPLITS.index(split))
-    return Subset(dataset, torch.randperm(len(dataset), generator=generator)[:size].sort().values.tolist())
+    return torch.randperm(count, generator=generator)[:size].sort().values.tolist()
+
+
+def _subset(dataset: Dataset, size: int | None, seed: int, split: str) -> Dataset:
+    keep = _subset_indices(len(dataset), size, seed, split)
+    return dataset if keep is None else Subset(dataset, keep)
+
+
+def _example_subset(examples: glue.GlueSplit, size: int | None, seed: int, split: str) -> glue.GlueSplit:
+    """The same subset of raw GLUE examples, taken before tokenising (SST-2 has 67k examples)."""
+    keep = _subset_indices(len(examples), size, seed, split)
+    if keep is None:
+        return examples
+    pick = lambda texts: [texts[i] for i in keep]  # noqa: E731
+    return dataclasses.replace(examples, first=pick(examples.first),
+                               second=pick(examples.second) if examples.second is not None else None,
+                               labels=examples.labels[keep] if examples.labels is not None else None)
 
 
 def _data_dir(config: Any, what: str) -> Path:
@@ -200,12 +218,12 @@ class GlueFinetuneTask(Task):
         data = config.data
         folder = _data_dir(config, "GLUE (glue_data/, e.g. ../shared/data/glue)")
         tokenizer = wordpiece.load_wordpiece(data.tokenizer)
-        train = glue.build_glue(self.glue_name, "train", folder, tokenizer=tokenizer, max_length=data.max_len)
-        dev = glue.build_glue(self.glue_name, "dev", folder, tokenizer=tokenizer, max_length=data.max_len)
+        train, dev = (glue.GlueDataset(_example_subset(glue.read_glue(self.glue_name, name, folder),
+                                                       getattr(data.subset, split), config.seed, split),
+                                       tokenizer, data.max_len)
+                      for name, split in (("train", "train"), ("dev", "val")))
         collate = functools.partial(glue.collate_glue, pad_id=train.pad_id)
-        return TaskData(_subset(train, data.subset.train, config.seed, "train"),
-                        _subset(dev, data.subset.val, config.seed, "val"), None, collate,
-                        {"vocab_size": train.vocab_size})
+        return TaskData(train, dev, None, collate, {"vocab_size": train.vocab_size})
 
     def model_inputs(self, config: Any, data: TaskData) -> dict[str, Any]:
         return {"vocab_size": data.info["vocab_size"], "num_labels": self.glue.num_labels,

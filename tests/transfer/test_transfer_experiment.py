@@ -1,0 +1,149 @@
+"""The transfer experiment end to end on fixtures: MLM pretraining (exact resume), GLUE fine-tuning with a
+search over seeds, the Table 3 layout and the commands."""
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from longattn.cli import main
+from longattn.config import write_yaml
+from longattn.experiment.config import resolve_config
+from longattn.experiment.run import run
+from longattn.experiment.transfer import PAPER_TABLE3, load_spec
+from longattn.train.checkpoint import load_checkpoint
+
+GLUE_FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "glue_data"
+TINY_MLM = ["model.hidden_size=16", "model.layers=1", "model.heads=2", "model.intermediate_size=32",
+            "data.max_len=16", "train.batch_size=4", "optim.warmup_steps=0", "train.eval_every=2",
+            "data.subset.val=4", "data.subset.test=4", "train.progress=false"]
+
+
+def _mlm_config(corpus, *extra):
+    return resolve_config("mlm", "cpu", None, [f"data.data_dir={corpus}", *TINY_MLM, *extra], attention="fnet")
+
+
+class Stop(Exception):
+    pass
+
+
+def test_mlm_pretraining_resumes_exactly(corpus, tmp_path):
+    config = _mlm_config(corpus, "train.max_steps=4", "train.checkpoint_every=1")
+
+    def stop(trainer, step):
+        if step == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        run(config, tmp_path / "interrupted", on_step_end=stop)
+    resumed = run(config, tmp_path / "interrupted", resume=True)
+    straight = run(config, tmp_path / "straight")
+    a = load_checkpoint(tmp_path / "interrupted" / "checkpoints" / "last.pt")["model"]
+    b = load_checkpoint(tmp_path / "straight" / "checkpoints" / "last.pt")["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["val"] == straight["val"]
+    # the masked-token metrics are those of the fixed validation masks: perplexity = exp(token-mean loss)
+    val = straight["val"]
+    assert val["perplexity"] == pytest.approx(2.718281828 ** val["loss"], rel=1e-5)
+    assert 0 <= val["mlm_accuracy"] <= 1 and val["examples"] > 0
+
+
+def test_missing_corpus_folder_is_a_clear_error(tmp_path):
+    config = resolve_config("mlm", "cpu", None, TINY_MLM, attention="softmax")
+    with pytest.raises(ValueError, match="set data.data_dir"):
+        run(config, tmp_path / "out")
+
+
+def _spec(tmp_path):
+    spec = {
+        "title": "tiny Table 3",
+        "mechanisms": ["softmax", "fnet"],
+        "pretrain": {"preset": "cpu", "set": [*TINY_MLM, "train.max_steps=2"]},
+        "finetune": {"preset": "cpu", "tasks": ["sst2", "stsb"], "seeds": [0, 1],
+                     "search": {"optim.lr": [1.0e-4, 1.0e-3]},
+                     "set": ["train.epochs=1", "train.batch_size=2", "data.max_len=16", "train.progress=false"]},
+    }
+    path = tmp_path / "tiny.yaml"
+    write_yaml(spec, path)
+    return path
+
+
+def _best_from_run_folders(out, mechanism, task, metric):
+    """The chosen cell recomputed from the runs' own results.json files: best mean over seeds."""
+    points = {}
+    for folder in sorted((out / "finetune" / mechanism).glob(f"{task}_*")):
+        values = [100 * json.loads(f.read_text())["val"][metric] for f in sorted(folder.glob("seed*/results.json"))]
+        points[folder.name] = values
+    label, values = max(points.items(), key=lambda item: statistics.mean(item[1]))
+    return label, values
+
+
+def test_table3_grid_end_to_end(corpus, tmp_path):
+    spec = _spec(tmp_path)
+    out = tmp_path / "table3"
+    args = ["table3", "--config", str(spec), "--corpus-dir", str(corpus), "--glue-dir", str(GLUE_FIXTURES),
+            "--out", str(out)]
+    assert main(args) == 0
+    for name in ("softmax", "fnet"):
+        assert (out / "pretrain" / name / "results.json").is_file()
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["measured"] == ["sst2", "stsb"]
+    for entry in summary["best"]:
+        metric = {"sst2": "accuracy", "stsb": "spearman"}[entry["task"]]
+        label, values = _best_from_run_folders(out, entry["mechanism"], entry["task"], metric)
+        assert entry["values"] == pytest.approx(values)
+        assert label.endswith(entry["point"].replace("/", "_"))
+        assert entry["std"] == pytest.approx(statistics.stdev(values))
+    table = (out / "table.md").read_text()
+    assert "| BERT-Base (paper)" in table and "91.07" in table and "80.37" in table
+    assert table.count("(table3)") == 2  # our two rows, labelled by the output folder
+    assert (out / "table3.png").stat().st_size > 0
+    # a second start with --resume trains nothing and writes the same table
+    stamp = (out / "pretrain" / "fnet" / "results.json").stat().st_mtime_ns
+    assert main([*args, "--resume"]) == 0
+    assert (out / "pretrain" / "fnet" / "results.json").stat().st_mtime_ns == stamp
+    assert json.loads((out / "results.json").read_text())["best"] == summary["best"]
+
+    # fine-tuning on its own from the pretraining folders: the mechanism comes from each folder
+    again = tmp_path / "finetune"
+    assert main(["finetune", "--pretrained", str(out / "pretrain" / "fnet"), "--config", str(spec),
+                 "--tasks", "sst2", "--glue-dir", str(GLUE_FIXTURES), "--out", str(again)]) == 0
+    rows = json.loads((again / "results.json").read_text())["best"]
+    assert [(r["mechanism"], r["task"]) for r in rows] == [("fnet", "sst2")]
+
+
+def test_pretrain_command_and_errors(corpus, tmp_path, capsys):
+    out = tmp_path / "pre"
+    assert main(["pretrain", "--attention", "ponet", "--preset", "cpu", "--data-dir", str(corpus),
+                 *[a for s in [*TINY_MLM, "train.max_steps=2"] for a in ("--set", s)], "--out", str(out)]) == 0
+    assert '"val_perplexity"' in capsys.readouterr().out and (out / "checkpoints" / "best.pt").is_file()
+    assert main(["finetune", "--pretrained", str(tmp_path), "--glue-dir", str(GLUE_FIXTURES),
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "no config.yaml there" in capsys.readouterr().err
+    assert main(["finetune", "--pretrained", str(out), "--attentions", "softmax", "--glue-dir",
+                 str(GLUE_FIXTURES), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_specs_shipped_and_checked(tmp_path):
+    for name in ("table3_cpu", "table3_paper", "minilm_cpu"):
+        spec = load_spec(name)
+        assert set(spec["mechanisms"]) >= {"softmax", "skeleton"}
+    paper = load_spec("table3_paper")["finetune"]["search"]
+    assert paper == {"optim.lr": [5e-5, 1e-4], "train.batch_size": [16, 32], "train.epochs": [4, 8, 12, 16, 20]}
+    bad = tmp_path / "bad.yaml"
+    write_yaml({"mechanisms": ["softmax"], "finetune": {"tasks": ["wnli"]}}, bad)
+    with pytest.raises(Exception, match="WNLI is excluded"):
+        load_spec(bad)
+    write_yaml({"mechanisms": ["softmax"], "finetune": {"serch": {}}}, bad)
+    with pytest.raises(ValueError, match="unknown key"):
+        load_spec(bad)
+
+
+def test_paper_rows_are_table3():
+    # SKTformer Table 3 = S^3 Table 3: each row's average is the mean of its eight columns (to the rounding)
+    from longattn.experiment.transfer import PAPER_AVERAGES
+
+    for name, (title, scores) in PAPER_TABLE3.items():
+        assert statistics.mean(scores.values()) == pytest.approx(PAPER_AVERAGES[name], abs=0.01), title
