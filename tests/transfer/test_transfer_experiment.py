@@ -147,3 +147,17 @@ def test_paper_rows_are_table3():
 
     for name, (title, scores) in PAPER_TABLE3.items():
         assert statistics.mean(scores.values()) == pytest.approx(PAPER_AVERAGES[name], abs=0.01), title
+
+
+@pytest.mark.parametrize("task", ["mlm", "glue_sst2", "glue_stsb", "glue_mnli"])
+@pytest.mark.parametrize("preset", ["cpu", "paper"])
+def test_presets_resolve_to_table15(task, preset):
+    config = resolve_config(task, preset, attention="skeleton")
+    if preset == "paper" and task == "mlm":  # Table 15, pre-training column
+        assert (config.train.max_steps, config.train.batch_size, config.data.max_len) == (1_000_000, 256, 512)
+        assert (config.optim.lr, config.optim.warmup_steps) == (1e-4, 5000)
+        assert (config.model["hidden_size"], config.model["layers"], config.model["heads"]) == (768, 12, 12)
+    if task != "mlm":  # GLUE column: linear decay, clip 1, dropout 0.1, length 128, validation every epoch
+        assert (config.optim.schedule, config.train.clip_norm, config.model["dropout"]) == ("linear", 1.0, 0.1)
+        assert config.data.max_len == 128 and config.train.eval_every_epoch
+        assert 4 <= config.train.epochs <= 20 or preset == "cpu"
