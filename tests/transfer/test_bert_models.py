@@ -108,3 +108,28 @@ def test_mean_pooling_ignores_padding():
     short = model(ids[1:, :13], torch.zeros_like(ids[1:, :13]), mask[1:, :13])
     padded = model(ids[1:], torch.zeros_like(ids[1:]), mask[1:])
     torch.testing.assert_close(short, padded)
+
+
+def test_minilm_rewarm_then_finetune(tmp_path):
+    """The optional step of the MiniLM route: MLM re-warm of the converted MiniLM, then fine-tuning from it."""
+    from longattn.hf import load_bert
+
+    options = {"s1": 4, "s2": 4}
+    original = load_bert().state_dict()
+    model = BertMLM(30522, max_len=32, attention="skeleton", attention_options=options, pretrained="minilm")
+    encoder = model.mlm.bert.state_dict()
+    assert all(torch.equal(encoder[k], v) for k, v in original.items() if k in encoder)  # pretrained weights kept
+    assert any(".longattn." in k for k in encoder)  # and the mechanism's new ones
+    with pytest.raises(ValueError, match="from scratch"):
+        BertMLM(30522, max_len=32, pretrained="bert-base-uncased")
+    folder = tmp_path / "rewarm"
+    (folder / "checkpoints").mkdir(parents=True)
+    write_yaml({"task": "mlm", "model_name": "bert_mlm", "attention": "skeleton",
+                "attention_options": {"skeleton": options}, "data": {"max_len": 32},
+                "model": {**TINY, "dropout": 0.1, "mechanism_seed": 0, "pretrained": "minilm"}},
+               folder / "config.yaml")
+    save_atomic({"model": model.state_dict(), "step": 1, "val": {}}, folder / "checkpoints" / "last.pt")
+    glue = BertGlue(30522, num_labels=2, max_len=32, attention="skeleton", attention_options=options,
+                    pretrained=str(folder), pooling="mean")
+    assert glue.bert.config.hidden_size == 384
+    assert all(torch.equal(v, encoder[k]) for k, v in glue.bert.state_dict().items())

@@ -2,7 +2,8 @@
 transfer-learning experiment of SKTformer / S^3 (Table 3: MLM pretraining, then GLUE fine-tuning).
 
 * ``bert_mlm`` (family ``mlm``): ``transformers.BertForMaskedLM`` (decoder tied to the word embeddings)
-  whose self-attention is the chosen mechanism; ``forward(input_ids, attention_mask, predict)`` returns
+  whose self-attention is the chosen mechanism, from scratch or (``pretrained="minilm"``, a re-warm of a
+  converted model) from the pretrained MiniLM-L6 with a new MLM head; ``forward(input_ids, attention_mask, predict)`` returns
   the vocabulary logits of the positions in the bool mask ``predict`` only (an MLM loss needs the 15%
   masked positions; all positions x 30,522 words would be most of the memory and time).
 * ``bert_glue`` (family ``glue``): ``transformers.BertModel`` plus a classification / regression head on
@@ -117,11 +118,20 @@ class BertMLM(nn.Module):
         intermediate_size: int = BertShape.intermediate_size,
         dropout: float = 0.1,
         mechanism_seed: int = 0,
+        pretrained: str | None = None,
     ) -> None:
         super().__init__()
         transformers = _transformers()
-        shape = BertShape(hidden_size, layers, heads, intermediate_size)
-        self.mlm = transformers.BertForMaskedLM(bert_config(vocab_size, max_len, shape, dropout))
+        if pretrained == MINILM:  # a re-warm of the converted MiniLM: its size (the size options are unused)
+            self.mlm = transformers.BertForMaskedLM.from_pretrained(str(minilm_path()), **_minilm_settings(dropout))
+        elif pretrained is not None:
+            raise ValueError(f"bert_mlm starts from scratch (pretrained: null) or from {MINILM!r}, got {pretrained!r}")
+        else:
+            shape = BertShape(hidden_size, layers, heads, intermediate_size)
+            self.mlm = transformers.BertForMaskedLM(bert_config(vocab_size, max_len, shape, dropout))
+        if self.mlm.config.vocab_size != vocab_size:
+            raise ValueError(f"the encoder has a vocabulary of {self.mlm.config.vocab_size} words but the "
+                             f"tokenizer has {vocab_size}")
         use_mechanism(self.mlm.bert, attention, dict(attention_options or {}), max_len, mechanism_seed)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None, predict: Tensor) -> Tensor:
@@ -152,12 +162,17 @@ def _from_pretrain_run(folder: Path, attention: str, options: dict[str, Any], dr
         raise ValueError(f"{folder} was pretrained with attention {saved['attention']!r} {pretrained_options}; "
                          f"fine-tune it with the same (got {attention!r} {options})")
     model = saved["model"]
-    shape = BertShape(model["hidden_size"], model["layers"], model["heads"], model["intermediate_size"])
     max_len = int(saved["data"]["max_len"])
     state = load_checkpoint(_pretrain_checkpoint(folder))["model"]
     prefix = "mlm.bert."
-    vocab_size = state[prefix + "embeddings.word_embeddings.weight"].shape[0]
-    bert = _transformers().BertModel(bert_config(vocab_size, max_len, shape, dropout))
+    transformers = _transformers()
+    if model.get("pretrained") == MINILM:  # a re-warmed MiniLM: MiniLM's architecture
+        config = transformers.BertConfig.from_pretrained(str(minilm_path()), **_minilm_settings(dropout))
+    else:
+        shape = BertShape(model["hidden_size"], model["layers"], model["heads"], model["intermediate_size"])
+        vocab_size = state[prefix + "embeddings.word_embeddings.weight"].shape[0]
+        config = bert_config(vocab_size, max_len, shape, dropout)
+    bert = transformers.BertModel(config)
     use_mechanism(bert, attention, options, max_len, model["mechanism_seed"])
     encoder_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     missing, unexpected = bert.load_state_dict(encoder_state, strict=False)
@@ -168,12 +183,13 @@ def _from_pretrain_run(folder: Path, attention: str, options: dict[str, Any], dr
     return bert
 
 
+def _minilm_settings(dropout: float) -> dict[str, Any]:
+    return {"local_files_only": True, "attn_implementation": "sdpa", "hidden_dropout_prob": dropout,
+            "attention_probs_dropout_prob": dropout}
+
+
 def _from_minilm(attention: str, options: dict[str, Any], max_len: int, dropout: float, seed: int) -> nn.Module:
-    transformers = _transformers()
-    bert = transformers.BertModel.from_pretrained(
-        str(minilm_path()), local_files_only=True, attn_implementation="sdpa",
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-    )
+    bert = _transformers().BertModel.from_pretrained(str(minilm_path()), **_minilm_settings(dropout))
     use_mechanism(bert, attention, options, max_len, seed)
     return bert
 
