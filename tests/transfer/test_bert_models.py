@@ -1,4 +1,4 @@
-"""BERT encoders with longattn mechanisms (models/bert.py): the mechanism is really in use, gradients reach
+"""BERT encoders with longattn mechanisms (hf/bert.py): the mechanism is really in use, gradients reach
 it, the mixers replace the self-attention, and fine-tuning starts from the pretrained weights."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from longattn.attention import AttentionBase
 from longattn.config import write_yaml
-from longattn.models.bert import BertGlue, BertMLM, MixerSelfAttention
+from longattn.hf.bert import BertGlue, BertMLM, MixerSelfAttention
 from longattn.train.checkpoint import save_atomic
 
 TINY = dict(hidden_size=32, layers=2, heads=2, intermediate_size=64)

@@ -18,7 +18,7 @@ from longattn.experiment.config import resolve_config
 from longattn.experiment.results import now
 from longattn.experiment.run import run
 from longattn.experiment.transfer import finetune_grid, load_spec, run_table3, write_transfer_table
-from longattn.models.bert import MINILM
+from longattn.hf.bert import MINILM
 
 
 def _pretrain(args: argparse.Namespace) -> int:

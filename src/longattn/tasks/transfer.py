@@ -28,6 +28,7 @@ from torch.utils.data import Dataset, Subset
 from longattn import metrics as metric_registry
 from longattn.config import ConfigError, option
 from longattn.data import glue, mlm, wordpiece
+from longattn.hf import bert  # noqa: F401  (registers the bert_mlm and bert_glue models)
 from longattn.tasks.base import Task, TaskData, register_task
 from longattn.tasks.classification import SubsetConfig
 from longattn.train.loop import MetricFn, StepFn, StepOutput
