@@ -286,6 +286,9 @@ class Trainer:
             train = dataclasses.replace(train, max_steps=max_steps, epochs=None)
         if train.eval_every_epoch:
             train = dataclasses.replace(train, eval_every=self.steps_per_epoch)
+        if optim.warmup_epochs is not None:
+            warmup = min(train.max_steps, math.ceil(optim.warmup_epochs * self.steps_per_epoch))
+            optim = dataclasses.replace(optim, warmup_steps=warmup, warmup_epochs=None)
         self.settings = train
         self.optim_settings = optim
         self.collate_fn = collate_fn

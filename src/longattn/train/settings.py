@@ -28,6 +28,8 @@ class OptimConfig:
     schedule: Literal["constant", "linear", "cosine", "onecycle", "step"] = option(
         "linear", help="after warmup: constant, linear or cosine decay, OneCycle, or per-epoch step decay")
     warmup_steps: int = option(0, ge=0, help="linear warmup steps (OneCycle: its rising phase)")
+    warmup_epochs: float | None = option(None, ge=0, help="if set: warmup_steps = this many passes over the "
+                                         "training data (Singularformer's 4 warm-up epochs)")
     min_lr_ratio: float = option(0.0, ge=0, le=1, help="floor of the linear/cosine decay, as a fraction of lr")
     step_decay: float = option(0.5, gt=0, help="schedule step: lr * step_decay ** epoch (0.5 = FEDformer's type1)")
 
