@@ -117,3 +117,18 @@ def test_crossval_layout_table_resume_and_command(tmp_path, monkeypatch, capsys)
     assert main(["crossval", "--tasks", "r8", "--models", "post_lnn", "--out", str(out)]) == 2
     assert "unknown model(s) ['post_lnn']" in capsys.readouterr().err
     assert main(["crossval", "--tasks", "r8", "--only-folds", "7", "--out", str(out)]) == 2
+
+
+def test_cifar100_patches_task_trains_a_fold(tmp_path):
+    from cifar100_files import _write_cifar100
+
+    folder = _write_cifar100(tmp_path / "cifar-100-python")
+    config = resolve_config("cifar100", "cpu", overrides=[f"data.data_dir={tmp_path}", "data.options.check_counts=false",
+                                                          *TINY], model_name="pre_ln")
+    data = get_task("cifar100").build_data(config)
+    assert (len(data.train), len(data.val), len(data.test)) == (32, 8, 10) and folder.is_dir()
+    assert data.info == {"num_classes": 100, "vocab_size": 0, "input_dim": 12}
+    from longattn.experiment.run import run
+
+    result = run(config, tmp_path / "run", plots=False)
+    assert result["test"]["examples"] == 10 and result["best_step"] is not None

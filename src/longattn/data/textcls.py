@@ -338,6 +338,10 @@ class TextClsDataset(Dataset):
         label = torch.from_numpy(label.astype(np.float32)) if self.multilabel else int(label)
         return {"tokens": self.tokens[index], "label": label}
 
+    def lengths(self) -> np.ndarray:
+        """Tokens per document (for length-grouped batching)."""
+        return self.tokens.lengths()
+
     @property
     def max_len(self) -> int:
         lengths = self.tokens.lengths()
