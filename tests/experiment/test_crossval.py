@@ -128,6 +128,7 @@ def test_cifar100_patches_task_trains_a_fold(tmp_path):
     data = get_task("cifar100").build_data(config)
     assert (len(data.train), len(data.val), len(data.test)) == (32, 8, 10) and folder.is_dir()
     assert data.info == {"num_classes": 100, "vocab_size": 0, "input_dim": 12}
+    assert config.train.group_by_length and data.train.lengths().tolist() == [256] * 32
     from longattn.experiment.run import run
 
     result = run(config, tmp_path / "run", plots=False)

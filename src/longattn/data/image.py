@@ -323,6 +323,10 @@ class PatchDataset(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
+    def lengths(self) -> np.ndarray:
+        """Tokens per image: all equal (length-grouped batching then keeps the shuffled order)."""
+        return np.full(len(self), self.max_len)
+
     def __getitem__(self, index: int) -> dict:
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} examples")
