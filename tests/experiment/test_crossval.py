@@ -9,12 +9,13 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from longattn.cli import main
 from longattn.config import ConfigError
 from longattn.experiment.config import load_saved, resolve_config
 from longattn.experiment.crossval import PAPER_TABLE4, TABLE4_DATASETS, run_crossval
-from longattn.experiment.run import evaluate_run
+from longattn.experiment.run import evaluate_run, run
 from longattn.tasks.base import get_task
 from longattn.tasks.doccls import DocClassificationTask
 
@@ -44,10 +45,15 @@ def write_r8(folder: Path, per_class: int = 10, test_per_class: int = 3) -> Path
     return folder
 
 
+def fold_test_scores(out: Path, model: str) -> list[float]:
+    return [json.loads((out / "r8" / model / f"fold{k}" / "results.json").read_text())["test"]["accuracy"]
+            for k in range(3)]
+
+
 def test_tasks_are_registered_with_the_papers_lengths_and_folds(tmp_path):
-    lengths = {name: get_task(name).max_len for name in TABLE4_DATASETS if name != "mimic3_50"}
-    assert lengths == {"r8": 141, "bbc": 664, "20news": 700, "imdb": 539, "scope95": 328, "scope40": 337,
-                       "cifar100": 256}
+    lengths = {name: get_task(name).max_len for name in TABLE4_DATASETS}
+    assert lengths == {"r8": 141, "bbc": 664, "20news": 700, "imdb": 539, "mimic3_50": 1024, "scope95": 328,
+                       "scope40": 337, "cifar100": 256}
     assert all(isinstance(get_task(name), DocClassificationTask) for name in lengths)
     data_dir = write_r8(tmp_path / "R8")
     task = get_task("r8")
@@ -82,6 +88,7 @@ def test_crossval_layout_table_resume_and_command(tmp_path, monkeypatch, capsys)
     for model in ("post_ln", "singularformer"):
         entry = next(e for e in summary["entries"] if e["model"] == model)
         assert [f["fold"] for f in entry["folds"]] == [0, 1, 2] and not entry["errors"]
+        assert entry["metric"] == "accuracy" and [f["test"] for f in entry["folds"]] == fold_test_scores(out, model)
         tests = []
         for fold in range(3):
             folder = out / "r8" / model / f"fold{fold}"
@@ -129,7 +136,22 @@ def test_cifar100_patches_task_trains_a_fold(tmp_path):
     assert (len(data.train), len(data.val), len(data.test)) == (32, 8, 10) and folder.is_dir()
     assert data.info == {"num_classes": 100, "vocab_size": 0, "input_dim": 12}
     assert config.train.group_by_length and data.train.lengths().tolist() == [256] * 32
-    from longattn.experiment.run import run
-
     result = run(config, tmp_path / "run", plots=False)
     assert result["test"]["examples"] == 10 and result["best_step"] is not None
+
+
+def test_mimic3_multilabel_task_trains_with_binary_cross_entropy(tmp_path):
+    fixtures = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "textcls" / "mimic3"
+    config = resolve_config("mimic3_50", "cpu", overrides=[f"data.data_dir={fixtures}", "data.fold=null", *TINY],
+                            model_name="post_ln")
+    task = get_task("mimic3_50")
+    data = task.build_data(config)
+    assert task.select_metric == "micro_f1" and len(data.val) == 1  # the official dev file validates
+    batch = data.collate([data.train[0], data.train[1]])
+    assert batch["label"].dtype == torch.float32 and batch["label"].shape == (2, data.info["num_classes"])
+    result = run(config, tmp_path / "run", plots=False)
+    assert set(result["test"]) >= {"micro_f1", "macro_f1", "accuracy", "loss"}
+    logits = torch.tensor([[2.0, -1.0, 0.5], [-3.0, -0.1, 1.0]])
+    targets = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    micro = task.metrics(config, data)["micro_f1"](logits, targets)
+    assert micro == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))  # predicted {0, 2} and {2}: 2 hits, 1 false +, 1 missed
