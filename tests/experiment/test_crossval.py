@@ -121,6 +121,11 @@ def test_crossval_layout_table_resume_and_command(tmp_path, monkeypatch, capsys)
                  "--folds", "3", "--out", str(out), "--resume", *(a for s in TINY for a in ("--set", s))])
     assert code == 0 and calls == [out / "r8" / "singularformer" / "fold1"]
     assert "Singularformer" in capsys.readouterr().out
+    shutil.rmtree(out / "r8" / "post_ln" / "fold2")
+    calls.clear()
+    report = run_crossval(["r8"], ["post_ln", "singularformer"], out, folds=3, report_only=True)
+    assert calls == [] and "(2/3 folds)" in (out / "table.md").read_text()
+    assert [len(e["folds"]) for e in report["entries"]] == [2, 3]
     assert main(["crossval", "--tasks", "r8", "--models", "post_lnn", "--out", str(out)]) == 2
     assert "unknown model(s) ['post_lnn']" in capsys.readouterr().err
     assert main(["crossval", "--tasks", "r8", "--only-folds", "7", "--out", str(out)]) == 2
