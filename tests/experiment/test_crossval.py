@@ -135,7 +135,7 @@ def test_cifar100_patches_task_trains_a_fold(tmp_path):
     from cifar100_files import _write_cifar100
 
     folder = _write_cifar100(tmp_path / "cifar-100-python")
-    config = resolve_config("cifar100", "cpu", overrides=[f"data.data_dir={tmp_path}", "data.options.check_counts=false",
+    config = resolve_config("cifar100", "cpu_reduced", overrides=[f"data.data_dir={tmp_path}", "data.options.check_counts=false",
                                                           *TINY], model_name="pre_ln")
     data = get_task("cifar100").build_data(config)
     assert (len(data.train), len(data.val), len(data.test)) == (32, 8, 10) and folder.is_dir()
