@@ -47,3 +47,14 @@ def test_local_functional_over_several_chunks_matches_the_reference(monkeypatch,
     kw = dict(window_size=8, exact_window=exact, look_backward=2)
     assert_forward_backward_close(local.local_attention(q, k, v, mask, **kw),
                                   local.local_attention_reference(q, k, v, mask, **kw), [q, k, v])
+
+
+@pytest.mark.parametrize("n", [150, 161])
+def test_bigbird_module_over_several_chunks_matches_the_reference(monkeypatch, n):
+    monkeypatch.setattr(bigbird, "BIGBIRD_CHUNK_TOKENS", 16)  # 2 blocks of 8 per chunk
+    torch.manual_seed(0)
+    layer = attention.build("bigbird", dim=DIM, heads=HEADS, block_size=8, random_blocks=2).double()
+    x, mask = inputs(n)
+    ridx = layer.random_idx(-(-n // 8))
+    ref = module_reference(layer, x, mask, bigbird.bigbird_attention_reference, random_idx=ridx, block_size=8)
+    assert_forward_backward_close(layer(x, mask), ref, [x, *layer.parameters()])
