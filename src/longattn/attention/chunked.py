@@ -98,12 +98,13 @@ class _ChunkedAttention(torch.autograd.Function):
                 b, h, _, dv = part.shape
                 out = part.new_zeros(b, plan.length, h, dv)  # token-major: merging heads is a view
             _add_at(out, 1, chunk.rows, part.transpose(1, 2))
-        return out.transpose(1, 2)
+        return out  # the callers see it as [B, H, N, Dv] (a view outside the function: in-place ops may follow)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         plan: _Plan = ctx.plan
+        grad_out = grad_out.transpose(1, 2)
         inputs = ctx.saved_tensors
         needs = ctx.needs_input_grad[1:]
         sources, params = inputs[:plan.num_sources], inputs[plan.num_sources:]
@@ -163,7 +164,7 @@ def chunked_attention(core: Core, chunks: Sequence[Chunk], triples: Sequence[tup
         return core(chunk, *leaves)
 
     plan = _Plan(chunks, sources[0].shape[2], reads, attend, len(sources), replay_random)
-    return _ChunkedAttention.apply(plan, *sources)
+    return _ChunkedAttention.apply(plan, *sources).transpose(1, 2)
 
 
 def chunked_projected_attention(core: Core, chunks: Sequence[Chunk], x: Tensor,
@@ -200,4 +201,18 @@ def chunked_projected_attention(core: Core, chunks: Sequence[Chunk], x: Tensor,
         return core(chunk, project(x_rows, q_slot), project(x_keys, k_slot), project(x_keys, v_slot))
 
     plan = _Plan(chunks, x.shape[1], reads, attend, 1, replay_random)
-    return _ChunkedAttention.apply(plan, x, *params)
+    return _ChunkedAttention.apply(plan, x, *params).transpose(1, 2)
+
+
+def chunked_sequence_op(op: Callable[[Chunk, list[Tensor], Sequence[Tensor]], Tensor], chunks: Sequence[Chunk],
+                        sources: Sequence[Tensor], reads: Callable[[Chunk], Sequence[Selector]],
+                        params: Sequence[Tensor]) -> Tensor:
+    """Any other op whose output rows read ranges of positions, by the same machinery: ``op(chunk,
+    leaves, params)`` -> [B, H, rows, D], the leaves being ``sources`` ([B, H, N, *]) at the
+    positions ``reads(chunk)`` gives for each, ``params`` used whole by every chunk. Only the
+    inputs are kept for backward; each chunk's temporaries exist one chunk at a time."""
+    def source_reads(chunk: Chunk) -> list[tuple[int, int, Selector]]:
+        return [(i, 2, sel) for i, sel in enumerate(reads(chunk))]
+
+    plan = _Plan(chunks, sources[0].shape[2], source_reads, op, len(sources), replay_random=False)
+    return _ChunkedAttention.apply(plan, *sources, *params).transpose(1, 2)
