@@ -236,6 +236,10 @@ class BigBirdAttention(AttentionBase):
         if nb <= 2 + self.window_blocks + self.random_blocks:
             q, k, v = self.proj.qkv(x)
             return self.proj.out(softmax_attention(q, k, v, attention_mask))  # too short to be sparse
+        if not isinstance(self.proj, QKVProjection):  # q, k, v handed over from outside (longattn.hf)
+            q, k, v = self.proj.qkv(x)
+            return self.proj.out(bigbird_attention(q, k, v, attention_mask, random_idx=self.random_idx(nb),
+                                                   block_size=self.block_size, window_blocks=self.window_blocks))
         # the functional form's chunks, with the projections inside them (see chunked.py)
         valid = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
         chunks = _plan(valid, self.random_idx(nb), n, self.block_size, self.window_blocks, 1.0 / math.sqrt(self.head_dim))

@@ -335,6 +335,16 @@ class _EdgeSums(torch.autograd.Function):
         return grad_weight, grad_value, None
 
 
+def _repeated_edges(index: Tensor, valid: Tensor, n: int) -> Tensor:
+    """Union as a set: sort each key's edges and mark repeats of a query (the stable sort keeps the
+    first column). Its sort buffers die with this call."""
+    e = index.shape[-1]
+    sort_key = torch.where(valid, index, n + torch.arange(e, device=index.device))
+    sorted_key, order = torch.sort(sort_key, dim=-1, stable=True)
+    repeat_sorted = F.pad(sorted_key[..., 1:] == sorted_key[..., :-1], (1, 0), value=False)
+    return torch.zeros_like(repeat_sorted).scatter(-1, order, repeat_sorted)
+
+
 @padding_safe
 def fsat_sparse_attention(
     query: Tensor,
@@ -386,12 +396,7 @@ def fsat_sparse_attention(
     if attention_mask is not None:
         real = attention_mask[:, None, :].expand(b, h, n)  # [B, H, N]
         valid = valid & real.gather(2, index.flatten(2)).view_as(index) & attention_mask[:, None, :, None]
-    # Union as a set: sort each key's edges, drop repeats of a query (stable sort keeps the first column).
-    sort_key = torch.where(valid, index, n + torch.arange(e, device=index.device))
-    sorted_key, order = torch.sort(sort_key, dim=-1, stable=True)
-    repeat_sorted = F.pad(sorted_key[..., 1:] == sorted_key[..., :-1], (1, 0), value=False)
-    repeat = torch.zeros_like(repeat_sorted).scatter(-1, order, repeat_sorted)
-    keep = valid & ~repeat
+    keep = valid & ~_repeated_edges(index, valid, n)
 
     confidence = _gaussian_confidence(index, centre, sigma2, normalize_confidence)
     if truncate_gradient:

@@ -211,9 +211,15 @@ class LocalAttention(AttentionBase):
         self.dropout = dropout
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
+        dropout_p = self.dropout if self.training else 0.0
+        if not isinstance(self.proj, QKVProjection):  # q, k, v handed over from outside (longattn.hf)
+            q, k, v = self.proj.qkv(x)
+            return self.proj.out(local_attention(
+                q, k, v, attention_mask, window_size=self.window_size, look_backward=self.look_backward,
+                look_forward=self.look_forward, exact_window=self.exact_window, is_causal=self.causal,
+                dropout_p=dropout_p))
         # the functional form's chunks, with the projections inside them (see chunked.py)
         b, n, _ = x.shape
-        dropout_p = self.dropout if self.training else 0.0
         options = _Options(self.window_size, self.look_backward, _check_options(self.window_size, self.look_forward,
                                                                                    self.causal),
                            self.exact_window, self.causal, 1.0 / math.sqrt(self.head_dim), dropout_p, n)

@@ -303,11 +303,18 @@ class LongformerAttention(AttentionBase):
         return tuple(split_heads(self.global_proj[name](x), self.heads) for name in ("query", "key", "value"))
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        # the functional form's chunks, with the projections inside them (see chunked.py)
-        b, n, _ = x.shape
         scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
         options = _Options(self.attention_window // 2, self.dilation, self.causal, scale,
                            self.dropout if self.training else 0.0)
+        if not isinstance(self.proj, QKVProjection):  # q, k, v handed over from outside (longattn.hf)
+            q, k, v = self.proj.qkv(x)
+            gq, gk, gv = self.global_qkv(x)
+            return self.proj.out(longformer_attention(
+                q, k, v, attention_mask, attention_window=self.attention_window, dilation=self.dilation,
+                global_positions=self.global_positions, global_query=gq, global_key=gk, global_value=gv,
+                is_causal=self.causal, scale=self.scale, dropout_p=options.dropout_p))
+        # the functional form's chunks, with the projections inside them (see chunked.py)
+        b, n, _ = x.shape
         real = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
         chunks = _plan(real, _global_index(self.global_positions, n, x.device), options)
         local = (self.proj.to_q, self.proj.to_k, self.proj.to_v)
