@@ -111,7 +111,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (dataset, horizon, model), group in groups.items():
         done = [r for r in group if "error" not in r]
         entry: dict[str, Any] = {"dataset": dataset, "horizon": horizon, "model": model, "seeds": len(done),
-                                 "failed": any("error" in r for r in group)}
+                                 "failed": any("error" in r for r in group),
+                                 "train_seconds": sum(r.get("seconds") or 0.0 for r in done)}
         for metric in ("mse", "mae"):
             values = [r[metric] for r in done]
             entry[f"{metric}_mean"] = statistics.mean(values) if values else None
@@ -155,7 +156,8 @@ def format_table(rows: list[dict[str, Any]], models: list[str]) -> str:
         lines.append("| " + " | ".join(line) + " |")
     seeds = sorted({e["seeds"] for e in summary.values() if e["mse_mean"] is not None})
     lines.append("")
+    hours = sum(e["train_seconds"] for e in summary.values()) / 3600
     lines.append(f"Test MSE / MAE (scaled units), mean ± sample std over {'/'.join(map(str, seeds)) or 0} seed(s); "
                  "(paper) = the published number for that model; **!** = ours worse than the paper by more than "
-                 "2 std.")
+                 f"2 std. Training time of these runs: {hours:.2f} h.")
     return "\n".join(lines)
