@@ -87,6 +87,10 @@ def test_summary_mean_std_and_the_two_std_mark():
     assert cells[6] == "0.400 (0.255)" and cells[8].startswith("0.250 ± ") and "(" not in cells[8]
     assert cells[10:] == ["failed", "-"]
     assert table.endswith("Training time of these runs: 2.00 h.")  # 8 finished runs of 900 s
+    rows += [{"dataset": "ETTm2", "horizon": 192, "model": "skt", "seed": seed, "missing": True} for seed in (3, 4)]
+    table = format_table(rows, ["skt"])
+    assert "| ETTm2 | 192 | - | - |" in table
+    assert table.endswith("Not run yet (dataset H model: missing seeds): ETTm2 192 skt: 3 4.")
 
 
 def test_plot_per_dataset(tmp_path):
