@@ -1,7 +1,9 @@
 """The papers' remaining analyses as ``longattn bench ...`` commands (issue 18, items 3-5).
 
 * ``bench flops``: Skeinformer Table 3, analytic FLOPs against torch's counter (:mod:`longattn.bench.flops`);
-* ``bench fsat-fig3``: FSAT Figure 3, training time and memory per sequence against N (:mod:`longattn.bench.speed`).
+* ``bench fsat-fig3``: FSAT Figure 3, training time and memory per sequence against N (:mod:`longattn.bench.speed`);
+* ``bench incoherence``: S^3 Table 14 and Figure 2, the token matrix before and after the Smoother
+  (:mod:`longattn.experiment.incoherence`).
 
 Each writes JSON (through write_results), a markdown table and a plot into ``--out``.
 """
@@ -77,7 +79,59 @@ def _fsat_fig3_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench-fsat-fig3")
 
 
+def _data_dirs(pairs: list[str], tasks: list[str]) -> dict[str, list[str]]:
+    """``TASK=PATH`` pairs -> per-task ``data.data_dir`` overrides (tasks that read files take one each)."""
+    out: dict[str, list[str]] = {}
+    for pair in pairs:
+        task, sep, path = pair.partition("=")
+        if not sep or task not in tasks or not path:
+            raise ValueError(f"--data-dir takes TASK=PATH for one of {', '.join(tasks)}, got {pair!r}")
+        out.setdefault(task, []).append(f"data.data_dir={path}")
+    return out
+
+
+def _incoherence(args: argparse.Namespace) -> int:
+    from longattn.experiment import incoherence
+
+    tasks = [t for t in args.tasks.split(",") if t]
+    overrides = _data_dirs(args.data_dir, tasks)
+    for task in tasks:
+        overrides[task] = [*overrides.get(task, []), *args.set]
+    ranks = tuple(_int_list(args.ranks))
+    seeds = _int_list(args.seeds)
+    out = Path(args.out)
+    rows, examples = incoherence.run_incoherence(tasks, seeds, out, ranks=ranks, steps=args.steps, preset=args.preset,
+                                                 overrides=overrides, layer=args.layer)
+    summary = incoherence.summarise(rows)
+    _write(out, "incoherence", summary, incoherence.incoherence_table(summary),
+           {"per_seed": rows, "steps": args.steps, "layer": args.layer, "preset": args.preset, "seeds": seeds})
+    incoherence.plot_incoherence(summary, out / "incoherence.png")
+    for task, (before, after) in examples.items():
+        incoherence.plot_token_matrices(before, after, out / f"token_matrix_{task}.png",
+                                        f"{task}: first validation example after {args.steps} steps (S^3 Figure 2)")
+    print(f"wrote {out / 'incoherence.png'} and token_matrix_<task>.png")
+    return 0
+
+
+def _incoherence_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.experiment import incoherence
+
+    parser.add_argument("--tasks", default=",".join(incoherence.PAPER_TASKS), help="comma list of LRA tasks")
+    parser.add_argument("--seeds", default="0,1,2", help="comma list; one training run each")
+    parser.add_argument("--steps", type=int, default=incoherence.PAPER_STEPS, help="training steps before measuring")
+    parser.add_argument("--ranks", default=",".join(map(str, incoherence.PAPER_RANKS)), help="comma list")
+    parser.add_argument("--layer", type=int, default=0, help="which skeleton layer's Smoother (0: the first)")
+    parser.add_argument("--preset", default="demo", help="each task's preset (demo: small subsets for a CPU)")
+    parser.add_argument("--data-dir", action="append", default=[], metavar="TASK=PATH",
+                        help="data folder of a task that reads files, e.g. text=../shared/data/imdb (repeatable)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every run (repeatable)")
+    parser.add_argument("--out", default="runs/bench-incoherence")
+
+
 register_analysis("flops", "FLOPs of computing attention, analytic against measured (Skeinformer Table 3)",
                   _flops_arguments, _flops)
 register_analysis("fsat-fig3", "training time and memory per sequence against N (FSAT Figure 3)",
                   _fsat_fig3_arguments, _fsat_fig3)
+register_analysis("incoherence", "incoherence of the token matrix before / after the Smoother (S^3 Table 14, Fig. 2)",
+                  _incoherence_arguments, _incoherence)
