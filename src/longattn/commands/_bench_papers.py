@@ -1,6 +1,10 @@
 """The papers' remaining analyses as ``longattn bench ...`` commands (issue 18, items 3-5).
 
 * ``bench flops``: Skeinformer Table 3, analytic FLOPs against torch's counter (:mod:`longattn.bench.flops`);
+* ``bench batch-limit``: Skeinformer Table 2, the largest batch within a memory budget and the time per
+  thousand steps with accumulation to the paper's batch (:mod:`longattn.bench.batch_limit`);
+* ``bench lr-batch``: Skeinformer Figure 3, accuracy and training time against learning rate and batch
+  (:mod:`longattn.experiment.sensitivity`);
 * ``bench fsat-fig3``: FSAT Figure 3, training time and memory per sequence against N (:mod:`longattn.bench.speed`);
 * ``bench incoherence``: S^3 Table 14 and Figure 2, the token matrix before and after the Smoother
   (:mod:`longattn.experiment.incoherence`).
@@ -129,8 +133,75 @@ def _incoherence_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench-incoherence")
 
 
+def _batch_limit(args: argparse.Namespace) -> int:
+    from longattn.bench.batch_limit import batch_table, plot_batch, run_batch_limit
+
+    base = replace(MODEL_DEFAULTS, threads=args.threads, repeats=args.repeats, warmup=args.warmup, seed=args.seed)
+    rows = run_batch_limit(args.attention, args.length, int(args.budget_mib * 2**20), args.paper_batch, base,
+                           features=args.features, timeout_s=args.timeout)
+    out = Path(args.out)
+    _write(out, "batch_limit", rows, batch_table(rows, base), {"config": asdict(base)})
+    plot_batch(rows, str(out / "batch_limit.png"))
+    print(f"wrote {out / 'batch_limit.png'}")
+    return 0
+
+
+def _batch_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.bench.batch_limit import PAPER_BATCH, TABLE_2_MECHANISMS
+    from longattn.bench.flops import PAPER_FEATURES
+
+    parser.add_argument("--attention", nargs="*", default=list(TABLE_2_MECHANISMS),
+                        help=f"mechanisms (default: Skeinformer Table 2's, {' '.join(TABLE_2_MECHANISMS)})")
+    parser.add_argument("--length", type=int, default=4096, help="sequence length N (LRA Text: 4096)")
+    parser.add_argument("--budget-mib", type=float, default=16 * 1024,
+                        help="peak memory a training step may use, MiB (default: the paper's 16 GB V100)")
+    parser.add_argument("--paper-batch", type=int, default=PAPER_BATCH["text"],
+                        help="batch reached by gradient accumulation (Skeinformer A.1, Text: 128)")
+    parser.add_argument("--features", type=int, default=PAPER_FEATURES, help="samples / landmarks / k / features")
+    parser.add_argument("--threads", type=int, default=MODEL_DEFAULTS.threads)
+    parser.add_argument("--warmup", type=int, default=MODEL_DEFAULTS.warmup)
+    parser.add_argument("--repeats", type=int, default=MODEL_DEFAULTS.repeats)
+    parser.add_argument("--seed", type=int, default=MODEL_DEFAULTS.seed)
+    parser.add_argument("--timeout", type=float, default=speed_defaults.MODEL_TIMEOUT_S, help="seconds per probe")
+    parser.add_argument("--out", default="runs/bench-batch-limit")
+
+
+def _lr_batch(args: argparse.Namespace) -> int:
+    from longattn.experiment.sensitivity import plot_sensitivity, run_sensitivity, sensitivity_table
+
+    learning_rates = [float(x) for x in args.lrs.split(",") if x]
+    batches = _int_list(args.batches)
+    seeds = _int_list(args.seeds)
+    out = Path(args.out)
+    rows = run_sensitivity(args.task, args.attention, learning_rates, batches, seeds, out / "runs", preset=args.preset,
+                           overrides=args.set, resume=args.resume)
+    _write(out, "lr_batch", rows, sensitivity_table(rows),
+           {"task": args.task, "attention": args.attention, "preset": args.preset, "seeds": seeds, "set": args.set})
+    plot_sensitivity(rows, out / "lr_batch.png", f"{args.attention} on {args.task} (Skeinformer Figure 3)")
+    print(f"wrote {out / 'lr_batch.png'}")
+    return 0
+
+
+def _lr_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.experiment.sensitivity import PAPER_BATCHES, PAPER_LEARNING_RATES
+
+    parser.add_argument("--task", default="text")
+    parser.add_argument("--attention", default="skein")
+    parser.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in PAPER_LEARNING_RATES), help="comma list")
+    parser.add_argument("--batches", default=",".join(map(str, PAPER_BATCHES)), help="comma list")
+    parser.add_argument("--seeds", default="0,1,2", help="comma list")
+    parser.add_argument("--preset", default="demo")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    parser.add_argument("--resume", action="store_true", help="reuse finished runs under --out")
+    parser.add_argument("--out", default="runs/bench-lr-batch")
+
+
 register_analysis("flops", "FLOPs of computing attention, analytic against measured (Skeinformer Table 3)",
                   _flops_arguments, _flops)
+register_analysis("batch-limit", "largest batch within a memory budget, time per 1000 steps (Skeinformer Table 2)",
+                  _batch_limit_arguments, _batch_limit)
+register_analysis("lr-batch", "accuracy and training time against learning rate and batch (Skeinformer Figure 3)",
+                  _lr_batch_arguments, _lr_batch)
 register_analysis("fsat-fig3", "training time and memory per sequence against N (FSAT Figure 3)",
                   _fsat_fig3_arguments, _fsat_fig3)
 register_analysis("incoherence", "incoherence of the token matrix before / after the Smoother (S^3 Table 14, Fig. 2)",
