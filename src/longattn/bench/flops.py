@@ -16,8 +16,8 @@ Every mechanism of the table is written here once, as two formulas in multiply-a
   says, the reason (``note``).
 
 The measurement runs one forward pass of the mechanism's layer (one head of width p) under
-:func:`longattn.bench.speed.flop_counter` and subtracts what its Q/K/V/output projections count:
-the table assumes Q, K, V given. ``slope`` is the measured growth per token between two lengths,
+:func:`longattn.bench.speed.flop_counter` with its Q/K/V/output projections replaced by a stand-in
+that hands the input over as Q, K and V: the table assumes Q, K, V given. ``slope`` is the measured growth per token between two lengths,
 (F(n2) - F(n1)) / (n2 - n1), the coefficient of the leading term in n whatever the constants.
 """
 
@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch import Tensor, nn
 
 from longattn import attention
-from longattn.attention.base import QKVProjection
+from longattn.attention.base import merge_heads, split_heads
 from longattn.bench.speed import flop_counter
 
 __all__ = ["FLOP_MODELS", "FlopModel", "flop_rows", "flops_table", "measure_attention_macs", "plot_flops"]
@@ -115,15 +116,23 @@ FLOP_MODELS: dict[str, FlopModel] = {m.mechanism: m for m in (
 )}
 
 
-def _projection_flops(layer: torch.nn.Module, counts: dict[str, dict[Any, int]]) -> int:
-    """FLOPs counted in the layer's Q/K/V/output projections (module paths as FlopCounterMode names them)."""
-    root = type(layer).__name__
-    total = 0
-    for path, module in layer.named_modules():
-        if isinstance(module, QKVProjection):
-            for linear in ("to_q", "to_k", "to_v", "to_out"):
-                total += sum(counts.get(f"{root}.{path}.{linear}", {}).values())
-    return total
+class _GivenQKV(nn.Module):
+    """Stands in for a layer's QKVProjection so that Q, K, V are given (Table 3's assumption): the
+    input split into heads is the queries, keys and values, and the output is the heads merged;
+    no projection is computed. Like ``longattn.hf``'s stand-in, it is not a QKVProjection, so layers
+    that fold their projections into chunks take their path for handed-over q, k, v."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_out = nn.Identity()
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        heads = split_heads(x, self.heads)
+        return heads, heads, heads
+
+    def out(self, heads_out: Tensor) -> Tensor:
+        return merge_heads(heads_out)
 
 
 def measure_attention_macs(mechanism: str, n: int, d: int = PAPER_FEATURES, p: int = PAPER_HEAD_DIM,
@@ -134,11 +143,11 @@ def measure_attention_macs(mechanism: str, n: int, d: int = PAPER_FEATURES, p: i
         raise ValueError(f"no FLOP model for {mechanism!r}; Skeinformer Table 3 has {', '.join(FLOP_MODELS)}")
     torch.manual_seed(seed)
     layer = attention.build(mechanism, dim=p, heads=1, max_len=n, **FLOP_MODELS[mechanism].options(n, d)).eval()
+    layer.proj = _GivenQKV(heads=1)
     x = torch.randn(1, n, p)
     with torch.no_grad(), flop_counter() as counter:
         layer(x)
-    core = counter.get_total_flops() - _projection_flops(layer, counter.get_flop_counts())
-    return core // 2  # torch counts a multiply-add as 2 FLOPs; Table 3 as one
+    return counter.get_total_flops() // 2  # torch counts a multiply-add as 2 FLOPs; Table 3 as one
 
 
 def flop_rows(mechanisms: list[str], lengths: list[int], d: int = PAPER_FEATURES, p: int = PAPER_HEAD_DIM,

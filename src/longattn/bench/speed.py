@@ -245,6 +245,11 @@ def _c2c_flops(input_shape, dim, normalization, forward, out_shape=None, **kwarg
     return _fft_flops(n, math.prod(input_shape) // n, complex_input=True)
 
 
+def _addmm_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    (m, k), (_, n) = a_shape, b_shape
+    return 2 * m * k * n
+
+
 def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
     from torch.utils.flop_counter import sdpa_flop_count
 
@@ -257,24 +262,18 @@ def _cpu_sdpa_backward_flops(grad_out, query, key, value, *args, out_shape=None,
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
-def _inplace_addmm_flops(self_shape, mat1_shape, mat2_shape, *args, out_shape=None, **kwargs) -> int:
-    # addmm_ (e.g. in the skeleton layer's backward) is the in-place addmm: 2 m k n, as torch counts addmm
-    m, k = mat1_shape
-    return 2 * m * k * mat2_shape[1]
-
-
 def flop_counter() -> "FlopCounterMode":
     """torch's FlopCounterMode (FLOPs from each op's shapes: matmuls, convolutions, attention
     kernels; a multiply-add counts 2) taught the ops it does not know: the FFTs, SDPA's CPU
-    kernels and the in-place addmm_. Elementwise ops and reductions are not counted: they are
-    memory traffic. Use as ``with flop_counter() as counter: ...``."""
+    kernels and the in-place GEMM ``addmm_`` (the skeleton's fused stem). Elementwise ops and
+    reductions are not counted: they are memory traffic. Use as ``with flop_counter() as counter: ...``."""
     from torch.utils.flop_counter import FlopCounterMode
 
     aten = torch.ops.aten
     custom = {aten._fft_r2c: _r2c_flops, aten._fft_c2r: _c2r_flops, aten._fft_c2c: _c2c_flops,
+              aten.addmm_: _addmm_flops,
               aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
-              aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
-              aten.addmm_: _inplace_addmm_flops}
+              aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops}
     return FlopCounterMode(display=False, custom_mapping=custom)
 
 
