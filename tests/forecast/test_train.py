@@ -214,11 +214,13 @@ def test_cli_table_layout_with_paper_numbers(tmp_path, capsys):
     out = tmp_path / "table"
     argv = ["forecast-table", "--data-dir", str(data_dir), "--datasets", "ili", "--horizons", "24", "--models",
             "dlinear", "skt:softmax", "encoder:no-such-attention", "--out", str(out), "--set", "train.epochs=1",
-            "--set", "models.skt.d_model=16", "--set", "models.skt.heads=2", "--set", "data.seq_len=24"]
+            "--set", "models.skt.d_model=16", "--set", "models.skt.heads=2", "--set", "data.seq_len=24",
+            "--seeds", "0", "1"]
     assert main(argv) == 1  # one cell cannot run: reported, not fatal
     table = (out / "table.md").read_text()
     assert "| ili | 24 | 2.185 | 0.926 | 2.431 | 0.997 |" in table  # conference and journal SKT numbers
     assert "failed" in table
+    assert "Test MSE minus dlinear's" in table and "Student t interval" in table  # paired over the 2 seeds
     rows = json.loads((out / "table.json").read_text())["rows"]
     assert {r["model"] for r in rows if "mse" in r} == {"dlinear", "skt:softmax"}
     # Finished cells are reused: a second invocation trains nothing new.
@@ -236,4 +238,4 @@ def test_format_table_reports_deviation():
     rows = [{"dataset": "exchange", "horizon": 96, "model": "skt", "seed": s, "mse": m, "mae": 0.2}
             for s, m in ((0, 0.09), (1, 0.10))]
     table = format_table(rows, ["skt"])
-    assert "| exchange | 96 | 0.086 | 0.204 |" in table and "0.095 | 0.200 | +10.5% |" in table
+    assert "| exchange | 96 | 0.086 | 0.204 |" in table and "0.095 ± 0.007 | 0.200 ± 0.000 | +10.5% |" in table

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from longattn.experiment.config import resolve_config
-from longattn.experiment.grid import Cell, run_cells
+from longattn.experiment.grid import PAPER_SEEDS, Cell, run_cells
+from longattn.experiment.results import markdown_table
+from longattn.experiment.stats import format_difference, legend, mean_std, paired_difference
 from longattn.data.timeseries import resolve_series
 from longattn.forecast.paper import paper_result
 from longattn.tasks.forecasting import find_preset
 
-__all__ = ["cell_dir", "format_table", "forecast_cells", "run_table", "split_model_spec"]
+__all__ = ["cell_dir", "difference_table", "format_table", "forecast_cells", "run_table", "split_model_spec"]
 
 
 def cell_dir(out: str | Path, dataset: str, model_spec: str, horizon: int, seed: int) -> Path:
@@ -78,7 +80,7 @@ def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str
 
     ``collect_only`` trains nothing: cells without results are left out of the rows.
     """
-    seeds = seeds or [0]
+    seeds = seeds or list(range(PAPER_SEEDS))  # the configs are the papers' settings
     cells = forecast_cells(data_dir, datasets, models, horizons, overrides, device)
 
     def run_dir(cell: Cell, seed: int) -> Path:
@@ -100,7 +102,7 @@ def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str
 
 def format_table(rows: list[dict[str, Any]], models: list[str]) -> str:
     """Markdown table in the layout of the papers' Table 2 (dataset, horizon, MSE/MAE per model), paper columns
-    first, then the reproduced models averaged over seeds, with the SKT deviation from the paper in percent."""
+    first, then the reproduced models (mean ± std over seeds), with the SKT mean's deviation from the paper."""
     from longattn.forecast.paper import PAPER_MODELS
 
     cells: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
@@ -128,8 +130,8 @@ def format_table(rows: list[dict[str, Any]], models: list[str]) -> str:
         for m in models:
             got = cells.get((dataset, horizon, m))
             if got:
-                mse, mae = (sum(v) / len(v) for v in zip(*got))
-                line.append(f"{mse:.3f} | {mae:.3f}")
+                mse, mae = zip(*got)
+                line.append(f"{mean_std(mse, 3)} | {mean_std(mae, 3)}")
             else:
                 line.append("failed | -" if (dataset, horizon, m) in errors else "- | -")
         skt = next((cells[(dataset, horizon, m)] for m in models if m.split(":")[0] == "skt"
@@ -142,3 +144,23 @@ def format_table(rows: list[dict[str, Any]], models: list[str]) -> str:
             line.append("-")
         lines.append("| " + " | ".join(line) + " |")
     return "\n".join(lines)
+
+
+def difference_table(rows: list[dict[str, Any]], models: list[str], reference: str | None = None) -> str:
+    """Each model's test MSE minus the ``reference`` model's (default: the first), paired by seed, with its
+    t interval and the mark for differences that are not significant (:mod:`longattn.experiment.stats`)."""
+    reference = reference or models[0]
+    others = [m for m in models if m != reference]
+    if not others:
+        return ""
+    by_seed: dict[tuple[str, int, str], dict[int, float]] = {}
+    for row in rows:
+        if "error" not in row:
+            by_seed.setdefault((row["dataset"], row["horizon"], row["model"]), {})[row["seed"]] = row["mse"]
+    order = list(dict.fromkeys((row["dataset"], row["horizon"]) for row in rows))
+    table = [[dataset, horizon, *(format_difference(paired_difference(by_seed.get((dataset, horizon, m), {}),
+                                                                      by_seed.get((dataset, horizon, reference), {})),
+                                                    digits=3) for m in others)]
+             for dataset, horizon in order]
+    return (f"Test MSE minus {reference}'s:\n\n" + markdown_table(["Dataset", "H", *others], table)
+            + f"\n\n{legend(reference)}")
