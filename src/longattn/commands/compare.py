@@ -115,6 +115,10 @@ def plot_compare(cells: list[Cell], path: Path, task: str) -> None:
     curves.set(xlabel="optimiser step", ylabel=f"validation {metric}{unit}", title=f"{task}: validation, {over}")
     if done:
         curves.legend(fontsize="small")
+    classes = getattr(task_obj, "num_classes", 0) if metric == "accuracy" else 0
+    if classes:  # uniform guessing, so that a reader sees how far every mechanism is from it
+        bars.axhline(task_obj.table_scale / classes, color="grey", linestyle="--", linewidth=1, label="chance")
+        bars.legend(fontsize="small", loc="lower right")
     bars.set_xticks(range(len(done)), [cell.attention for cell in done], rotation=30)
     bars.set(ylabel=f"test {metric}{unit}", title=f"{task}: test, {over} (dots: seeds)")
     fig.tight_layout()
