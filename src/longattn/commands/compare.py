@@ -11,7 +11,8 @@ from typing import Any
 from longattn.commands._args import add_config_arguments, attention_list, no_progress, seed_list
 from longattn.config import ConfigError
 from longattn.experiment.curves import CurveGroup, curve_groups, learning_curves, write_learning_curves
-from longattn.experiment.grid import DEMO_SEEDS, PAPER_SEEDS, Cell, default_seeds, difference_record, paired_against, run_cells
+from longattn.experiment.grid import (DEMO_SEEDS, PAPER_SEEDS, Cell, default_seeds, difference_record, paired_against,
+                                      run_cells)
 from longattn.experiment.results import markdown_table, now, write_results
 from longattn.experiment.stats import format_difference, format_sem, legend, mean_std, summarize
 from longattn.tasks.base import get_task, task_names
