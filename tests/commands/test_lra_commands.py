@@ -158,6 +158,14 @@ paper:
     assert (out / "layers=1" / "listops" / "seed0" / "results.json").stat().st_mtime_ns == before
 
 
+def test_sweep_reference_must_be_a_row_and_is_checked_before_training(tmp_path, capsys):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("attention: softmax\ntasks: [listops]\ngrid: {model.layers: [1, 2]}\n")
+    code = main(["sweep", "--config", str(sweep), "--reference", "layers=3", "--out", str(tmp_path / "o"), *TINY])
+    assert code == 2 and "layers=1, layers=2" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_sweep_file_with_unknown_key_is_rejected(tmp_path, capsys):
     sweep = tmp_path / "bad.yaml"
     sweep.write_text("attention: softmax\ngrids: {model.layers: [1]}\n")

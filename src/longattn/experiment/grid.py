@@ -27,8 +27,8 @@ from longattn.experiment.stats import (PairedDifference, format_difference, lege
                                        summarize)
 from longattn.tasks.base import get_task, task_names
 
-__all__ = ["Cell", "default_seeds", "difference_record", "load_sweep", "markdown_table", "paired_against", "run_cells", "sweep_cells",
-           "write_sweep_table"]
+__all__ = ["Cell", "default_seeds", "difference_record", "load_sweep", "markdown_table", "paired_against", "run_cells",
+           "sweep_cells", "write_sweep_table"]
 
 
 @dataclass
@@ -244,9 +244,7 @@ def write_sweep_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path, se
     rows = list(dict.fromkeys(c.row for c in cells))
     columns = list(dict.fromkeys(c.column for c in cells))
     by_key = {(c.row, c.column): c for c in cells}
-    reference = reference or spec.get("reference") or (rows[0] if rows else None)
-    if rows and reference not in rows:
-        raise ConfigError(f"reference row {reference!r} is not a row of this sweep; rows: {', '.join(rows)}")
+    reference = sweep_reference(spec, rows, reference)
     average = spec.get("average", "columns" not in spec)
     headers = ["", *columns] + (["average"] if average else [])
     table_rows, difference_rows = [], []
@@ -293,6 +291,14 @@ def write_sweep_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path, se
     return summary
 
 
+def sweep_reference(spec: dict[str, Any], rows: list[str], reference: str | None = None) -> str | None:
+    """The row the others are compared with: ``reference``, else the sweep's ``reference``, else the first row."""
+    reference = reference or spec.get("reference") or (rows[0] if rows else None)
+    if rows and reference not in rows:
+        raise ConfigError(f"reference row {reference!r} is not a row of this sweep; rows: {', '.join(rows)}")
+    return reference
+
+
 def difference_record(cell: Cell, reference: Cell | None) -> dict[str, Any] | None:
     """The paired difference of ``cell`` from ``reference`` for results files (None for the reference)."""
     if reference is None or reference is cell:
@@ -315,7 +321,9 @@ def run_sweep(spec: dict[str, Any], out_dir: str | Path, preset: str | None = No
     """Train every (row, column) cell of a sweep spec; write ``table.md``, ``results.json`` and learning curves."""
     started = now()
     seeds = seeds or list(spec.get("seeds") or default_seeds(preset or spec.get("preset", "standard")))
-    cells = run_cells(sweep_cells(spec, preset, tasks, extra_overrides), seeds, out_dir, resume=resume)
+    cells = sweep_cells(spec, preset, tasks, extra_overrides)
+    sweep_reference(spec, list(dict.fromkeys(c.row for c in cells)), reference)  # a bad name fails before training
+    run_cells(cells, seeds, out_dir, resume=resume)
     summary = write_sweep_table(spec, cells, Path(out_dir), seeds, started, reference)
     write_learning_curves(curve_groups(cells), Path(out_dir))
     return summary
