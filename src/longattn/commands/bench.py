@@ -210,3 +210,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 # registers "seqpar" (after the helpers above, which it uses)
 from longattn.commands import _bench_seqpar  # noqa: E402,F401
+# registers the papers' analyses: flops, fsat-fig3, ... (issue 18)
+from longattn.commands import _bench_papers  # noqa: E402,F401
