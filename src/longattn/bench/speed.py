@@ -60,7 +60,13 @@ class SpeedConfig:
     # "layer": one attention layer, forward / forward+backward. "lra_text": SKTformer Table 4's
     # model-level benchmark, the standard LRA text classifier (2 layers, dim 64, vocab 257):
     # forward is inference, forward_backward one full training step with AdamW.
+    # "classifier": the classifier of longattn.models.classifier built with ``model`` (the keywords of
+    # build_classifier besides max_len, attention, heads and dim), e.g. Singularformer's Figure 5 model;
+    # forward is inference (eval mode), forward_backward one training step with AdamW.
     kind: str = "layer"
+    model: dict[str, Any] = field(default_factory=dict)
+    # time only the forward (inference) and take the peak memory of a forward, not of forward+backward
+    inference_only: bool = False
     # time SDPA in the same process, interleaved with the target (layer kind, target != SDPA)
     reference: bool = True
 
@@ -164,7 +170,36 @@ def _layer_calls(config: SpeedConfig, target_name: str, device: torch.device):
     return module, forward, forward_backward
 
 
-_CALLS = {"layer": _layer_calls, "lra_text": _lra_text_calls}
+def _classifier_calls(config: SpeedConfig, target_name: str, device: torch.device):
+    """The classifier built from ``config.model`` with ``target_name`` attention (SDPA: ``softmax``, the
+    same model around it), random tokens; inference in eval mode, a training step with AdamW."""
+    import torch.nn.functional as F
+
+    from longattn.models.classifier import build_classifier
+
+    options = {} if target_name == SDPA else config.options
+    model = build_classifier(max_len=config.length, attention=target_name, attention_options=options,
+                             heads=config.heads, dim=config.dim, **config.model).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, model.encoder.vocab_size, (config.batch, config.length), device=device)
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    labels = torch.randint(0, config.model.get("num_classes", 2), (config.batch,), device=device)
+
+    def forward() -> None:
+        model.eval()
+        with torch.no_grad():
+            model(tokens, mask)
+
+    def train_step() -> None:
+        model.train()
+        F.cross_entropy(model(tokens, mask), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, forward, train_step
+
+
+_CALLS = {"layer": _layer_calls, "lra_text": _lra_text_calls, "classifier": _classifier_calls}
 
 
 def measure(config: SpeedConfig, part: str = "time") -> dict[str, Any]:
@@ -175,20 +210,23 @@ def measure(config: SpeedConfig, part: str = "time") -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     device = torch.device(config.device)
     if config.kind not in _CALLS:
-        raise ValueError(f"unknown benchmark kind {config.kind!r}: 'layer' or 'lra_text'")
+        raise ValueError(f"unknown benchmark kind {config.kind!r}: one of {', '.join(_CALLS)}")
     module, forward, forward_backward = _CALLS[config.kind](config, config.target, device)
     result: dict[str, Any] = {"parameters": sum(p.numel() for p in module.parameters())}
+    step = forward if config.inference_only else forward_backward
     for _ in range(config.warmup):
-        forward_backward()
+        step()
     if part == "memory":
-        return {**result, "peak_memory_bytes": _peak_memory(forward_backward, device)}
-    result["flops"] = count_flops(forward_backward)
-    calls = {"forward": forward, "forward_backward": forward_backward}
+        return {**result, "peak_memory_bytes": _peak_memory(step, device)}
+    result["flops"] = count_flops(step)
+    calls = {"forward": forward} if config.inference_only else {"forward": forward, "forward_backward": forward_backward}
     if config.reference and config.target not in (SDPA, SDPA_MATH):
         _, sdpa_forward, sdpa_forward_backward = _CALLS[config.kind](config, SDPA, device)
         for _ in range(max(1, config.warmup)):
-            sdpa_forward_backward()
-        calls.update(sdpa_forward=sdpa_forward, sdpa_forward_backward=sdpa_forward_backward)
+            (sdpa_forward if config.inference_only else sdpa_forward_backward)()
+        calls["sdpa_forward"] = sdpa_forward
+        if not config.inference_only:
+            calls["sdpa_forward_backward"] = sdpa_forward_backward
     for name, times in _time_interleaved(calls, config).items():
         result[f"{name}_wall_s"] = times["wall_s"]
         result[f"{name}_cpu_s"] = times["cpu_s"]
@@ -196,12 +234,14 @@ def measure(config: SpeedConfig, part: str = "time") -> dict[str, Any]:
         result[f"{name}_s"] = times["cpu_s"] if config.cpu_time_is_cost else times["wall_s"]
     if "sdpa_forward_backward_s" in result:
         result["speedup_vs_sdpa"] = result["sdpa_forward_backward_s"] / result["forward_backward_s"]
+    if "sdpa_forward_s" in result:
         result["forward_speedup_vs_sdpa"] = result["sdpa_forward_s"] / result["forward_s"]
     return result
 
 
 def _peak_memory(forward_backward: Callable[[], None], device: torch.device) -> int:
-    """Peak memory of one forward+backward above what is resident before it (model and inputs)."""
+    """Peak memory of one step (forward+backward, or the forward alone) above what is resident before
+    it (model and inputs)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -279,16 +319,19 @@ def _child_env(config: SpeedConfig) -> dict[str, str]:
 MEMORY_PROCESS_MMAP_THRESHOLD = 1 << 20
 
 
-def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes: int | None) -> dict[str, Any]:
+def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes: int | None,
+                      parts: tuple[str, ...] = ("memory", "time")) -> dict[str, Any]:
     """Measure ``config`` in fresh Python processes, the peak memory in one (CPU: glibc's mmap
     threshold fixed, see MEMORY_PROCESS_MMAP_THRESHOLD) and the times in another (the default
-    allocator behaviour); out-of-memory and time-outs become statuses."""
+    allocator behaviour), or only the ``parts`` asked for; out-of-memory and time-outs become statuses."""
     row: dict[str, Any] = asdict(config)
     env = _child_env(config)
     if memory_limit_bytes:
         env["LONGATTN_BENCH_MEMORY_LIMIT"] = str(memory_limit_bytes)
     memory_env = dict(env, MALLOC_MMAP_THRESHOLD_=str(MEMORY_PROCESS_MMAP_THRESHOLD))
     for part, part_env in (("memory", memory_env), ("time", env)):
+        if part not in parts:
+            continue
         cmd = [sys.executable, "-m", "longattn.bench.speed", json.dumps(asdict(config)), part]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=part_env)

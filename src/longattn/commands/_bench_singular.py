@@ -1,0 +1,64 @@
+"""Singularformer's analyses as ``longattn bench`` subcommands: ``thresholds`` (Table 3)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+from longattn.bench import thresholds
+from longattn.bench.speed import SpeedConfig
+from longattn.commands.bench import _int_list, _write
+from longattn.experiment.analyses import register_analysis
+
+LINEAR_MODELS = ("bigbird", "linformer", "flash", "singular")
+# Singularformer's Figure 5 classifier with Table 2's sizes: 6 layers of width 384 in 6 heads, hidden
+# size 384, max + mean pooling into two dense layers, Post-LN blocks (the baseline of Table 3). The
+# vocabulary only sizes the embedding table, which the memory figures leave out (peak above resident).
+PAPER_MODEL = {"vocab_size": 10_000, "num_classes": 8, "layers": 6, "hidden": 384, "norm": "post",
+               "pooling": "maxmean", "head": "singular", "dropout": 0.1, "embedding_dropout": 0.2}
+PAPER_HEADS, PAPER_HEAD_DIM = 6, 64
+
+
+def _thresholds(args: argparse.Namespace) -> int:
+    model = dict(PAPER_MODEL, layers=args.layers, hidden=args.hidden)
+    base = SpeedConfig(target="", length=0, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                       threads=args.threads, warmup=args.warmup, repeats=args.repeats, seed=args.seed,
+                       kind="classifier", model=model, inference_only=True)
+    report = thresholds.sweep_thresholds(args.attention, base, _int_list(args.grid), resolution=args.resolution,
+                                         confirm=args.confirm, timeout_s=args.timeout,
+                                         progress=lambda text: print(f"measuring {text}", flush=True))
+    table = (f"Thresholds against the Post-LN Transformer (inference, batch {args.batch}, times: median process CPU "
+             f"time, {args.threads} thread(s), measured side by side):\n\n" + thresholds.thresholds_table(report)
+             + "\n\nEvery measured point:\n\n" + thresholds.points_table(report))
+    out = Path(args.out)
+    _write(out, "thresholds", report["points"], table, {k: v for k, v in report.items() if k != "points"})
+    thresholds.plot_thresholds(report, out / "thresholds.png")
+    print(f"wrote {out / 'thresholds.png'}")
+    return 0
+
+
+def _thresholds_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attention", nargs="+", default=list(LINEAR_MODELS),
+                        help=f"linear models compared with Post-LN softmax (default: {' '.join(LINEAR_MODELS)})")
+    parser.add_argument("--grid", default=",".join(map(str, thresholds.DEFAULT_GRID)),
+                        help="comma list of lengths walked up before bisecting (k suffix allowed)")
+    parser.add_argument("--resolution", type=int, default=thresholds.DEFAULT_RESOLUTION,
+                        help="bisect until the bracket is this many tokens wide")
+    parser.add_argument("--confirm", type=int, default=thresholds.DEFAULT_CONFIRM,
+                        help="stop walking up once a model wins both criteria at this many grid points in a row")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=PAPER_MODEL["layers"])
+    parser.add_argument("--hidden", type=int, default=PAPER_MODEL["hidden"])
+    parser.add_argument("--heads", type=int, default=PAPER_HEADS)
+    parser.add_argument("--head-dim", type=int, default=PAPER_HEAD_DIM)
+    parser.add_argument("--threads", type=int, default=SpeedConfig.threads)
+    parser.add_argument("--warmup", type=int, default=SpeedConfig.warmup)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=SpeedConfig.seed)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
+    parser.add_argument("--out", default="runs/bench-thresholds")
+
+
+register_analysis("thresholds", "lengths from which linear models beat Post-LN in memory and inference speed "
+                  "(Singularformer Table 3)", _thresholds_arguments, _thresholds)
