@@ -16,7 +16,7 @@ def synthetic(speed_from: dict[str, float], memory_from: dict[str, float], calls
 
     def fake(config, parts):
         calls.append((config.target, config.length, parts))
-        if config.target == "softmax":
+        if config.target == "softmax_math":
             return {"status": "ok", "peak_memory_bytes": 1000}
         n = config.length
         return {"status": "ok", "forward_s": 1.0, "sdpa_forward_s": 1.0, "flops": 1,
@@ -39,7 +39,8 @@ def test_bisection_brackets_each_crossing_to_the_resolution():
     # every (target, N) is measured once, Post-LN memory once per N and never timed
     measured = [(t, n) for t, n, _ in calls]
     assert len(measured) == len(set(measured))
-    assert all(parts == ("memory",) for t, _, parts in calls if t == "softmax")
+    assert all(parts == ("memory",) for t, _, parts in calls if t == "softmax_math")
+    assert report["config"]["reference_target"] == report["baseline"] == "softmax_math"
     # singular won both at 256 and 512: the walk stopped there
     assert ("singular", 1024) not in measured and ("singular", 512) in measured
     assert {p["target"] for p in report["points"]} == {"singular", "flash"}
@@ -66,13 +67,16 @@ def test_failed_measurement_and_bad_arguments():
     assert report["thresholds"]["singular"]["speed"]["note"] == "measurement failed at N=64"
     with pytest.raises(ValueError, match="Post-LN baseline"):
         thresholds.sweep_thresholds(["softmax"], BASE, measure=failing)
+    with pytest.raises(ValueError, match="baseline is one of"):
+        thresholds.sweep_thresholds(["singular"], BASE, baseline="linformer", measure=failing)
     with pytest.raises(ValueError, match="resolution"):
         thresholds.sweep_thresholds(["singular"], BASE, resolution=0, measure=failing)
 
 
-def test_classifier_kind_times_inference_beside_the_post_ln_model():
+@pytest.mark.parametrize("baseline", ["softmax", "softmax_math"])
+def test_classifier_kind_times_inference_beside_the_post_ln_model(baseline):
     config = SpeedConfig(target="singular", length=33, batch=2, heads=2, head_dim=8, warmup=0, repeats=1,
-                         kind="classifier", inference_only=True,
+                         kind="classifier", inference_only=True, reference_target=baseline,
                          model={"vocab_size": 40, "num_classes": 3, "layers": 1, "hidden": 16, "norm": "post",
                                 "pooling": "maxmean", "head": "singular"})
     row = measure(config)

@@ -16,6 +16,7 @@ the machine (``machine_rates``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from longattn.bench.targets import SDPA, SDPA_MATH, make_target
+from longattn.bench.targets import SDPA, SDPA_MATH, math_backend, make_target
 
 # Defaults of ``longattn bench speed`` / ``bench model`` live here only; the command reads them.
 DEFAULT_LENGTHS = "1k,4k,16k"
@@ -69,6 +70,8 @@ class SpeedConfig:
     inference_only: bool = False
     # time SDPA in the same process, interleaved with the target (layer kind, target != SDPA)
     reference: bool = True
+    # what that in-process baseline is: SDPA, or SDPA's math path (softmax_math: the n x n scores held)
+    reference_target: str = SDPA
 
     @property
     def dim(self) -> int:
@@ -171,14 +174,17 @@ def _layer_calls(config: SpeedConfig, target_name: str, device: torch.device):
 
 
 def _classifier_calls(config: SpeedConfig, target_name: str, device: torch.device):
-    """The classifier built from ``config.model`` with ``target_name`` attention (SDPA: ``softmax``, the
-    same model around it), random tokens; inference in eval mode, a training step with AdamW."""
+    """The classifier built from ``config.model`` with ``target_name`` attention (SDPA: ``softmax``, and
+    ``softmax_math`` the same under SDPA's math path), random tokens; inference in eval mode, a training
+    step with AdamW."""
     import torch.nn.functional as F
 
     from longattn.models.classifier import build_classifier
 
-    options = {} if target_name == SDPA else config.options
-    model = build_classifier(max_len=config.length, attention=target_name, attention_options=options,
+    baseline = target_name in (SDPA, SDPA_MATH)
+    context = math_backend if target_name == SDPA_MATH else contextlib.nullcontext
+    model = build_classifier(max_len=config.length, attention=SDPA if baseline else target_name,
+                             attention_options={} if baseline else config.options,
                              heads=config.heads, dim=config.dim, **config.model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, model.encoder.vocab_size, (config.batch, config.length), device=device)
@@ -187,12 +193,14 @@ def _classifier_calls(config: SpeedConfig, target_name: str, device: torch.devic
 
     def forward() -> None:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), context():
             model(tokens, mask)
 
     def train_step() -> None:
         model.train()
-        F.cross_entropy(model(tokens, mask), labels).backward()
+        with context():
+            loss = F.cross_entropy(model(tokens, mask), labels)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -221,7 +229,7 @@ def measure(config: SpeedConfig, part: str = "time") -> dict[str, Any]:
     result["flops"] = count_flops(step)
     calls = {"forward": forward} if config.inference_only else {"forward": forward, "forward_backward": forward_backward}
     if config.reference and config.target not in (SDPA, SDPA_MATH):
-        _, sdpa_forward, sdpa_forward_backward = _CALLS[config.kind](config, SDPA, device)
+        _, sdpa_forward, sdpa_forward_backward = _CALLS[config.kind](config, config.reference_target, device)
         for _ in range(max(1, config.warmup)):
             (sdpa_forward if config.inference_only else sdpa_forward_backward)()
         calls["sdpa_forward"] = sdpa_forward

@@ -3,9 +3,13 @@ Transformer in inference speed and in memory.
 
 Every point is one :func:`longattn.bench.speed.run_in_subprocess` measurement of the whole classifier
 (kind ``classifier``, inference only): the target's forward time with the Post-LN model's (the same
-classifier around ``softmax``) timed in the same process, interleaved, so the speed criterion is a
-ratio of two medians taken side by side; the peak memory of one forward in its own process, against
+classifier around softmax attention) timed in the same process, interleaved, so the speed criterion is
+a ratio of two medians taken side by side; the peak memory of one forward in its own process, against
 the Post-LN model's peak at the same N (measured once per N in a memory-only process).
+
+The Post-LN baseline is by default ``softmax_math``, softmax attention through SDPA's math path, which
+holds the n x n scores as the paper's standard Transformer does (Table 1: m n^2 of memory); ``softmax``
+is SDPA's fused kernel, whose memory grows linearly with N on CPU.
 
 The search walks up a grid of lengths until the target wins on both criteria at ``confirm``
 consecutive grid points (or the grid ends), then bisects each criterion between the last grid point
@@ -20,12 +24,14 @@ from dataclasses import asdict, replace
 from typing import Any, Callable
 
 from longattn.bench.speed import SpeedConfig, run_in_subprocess
-from longattn.bench.targets import SDPA
+from longattn.bench.targets import SDPA, SDPA_MATH
 
 CRITERIA = ("speed", "memory")
 DEFAULT_GRID = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_RESOLUTION = 16
 DEFAULT_CONFIRM = 2
+DEFAULT_BASELINE = SDPA_MATH
+BASELINES = (SDPA_MATH, SDPA)
 
 Measure = Callable[[SpeedConfig, tuple[str, ...]], dict[str, Any]]
 
@@ -37,8 +43,10 @@ def _subprocess_measure(timeout_s: float) -> Measure:
 class ThresholdSearch:
     """Measurements of one search, each (target, N) and each Post-LN memory point taken once."""
 
-    def __init__(self, base: SpeedConfig, measure: Measure, progress: Callable[[str], None] | None = None) -> None:
-        self.base = replace(base, inference_only=True, reference=True)
+    def __init__(self, base: SpeedConfig, measure: Measure, progress: Callable[[str], None] | None = None,
+                 baseline: str = DEFAULT_BASELINE) -> None:
+        self.baseline_name = baseline
+        self.base = replace(base, inference_only=True, reference=True, reference_target=baseline)
         self.measure = measure
         self.progress = progress or (lambda text: None)
         self.rows: dict[tuple[str, int], dict[str, Any]] = {}
@@ -52,8 +60,9 @@ class ThresholdSearch:
 
     def baseline(self, length: int) -> dict[str, Any]:
         if length not in self.baseline_memory:
-            self.progress(f"Post-LN ({SDPA}) memory at N={length}")
-            self.baseline_memory[length] = self.measure(replace(self.base, target=SDPA, length=length), ("memory",))
+            self.progress(f"Post-LN ({self.baseline_name}) memory at N={length}")
+            self.baseline_memory[length] = self.measure(replace(self.base, target=self.baseline_name, length=length),
+                                                        ("memory",))
         return self.baseline_memory[length]
 
     def wins(self, target: str, length: int) -> dict[str, bool | None]:
@@ -110,16 +119,19 @@ def find_threshold(search: ThresholdSearch, target: str, grid: list[int], resolu
 def sweep_thresholds(targets: list[str], base: SpeedConfig, grid: list[int] | tuple[int, ...] = DEFAULT_GRID,
                      resolution: int = DEFAULT_RESOLUTION, confirm: int = DEFAULT_CONFIRM,
                      measure: Measure | None = None, timeout_s: float = 900.0,
-                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                     progress: Callable[[str], None] | None = None, baseline: str = DEFAULT_BASELINE) -> dict[str, Any]:
     """Thresholds of every target against the Post-LN model, with every measurement behind them."""
+    if baseline not in BASELINES:
+        raise ValueError(f"the Post-LN baseline is one of {BASELINES}, got {baseline!r}")
     if resolution < 1 or confirm < 1:
         raise ValueError(f"resolution and confirm must be >= 1, got {resolution}, {confirm}")
     grid = sorted(set(grid))
     if not grid or grid[0] < 1:
         raise ValueError(f"the grid of lengths must hold positive lengths, got {grid}")
-    if SDPA in targets:
-        raise ValueError(f"{SDPA!r} is the Post-LN baseline every target is compared with, not a target")
-    search = ThresholdSearch(base, measure or _subprocess_measure(timeout_s), progress)
+    if set(BASELINES) & set(targets):
+        raise ValueError(f"{sorted(set(BASELINES) & set(targets))} is the Post-LN baseline every target is compared "
+                         "with, not a target")
+    search = ThresholdSearch(base, measure or _subprocess_measure(timeout_s), progress, baseline)
     thresholds = {t: find_threshold(search, t, grid, resolution, confirm) for t in targets}
     points = []
     for (target, length), row in sorted(search.rows.items(), key=lambda kv: (kv[0][0], kv[0][1])):
@@ -131,7 +143,7 @@ def sweep_thresholds(targets: list[str], base: SpeedConfig, grid: list[int] | tu
                        "postln_peak_memory_bytes": base_row.get("peak_memory_bytes"),
                        "forward_wall_s": row.get("forward_wall_s"), "postln_forward_wall_s": row.get("sdpa_forward_wall_s"),
                        "flops": row.get("flops")})
-    return {"config": asdict(search.base), "grid": grid, "resolution": resolution, "confirm": confirm,
+    return {"config": asdict(search.base), "baseline": baseline, "grid": grid, "resolution": resolution, "confirm": confirm,
             "thresholds": thresholds, "points": points}
 
 

@@ -26,10 +26,10 @@ def _thresholds(args: argparse.Namespace) -> int:
                        threads=args.threads, warmup=args.warmup, repeats=args.repeats, seed=args.seed,
                        kind="classifier", model=model, inference_only=True)
     report = thresholds.sweep_thresholds(args.attention, base, _int_list(args.grid), resolution=args.resolution,
-                                         confirm=args.confirm, timeout_s=args.timeout,
+                                         confirm=args.confirm, timeout_s=args.timeout, baseline=args.baseline,
                                          progress=lambda text: print(f"measuring {text}", flush=True))
-    table = (f"Thresholds against the Post-LN Transformer (inference, batch {args.batch}, times: median process CPU "
-             f"time, {args.threads} thread(s), measured side by side):\n\n" + thresholds.thresholds_table(report)
+    table = (f"Thresholds against the Post-LN Transformer (attention: {args.baseline}; inference, batch {args.batch}; "
+             f"times: median process CPU time, {args.threads} thread(s), measured side by side):\n\n" + thresholds.thresholds_table(report)
              + "\n\nEvery measured point:\n\n" + thresholds.points_table(report))
     out = Path(args.out)
     _write(out, "thresholds", report["points"], table, {k: v for k, v in report.items() if k != "points"})
@@ -47,6 +47,9 @@ def _thresholds_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bisect until the bracket is this many tokens wide")
     parser.add_argument("--confirm", type=int, default=thresholds.DEFAULT_CONFIRM,
                         help="stop walking up once a model wins both criteria at this many grid points in a row")
+    parser.add_argument("--baseline", default=thresholds.DEFAULT_BASELINE, choices=thresholds.BASELINES,
+                        help="Post-LN attention: softmax_math holds the n x n scores (the paper's Transformer), "
+                             "softmax is SDPA's fused kernel")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--layers", type=int, default=PAPER_MODEL["layers"])
     parser.add_argument("--hidden", type=int, default=PAPER_MODEL["hidden"])
