@@ -63,7 +63,9 @@ class SpeedConfig:
     # forward is inference, forward_backward one full training step with AdamW.
     # "classifier": the classifier of longattn.models.classifier built with ``model`` (the keywords of
     # build_classifier besides max_len, attention, heads and dim), e.g. Singularformer's Figure 5 model;
-    # forward is inference (eval mode), forward_backward one training step with AdamW.
+    # forward is inference (eval mode), forward_backward one training step with AdamW. "registered": the
+    # registered classifier named by ``target`` built with ``model`` (its own attention); its in-process
+    # baseline ``reference_target`` is then a registered classifier too (e.g. post_ln).
     kind: str = "layer"
     model: dict[str, Any] = field(default_factory=dict)
     # time only the forward (inference) and take the peak memory of a forward, not of forward+backward
@@ -100,7 +102,7 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _time_interleaved(calls: dict[str, Callable[[], None]], config: SpeedConfig) -> dict[str, dict[str, float | None]]:
+def time_interleaved(calls: dict[str, Callable[[], None]], config: SpeedConfig) -> dict[str, dict[str, float | None]]:
     """Median wall and process-CPU seconds of each call over ``config.repeats`` rounds; each
     round runs every call once, so a change of machine load hits all of them alike."""
     wall: dict[str, list[float]] = {name: [] for name in calls}
@@ -175,31 +177,49 @@ def _layer_calls(config: SpeedConfig, target_name: str, device: torch.device):
 
 def _classifier_calls(config: SpeedConfig, target_name: str, device: torch.device):
     """The classifier built from ``config.model`` with ``target_name`` attention (SDPA: ``softmax``, and
-    ``softmax_math`` the same under SDPA's math path), random tokens; inference in eval mode, a training
-    step with AdamW."""
-    import torch.nn.functional as F
-
+    ``softmax_math`` the same under SDPA's math path)."""
     from longattn.models.classifier import build_classifier
 
     baseline = target_name in (SDPA, SDPA_MATH)
-    context = math_backend if target_name == SDPA_MATH else contextlib.nullcontext
     model = build_classifier(max_len=config.length, attention=SDPA if baseline else target_name,
                              attention_options={} if baseline else config.options,
-                             heads=config.heads, dim=config.dim, **config.model).to(device)
+                             heads=config.heads, dim=config.dim, **config.model)
+    return _model_calls(model, config, device, math_backend if target_name == SDPA_MATH else contextlib.nullcontext)
+
+
+def _registered_calls(config: SpeedConfig, target_name: str, device: torch.device):
+    """The registered classifier ``target_name`` (e.g. a Table 4 model of Singularformer) built with
+    ``config.model``, its own attention and sizes."""
+    from longattn.models.registry import build_model
+
+    model = build_model(target_name, family="classifier", max_len=config.length, **config.model)
+    return _model_calls(model, config, device, contextlib.nullcontext)
+
+
+def _model_calls(model: torch.nn.Module, config: SpeedConfig, device: torch.device, context: Callable):
+    """(model, inference, training step) of a classifier ``model(inputs, mask)`` on random inputs: token
+    ids, or vectors for an encoder with ``input_dim``; inference in eval mode, a training step with AdamW."""
+    import torch.nn.functional as F
+
+    model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, model.encoder.vocab_size, (config.batch, config.length), device=device)
-    mask = torch.ones_like(tokens, dtype=torch.bool)
+    encoder = model.encoder
+    if getattr(encoder, "input_dim", None):
+        inputs = torch.rand(config.batch, config.length, encoder.input_dim, device=device)
+    else:
+        inputs = torch.randint(0, encoder.vocab_size, (config.batch, config.length), device=device)
+    mask = torch.ones(config.batch, config.length, dtype=torch.bool, device=device)
     labels = torch.randint(0, config.model.get("num_classes", 2), (config.batch,), device=device)
 
     def forward() -> None:
         model.eval()
         with torch.no_grad(), context():
-            model(tokens, mask)
+            model(inputs, mask)
 
     def train_step() -> None:
         model.train()
         with context():
-            loss = F.cross_entropy(model(tokens, mask), labels)
+            loss = F.cross_entropy(model(inputs, mask), labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -207,7 +227,16 @@ def _classifier_calls(config: SpeedConfig, target_name: str, device: torch.devic
     return model, forward, train_step
 
 
-_CALLS = {"layer": _layer_calls, "lra_text": _lra_text_calls, "classifier": _classifier_calls}
+_CALLS = {"layer": _layer_calls, "lra_text": _lra_text_calls, "classifier": _classifier_calls,
+          "registered": _registered_calls}
+
+
+def benchmark_calls(config: SpeedConfig, target: str):
+    """(module, forward, forward_backward) of ``target`` as ``config.kind`` builds it (for other benchmarks
+    that time with :func:`time_interleaved` and :func:`peak_memory`)."""
+    if config.kind not in _CALLS:
+        raise ValueError(f"unknown benchmark kind {config.kind!r}: one of {', '.join(_CALLS)}")
+    return _CALLS[config.kind](config, target, torch.device(config.device))
 
 
 def measure(config: SpeedConfig, part: str = "time") -> dict[str, Any]:
@@ -217,25 +246,23 @@ def measure(config: SpeedConfig, part: str = "time") -> dict[str, Any]:
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     device = torch.device(config.device)
-    if config.kind not in _CALLS:
-        raise ValueError(f"unknown benchmark kind {config.kind!r}: one of {', '.join(_CALLS)}")
-    module, forward, forward_backward = _CALLS[config.kind](config, config.target, device)
+    module, forward, forward_backward = benchmark_calls(config, config.target)
     result: dict[str, Any] = {"parameters": sum(p.numel() for p in module.parameters())}
     step = forward if config.inference_only else forward_backward
     for _ in range(config.warmup):
         step()
     if part == "memory":
-        return {**result, "peak_memory_bytes": _peak_memory(step, device)}
+        return {**result, "peak_memory_bytes": peak_memory(step, device)}
     result["flops"] = count_flops(step)
     calls = {"forward": forward} if config.inference_only else {"forward": forward, "forward_backward": forward_backward}
-    if config.reference and config.target not in (SDPA, SDPA_MATH):
-        _, sdpa_forward, sdpa_forward_backward = _CALLS[config.kind](config, config.reference_target, device)
+    if config.reference and config.target not in (SDPA, SDPA_MATH, config.reference_target):
+        _, sdpa_forward, sdpa_forward_backward = benchmark_calls(config, config.reference_target)
         for _ in range(max(1, config.warmup)):
             (sdpa_forward if config.inference_only else sdpa_forward_backward)()
         calls["sdpa_forward"] = sdpa_forward
         if not config.inference_only:
             calls["sdpa_forward_backward"] = sdpa_forward_backward
-    for name, times in _time_interleaved(calls, config).items():
+    for name, times in time_interleaved(calls, config).items():
         result[f"{name}_wall_s"] = times["wall_s"]
         result[f"{name}_cpu_s"] = times["cpu_s"]
         # the figure a row is compared by: CPU time on single-thread CPU runs, wall time otherwise
@@ -247,7 +274,7 @@ def measure(config: SpeedConfig, part: str = "time") -> dict[str, Any]:
     return result
 
 
-def _peak_memory(forward_backward: Callable[[], None], device: torch.device) -> int:
+def peak_memory(forward_backward: Callable[[], None], device: torch.device) -> int:
     """Peak memory of one step (forward+backward, or the forward alone) above what is resident before
     it (model and inputs)."""
     if device.type == "cuda":
@@ -314,7 +341,7 @@ def count_flops(step: Callable[[], None]) -> int:
     return int(counter.get_total_flops())
 
 
-def _child_env(config: SpeedConfig) -> dict[str, str]:
+def child_env(config: SpeedConfig) -> dict[str, str]:
     # the child imports this very copy of longattn, whatever is installed
     src_dir = str(Path(__file__).resolve().parents[2])
     return dict(os.environ, OMP_NUM_THREADS=str(config.threads),
@@ -327,19 +354,16 @@ def _child_env(config: SpeedConfig) -> dict[str, str]:
 MEMORY_PROCESS_MMAP_THRESHOLD = 1 << 20
 
 
-def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes: int | None,
-                      parts: tuple[str, ...] = ("memory", "time")) -> dict[str, Any]:
+def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes: int | None) -> dict[str, Any]:
     """Measure ``config`` in fresh Python processes, the peak memory in one (CPU: glibc's mmap
     threshold fixed, see MEMORY_PROCESS_MMAP_THRESHOLD) and the times in another (the default
-    allocator behaviour), or only the ``parts`` asked for; out-of-memory and time-outs become statuses."""
+    allocator behaviour); out-of-memory and time-outs become statuses."""
     row: dict[str, Any] = asdict(config)
-    env = _child_env(config)
+    env = child_env(config)
     if memory_limit_bytes:
         env["LONGATTN_BENCH_MEMORY_LIMIT"] = str(memory_limit_bytes)
     memory_env = dict(env, MALLOC_MMAP_THRESHOLD_=str(MEMORY_PROCESS_MMAP_THRESHOLD))
     for part, part_env in (("memory", memory_env), ("time", env)):
-        if part not in parts:
-            continue
         cmd = [sys.executable, "-m", "longattn.bench.speed", json.dumps(asdict(config)), part]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=part_env)
@@ -381,7 +405,7 @@ def machine_rates(device: str = "cpu", dtype: str = "float32", threads: int = 1,
     src = torch.randn(64 * 2**20, device=device)  # 256 MiB of float32
     dst = torch.empty_like(src)
     a @ b, dst.copy_(src)  # warm-up
-    times = _time_interleaved({"gemm": lambda: a @ b, "copy": lambda: dst.copy_(src)}, config)
+    times = time_interleaved({"gemm": lambda: a @ b, "copy": lambda: dst.copy_(src)}, config)
     key = "cpu_s" if config.cpu_time_is_cost else "wall_s"
     return {"gemm_flop_per_s": 2 * size**3 / times["gemm"][key],
             "copy_bytes_per_s": 2 * src.numel() * src.element_size() / times["copy"][key]}
@@ -413,7 +437,7 @@ def _machine_rates_in_subprocess(base: SpeedConfig, timeout_s: float) -> dict[st
     code = ("import json, sys; from longattn.bench.speed import machine_rates; "
             "print(json.dumps(machine_rates(*sys.argv[1:3], int(sys.argv[3]))))")
     proc = subprocess.run([sys.executable, "-c", code, base.device, base.dtype, str(base.threads)],
-                          capture_output=True, text=True, timeout=timeout_s, env=_child_env(base))
+                          capture_output=True, text=True, timeout=timeout_s, env=child_env(base))
     if proc.returncode != 0:
         raise RuntimeError(f"measuring the machine's rates failed: {proc.stderr.strip()[-500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -26,7 +26,7 @@ def _thresholds(args: argparse.Namespace) -> int:
                        threads=args.threads, warmup=args.warmup, repeats=args.repeats, seed=args.seed,
                        kind="classifier", model=model, inference_only=True)
     report = thresholds.sweep_thresholds(args.attention, base, _int_list(args.grid), resolution=args.resolution,
-                                         confirm=args.confirm, timeout_s=args.timeout, baseline=args.baseline,
+                                         timeout_s=args.timeout, baseline=args.baseline,
                                          progress=lambda text: print(f"measuring {text}", flush=True))
     table = (f"Thresholds against the Post-LN Transformer (attention: {args.baseline}; inference, batch {args.batch}; "
              f"times: median process CPU time, {args.threads} thread(s), measured side by side):\n\n" + thresholds.thresholds_table(report)
@@ -42,11 +42,9 @@ def _thresholds_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", nargs="+", default=list(LINEAR_MODELS),
                         help=f"linear models compared with Post-LN softmax (default: {' '.join(LINEAR_MODELS)})")
     parser.add_argument("--grid", default=",".join(map(str, thresholds.DEFAULT_GRID)),
-                        help="comma list of lengths walked up before bisecting (k suffix allowed)")
+                        help="comma list of lengths where every model is measured before bisecting (k suffix allowed)")
     parser.add_argument("--resolution", type=int, default=thresholds.DEFAULT_RESOLUTION,
                         help="bisect until the bracket is this many tokens wide")
-    parser.add_argument("--confirm", type=int, default=thresholds.DEFAULT_CONFIRM,
-                        help="stop walking up once a model wins both criteria at this many grid points in a row")
     parser.add_argument("--baseline", default=thresholds.DEFAULT_BASELINE, choices=thresholds.BASELINES,
                         help="Post-LN attention: softmax_math holds the n x n scores (the paper's Transformer), "
                              "softmax is SDPA's fused kernel")
@@ -59,7 +57,7 @@ def _thresholds_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=SpeedConfig.warmup)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=SpeedConfig.seed)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per length's process")
     parser.add_argument("--out", default="runs/bench-thresholds")
 
 
