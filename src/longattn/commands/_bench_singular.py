@@ -1,4 +1,5 @@
-"""Singularformer's analyses as ``longattn bench`` subcommands: ``thresholds`` (Table 3)."""
+"""Singularformer's analyses as ``longattn bench`` subcommands: ``thresholds`` (Table 3),
+``attention-correlation`` (Figures 8-10)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,34 @@ def _thresholds_arguments(parser: argparse.ArgumentParser) -> None:
 
 register_analysis("thresholds", "lengths from which linear models beat Post-LN in memory and inference speed "
                   "(Singularformer Table 3)", _thresholds_arguments, _thresholds)
+
+
+def _correlation(args: argparse.Namespace) -> int:
+    from longattn.experiment.attention_correlation import run_attention_correlation
+
+    pair = tuple(args.image_pair.split(","))
+    if len(pair) != 2:
+        raise ValueError(f"--image-pair takes two model names, got {args.image_pair!r}")
+    run_attention_correlation(args.runs, args.tasks.split(","), args.out, models=args.models.split(","), fold=args.fold,
+                              split=args.split, batch_size=args.batch_size, max_examples=args.max_examples,
+                              image_pair=pair)
+    print(f"wrote {args.out}/attention_correlation.{{json,md}} and the figures")
+    return 0
+
+
+def _correlation_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.experiment.attention_correlation import MAP_MODELS
+
+    parser.add_argument("--runs", required=True, help="output folder of longattn crossval (<runs>/<task>/<model>/fold<k>)")
+    parser.add_argument("--tasks", required=True, help="comma list of tasks, e.g. r8 or r8,cifar10")
+    parser.add_argument("--models", default=",".join(MAP_MODELS), help="models whose maps are compared")
+    parser.add_argument("--fold", type=int, default=0, help="the fold whose best checkpoints are compared")
+    parser.add_argument("--split", default="test", choices=["train", "val", "test"])
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-examples", type=int, default=None, help="the first N examples of the split (default: all)")
+    parser.add_argument("--image-pair", default="post_ln,singularformer", help="the two models of Figure 10 (image tasks)")
+    parser.add_argument("--out", default="runs/attention-correlation")
+
+
+register_analysis("attention-correlation", "row-wise Pearson correlation of trained models' attention maps "
+                  "(Singularformer Figures 8-10)", _correlation_arguments, _correlation)
