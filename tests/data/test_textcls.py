@@ -3,6 +3,7 @@ import shutil
 import tarfile
 import warnings
 import zipfile
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,6 +50,14 @@ def test_r8_layout_vocabulary_and_truncation():
     batch = textcls.collate_textcls([train[0], train[2]], pad_id=train.pad_id)
     assert batch["attention_mask"].sum(1).tolist() == [len(train[0]["tokens"]), len(train[2]["tokens"])]
     assert batch["label"].tolist() == [1, 1] and batch["label"].dtype == torch.long
+    frequent = textcls.build_textcls("r8", "train", FIXTURES, min_count=2)
+    counts = Counter(w for text in textcls.read_r8(FIXTURES, "train").texts for w in text.lower().split())
+    assert frequent.vocabulary[2:] == [w for w in train.vocabulary[2:] if counts[w] >= 2] and counts["champion"] == 1
+    assert frequent[0]["tokens"].tolist() == [frequent.vocabulary.index(w) if counts[w] >= 2 else textcls.UNK_ID
+                                              for w in words]
+    assert train.lengths().tolist() == [len(train[i]["tokens"]) for i in range(len(train))]
+    with pytest.raises(DatasetError, match="min_count must be a positive int"):
+        textcls.build_textcls("r8", "train", FIXTURES, min_count=0)
 
 
 def test_r8_wordpiece_option():

@@ -216,3 +216,54 @@ def test_real_etth1_standard_windows():
     assert data.columns == ["HUFL", "HULL", "MUFL", "MULL", "LUFL", "LULL", "OT"]
     assert (len(data.train), len(data.val), len(data.test)) == (8449, 2785, 2785)
     assert check_digests(folder / "ETTh1.csv", sha256=ts.SERIES["ETTh1"].sha256)
+
+
+# ----------------------------------------------------------------------------- Weather / Electricity / Traffic
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "timeseries"
+
+
+@pytest.mark.parametrize("name, columns", [("weather", 21), ("electricity", 6), ("traffic", 8)])
+def test_standard_layout_fixtures_load_by_name(name, columns):
+    """Small files in the published layout (date first, OT last, 7:1:2 split) load through the benchmark names."""
+    data = ts.load_forecast_data(name, FIXTURES, seq_len=24, label_len=12, pred_len=12)
+    rows = len(ts.read_series_csv(FIXTURES / ts.SERIES[name].filename).values)
+    assert data.channels == columns and data.columns[-1] == "OT" and data.target_columns == list(range(columns))
+    train, test = int(0.7 * rows), int(0.2 * rows)
+    assert data.borders == {"train": (0, train), "val": (train - 24, rows - test), "test": (rows - test - 24, rows)}
+    assert len(data.train) == train - 24 - 12 + 1
+    assert data.freq == ("min" if name == "weather" else "h")
+
+
+def test_weather_header_in_a_legacy_encoding_is_read():
+    raw = (FIXTURES / "weather.csv").read_bytes().split(b"\n", 1)[0]
+    with pytest.raises(UnicodeDecodeError):
+        raw.decode("utf-8")  # the fixture keeps the published file's non-UTF-8 unit symbols
+    table = ts.read_series_csv(FIXTURES / "weather.csv")
+    assert table.columns[0] == "p (mbar)" and table.columns[-1] == "OT" and len(table.columns) == 21
+    assert table.columns[16].startswith("SWDR (W/m")
+
+
+def test_download_knows_every_table_dataset_and_checks_the_shape(local_server, tmp_path, monkeypatch):
+    for name in ("ETTh1", "ETTh2", "ETTm1", "ETTm2", "exchange", "ili", "weather", "electricity", "traffic"):
+        info = ts.SERIES[name]
+        assert info.url and info.url.endswith("/" + info.filename) and info.shape, name
+        assert info.sha256 or info.shape, name
+    root, url = local_server
+    payload = (FIXTURES / "traffic.csv").read_bytes()
+    (root / "traffic.csv").write_bytes(payload)
+    info = ts.SERIES["traffic"]
+    rows = len(ts.read_series_csv(FIXTURES / "traffic.csv").values)
+    monkeypatch.setitem(ts.SERIES, "traffic", ts.SeriesInfo(info.filename, info.kind, url + "traffic.csv", None,
+                                                            info.homepage, (rows, 8)))
+    assert ts.download_series("traffic", tmp_path / "ok").read_bytes() == payload
+    # The published traffic file has 17544 rows x 862 sensors: anything else is refused and removed.
+    monkeypatch.setitem(ts.SERIES, "traffic", ts.SeriesInfo(info.filename, info.kind, url + "traffic.csv", None,
+                                                            info.homepage, info.shape))
+    with pytest.raises(ts.TimeSeriesDataError, match=r"not the benchmark \(17544 rows x 862 value columns\)"):
+        ts.download_series("traffic", tmp_path / "bad")
+    assert not (tmp_path / "bad" / "traffic.csv").exists()
+    (root / "traffic.csv").write_bytes(b"<html>not found</html>\n")
+    with pytest.raises(ts.TimeSeriesDataError, match="no 'date' column"):
+        ts.download_series("traffic", tmp_path / "html")
+    assert not (tmp_path / "html" / "traffic.csv").exists()

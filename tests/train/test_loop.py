@@ -343,3 +343,55 @@ def test_ema_run_resumes_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="train.ema_decay must be < 1"):
         tiny_config("train.ema_decay=1")
+
+
+def test_warmup_in_epochs(tmp_path):
+    # 18 examples, batch 4: 5 steps per epoch; 1.5 warm-up epochs = 8 steps rising linearly to lr.
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(3, 4, generator=g), torch.randn((), generator=g)) for _ in range(18)]
+    settings = loop_settings(epochs=3, batch_size=4, lr=0.08, schedule="constant", warmup_epochs=1.5,
+                             select_metric="mse", select_mode="min", progress=False, log_every=1)
+    trainer = Trainer(Regressor(), data, None, None, collate_regression, regression_step, {"mse": mse},
+                      **settings, out_dir=tmp_path)
+    assert trainer.optim_settings.warmup_steps == 8 and trainer.settings.max_steps == 15
+    trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records if r["split"] == "train"]  # the lr after each step's scheduler update
+    assert lrs[:8] == pytest.approx([0.08 * (s + 1) / 8 for s in range(1, 8)] + [0.08])
+    assert lrs[8:] == pytest.approx([0.08] * 7)
+
+
+class _Lengthy(torch.utils.data.Dataset):
+    def __init__(self, lengths):
+        self._lengths = lengths
+
+    def __len__(self):
+        return len(self._lengths)
+
+    def __getitem__(self, index):
+        return index
+
+    def lengths(self):
+        return self._lengths
+
+
+def test_group_by_length_batches_similar_lengths(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 200, (300,), generator=g).tolist()
+    settings = loop_settings(max_steps=1, batch_size=8, progress=False, select_metric="mse", select_mode="min")
+    grouped_settings = {**settings, "train": dataclasses.replace(settings["train"], group_by_length=True)}
+    padded = {}
+    for name, chosen in (("plain", settings), ("grouped", grouped_settings)):
+        dataset = torch.utils.data.Subset(_Lengthy(lengths), list(range(10, 300)))
+        trainer = Trainer(Regressor(), dataset, None, None, list, regression_step, {"mse": mse}, **chosen,
+                          out_dir=tmp_path / name)
+        epochs = [trainer._epoch_batches(e) for e in range(2)]
+        for batches in epochs:
+            assert sorted(i for b in batches for i in b) == list(range(290)) and len(batches) == 37
+        assert epochs[0] != epochs[1]
+        padded[name] = sum(max(lengths[10 + i] for i in b) * len(b) for b in epochs[0])
+        trainer.release()
+    assert padded["grouped"] < 0.7 * padded["plain"]
+    with pytest.raises(ValueError, match="group_by_length needs a training set with lengths"):
+        Trainer(Regressor(), [1, 2], None, None, list, regression_step, {"mse": mse}, **grouped_settings,
+                out_dir=tmp_path / "none")

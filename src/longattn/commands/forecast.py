@@ -10,7 +10,7 @@ from longattn.data.timeseries import SERIES, download_series
 from longattn.experiment.config import resolve_config
 from longattn.experiment.results import write_results
 from longattn.experiment.run import run
-from longattn.forecast.table import format_table, run_table
+from longattn.forecast.table import format_table, run_table, summarise
 from longattn.models.registry import model_names
 from longattn.tasks.base import get_task
 from longattn.tasks.forecasting import find_preset
@@ -36,8 +36,22 @@ def _table(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table + "\n")
-    write_results(out / "table.json", {"rows": rows}, seeds=args.seeds)
+    summary = summarise(rows)
+    write_results(out / "table.json", {"rows": rows, "cells": summary}, seeds=args.seeds)
+    if not args.no_plot:
+        from longattn.forecast.plots import plot_mse_by_horizon
+
+        for path in plot_mse_by_horizon(summary, out):
+            print(f"wrote {path}")
     return 0 if not any("error" in r for r in rows) else 1
+
+
+def _select(args: argparse.Namespace) -> int:
+    from longattn.forecast.select import select_settings
+
+    select_settings(args.dataset, args.data_dir, args.model, args.pred_len, args.grid or [], args.out,
+                    overrides=args.set or [], seeds=args.seeds, attention=args.attention)
+    return 0
 
 
 def _download(args: argparse.Namespace) -> int:
@@ -70,12 +84,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--horizons", nargs="+", type=int, help="default: each dataset's config horizons")
     t.add_argument("--models", nargs="+", default=["skt", "dlinear", "encoder:softmax", "encoder:skein"],
                    help="model or model:attention, e.g. skt encoder:skein dlinear")
-    t.add_argument("--seeds", nargs="+", type=int, default=[0])
+    t.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4],
+                   help="seeds per cell (default 0-4: the papers repeat each cell 5 times)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override applied to every cell")
     t.add_argument("--device", help="cpu (default), cuda, ...")
     t.add_argument("--collect-only", action="store_true", help="train nothing; tabulate the finished cells")
+    t.add_argument("--no-plot", action="store_true", help="skip the per-dataset MSE-against-horizon plots")
     t.add_argument("--out", required=True, help="folder for per-cell results and table.md/table.json")
     t.set_defaults(func=_table)
+
+    s = subparsers.add_parser("forecast-select", help="choose settings the papers do not give, on validation "
+                              "MSE only (the runs have no test split)")
+    s.add_argument("--dataset", required=True)
+    s.add_argument("--data-dir")
+    s.add_argument("--model", required=True, choices=forecasters, metavar="MODEL")
+    s.add_argument("--attention", help="registered attention for models that take one")
+    s.add_argument("--pred-len", type=int, required=True)
+    s.add_argument("--grid", action="append", metavar="KEY=V1,V2",
+                   help="candidate values of one key (repeatable; every combination is tried)")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="fixed override for every candidate")
+    s.add_argument("--seeds", nargs="+", type=int, default=[0])
+    s.add_argument("--out", required=True, help="folder for the candidates' runs and selection.md/json")
+    s.set_defaults(func=_select)
 
     d = subparsers.add_parser("forecast-download", help="download benchmark CSVs and verify their checksums")
     d.add_argument("datasets", nargs="+")

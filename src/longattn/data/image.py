@@ -338,6 +338,10 @@ class PatchDataset(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
+    def lengths(self) -> np.ndarray:
+        """Tokens per image: all equal (length-grouped batching then keeps the shuffled order)."""
+        return np.full(len(self), self.max_len)
+
     def __getitem__(self, index: int) -> dict:
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} examples")
@@ -389,7 +393,7 @@ def build_cifar100(split: str, data_dir: str | Path | None = None, *, label_mode
     if split == "val" and fold is None:
         raise DatasetError("CIFAR-100 has no validation set: pass fold=k for fold k of the cross-validation")
     data, labels, classes = load_cifar100(data_dir, "test" if split == "test" else "train", label_mode, check_counts)
-    if fold is not None:
+    if fold is not None and split != "test":  # the folds split the training set; the test set stays whole
         train_index, val_index = stratified_folds(labels, num_folds, seed)[fold]
         chosen = val_index if split == "val" else train_index
         data, labels = data[chosen], labels[chosen]

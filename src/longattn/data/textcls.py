@@ -291,10 +291,14 @@ def word_tokens(text: str, pattern: re.Pattern = WORD_PATTERN) -> list[str]:
     return pattern.findall(text.lower())
 
 
-def build_vocabulary(token_lists: Sequence[Sequence[str]]) -> list[str]:
-    """["[PAD]", "[UNK]", words by descending count, ties alphabetically]: ids are list positions."""
+def build_vocabulary(token_lists: Sequence[Sequence[str]], min_count: int = 1) -> list[str]:
+    """["[PAD]", "[UNK]", words by descending count, ties alphabetically]: ids are list positions.
+    Words seen fewer than ``min_count`` times are left out (they become [UNK])."""
+    if not isinstance(min_count, int) or min_count < 1:
+        raise DatasetError(f"min_count must be a positive int, got {min_count!r}")
     counts = Counter(token for tokens in token_lists for token in tokens)
-    return ["[PAD]", "[UNK]"] + sorted(counts, key=lambda token: (-counts[token], token))
+    kept = [token for token, count in counts.items() if count >= min_count]
+    return ["[PAD]", "[UNK]"] + sorted(kept, key=lambda token: (-counts[token], token))
 
 
 def _encode_words(token_lists: Sequence[Sequence[str]], vocabulary: list[str], max_length: int) -> list[np.ndarray]:
@@ -338,6 +342,10 @@ class TextClsDataset(Dataset):
         label = torch.from_numpy(label.astype(np.float32)) if self.multilabel else int(label)
         return {"tokens": self.tokens[index], "label": label}
 
+    def lengths(self) -> np.ndarray:
+        """Tokens per document (for length-grouped batching)."""
+        return self.tokens.lengths()
+
     @property
     def max_len(self) -> int:
         lengths = self.tokens.lengths()
@@ -378,7 +386,7 @@ def _label_array(corpus: Corpus, classes: list[str], multilabel: bool) -> np.nda
 
 def build_textcls(name: str, split: str, data_dir: str | Path | None, *, fold: int | None = None,
                   num_folds: int = 5, seed: int = 0, tokenizer: str | None = None, max_length: int | None = None,
-                  test_fraction: float = 0.2, skip_empty: bool = False) -> TextClsDataset:
+                  test_fraction: float = 0.2, skip_empty: bool = False, min_count: int = 1) -> TextClsDataset:
     """Dataset `name` for `split` ("train", "val", "test").
 
     fold=None: "train" is the whole training set, "test" the test set, and "val" exists only where the
@@ -386,7 +394,8 @@ def build_textcls(name: str, split: str, data_dir: str | Path | None, *, fold: i
     ``stratified_folds(training labels, num_folds, seed)`` (Singularformer's 5-fold cross-validation).
     Datasets without an official test set (BBC, SCOPe) hold out a stratified `test_fraction` first.
     `tokenizer`: "word" (the dataset's word pattern; vocabulary from the training set: [PAD] 0, [UNK] 1,
-    then by frequency), "wordpiece" (MiniLM's uncased WordPiece, [CLS] text [SEP]) or "char" (amino acids).
+    then by frequency; words seen fewer than `min_count` times in the training set become [UNK]),
+    "wordpiece" (MiniLM's uncased WordPiece, [CLS] text [SEP]) or "char" (amino acids).
     """
     check_split(split)
     spec = get_textcls(name)
@@ -426,7 +435,7 @@ def build_textcls(name: str, split: str, data_dir: str | Path | None, *, fold: i
 
     vocabulary = None
     if tokenizer == "word":
-        vocabulary = build_vocabulary([word_tokens(t, spec.word_pattern) for t in train.texts])
+        vocabulary = build_vocabulary([word_tokens(t, spec.word_pattern) for t in train.texts], min_count)
         sequences = _encode_words([word_tokens(t, spec.word_pattern) for t in corpus.texts], vocabulary, max_length)
         pad_id, vocab_size = PAD_ID, len(vocabulary)
     elif tokenizer == "char":

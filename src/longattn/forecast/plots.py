@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,3 +39,44 @@ def plot_forecasts(model: torch.nn.Module, data: ForecastData, path: str | Path,
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+def plot_mse_by_horizon(summary: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
+    """One figure per dataset: test MSE against horizon for every model (mean over seeds, error bars = std),
+    with the published numbers of the same model as hollow markers on a dashed line of the same colour.
+    ``summary`` is :func:`longattn.forecast.table.summarise`'s output; returns the written ``<dataset>_mse.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for dataset in dict.fromkeys(e["dataset"] for e in summary):
+        entries = [e for e in summary if e["dataset"] == dataset and e["mse_mean"] is not None]
+        if not entries:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for index, model in enumerate(dict.fromkeys(e["model"] for e in entries)):
+            points = sorted((e for e in entries if e["model"] == model), key=lambda e: e["horizon"])
+            colour = f"C{index % 10}"
+            marker = "os^vD<>ph*"[index // 10 % 10]
+            ax.errorbar([e["horizon"] for e in points], [e["mse_mean"] for e in points],
+                        yerr=[e["mse_std"] or 0.0 for e in points], color=colour, marker=marker, capsize=3,
+                        label=model)
+            published = [e for e in points if e["paper_mse"] is not None]
+            if published:
+                ax.plot([e["horizon"] for e in published], [e["paper_mse"] for e in published], color=colour,
+                        linestyle="--", marker=marker, markerfacecolor="none", alpha=0.7)
+        ax.set_xlabel("horizon (steps)")
+        ax.set_ylabel("test MSE (scaled)")
+        ax.set_yscale("log")
+        ax.set_xticks(sorted({e["horizon"] for e in entries}))
+        ax.set_title(f"{dataset}: ours (solid, mean ± std over seeds) and published (dashed, hollow)", fontsize=9)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = Path(out_dir) / f"{dataset}_mse.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths

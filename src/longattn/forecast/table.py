@@ -9,16 +9,17 @@ the paper's numbers beside ours.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
 from longattn.experiment.config import resolve_config
 from longattn.experiment.grid import Cell, run_cells
 from longattn.data.timeseries import resolve_series
-from longattn.forecast.paper import paper_result
+from longattn.forecast.paper import paper_for_model
 from longattn.tasks.forecasting import find_preset
 
-__all__ = ["cell_dir", "format_table", "forecast_cells", "run_table", "split_model_spec"]
+__all__ = ["cell_dir", "format_table", "forecast_cells", "run_table", "split_model_spec", "summarise"]
 
 
 def cell_dir(out: str | Path, dataset: str, model_spec: str, horizon: int, seed: int) -> Path:
@@ -61,7 +62,8 @@ def _rows(cells: list[Cell], seeds: list[int]) -> list[dict[str, Any]]:
     rows = []
     for cell in cells:
         dataset, horizon = cell.row.rsplit("/", 1)
-        base = {"dataset": dataset, "horizon": int(horizon), "model": cell.column}
+        base = {"dataset": dataset, "horizon": int(horizon), "model": cell.column,
+                "seq_len": cell.results[0]["seq_len"] if cell.results else None}
         for seed, result in zip(seeds, cell.results):
             rows.append({**base, "seed": seed, "mse": result["test"]["mse"], "mae": result["test"]["mae"],
                          "mae_denorm": result["test"]["mae_denorm"], "seconds": result["time_seconds"]})
@@ -98,47 +100,62 @@ def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str
     return _rows(cells, seeds)
 
 
-def format_table(rows: list[dict[str, Any]], models: list[str]) -> str:
-    """Markdown table in the layout of the papers' Table 2 (dataset, horizon, MSE/MAE per model), paper columns
-    first, then the reproduced models averaged over seeds, with the SKT deviation from the paper in percent."""
-    from longattn.forecast.paper import PAPER_MODELS
-
-    cells: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
-    errors: dict[tuple[str, int, str], str] = {}
-    order: list[tuple[str, int]] = []
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (dataset, horizon, model): test MSE/MAE mean and sample standard deviation over the seeds
+    (as the paper's "repeated 5 times"), the published numbers for that model, and whether ours is worse than
+    the paper beyond two standard deviations (mean - paper > 2 std; undecided with fewer than two seeds)."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for row in rows:
-        key = (row["dataset"], row["horizon"])
-        if key not in order:
-            order.append(key)
-        if "error" in row:
-            errors[(*key, row["model"])] = row["error"]
-        else:
-            cells.setdefault((*key, row["model"]), []).append((row["mse"], row["mae"]))
-    paper_cols = [m for m in PAPER_MODELS if any(paper_result(d, h, m) for d, h in order)]
+        groups.setdefault((row["dataset"], row["horizon"], row["model"]), []).append(row)
+    summary = []
+    for (dataset, horizon, model), group in groups.items():
+        done = [r for r in group if "error" not in r]
+        entry: dict[str, Any] = {"dataset": dataset, "horizon": horizon, "model": model, "seeds": len(done),
+                                 "failed": any("error" in r for r in group)}
+        for metric in ("mse", "mae"):
+            values = [r[metric] for r in done]
+            entry[f"{metric}_mean"] = statistics.mean(values) if values else None
+            entry[f"{metric}_std"] = statistics.stdev(values) if len(values) > 1 else None
+        paper = paper_for_model(model, dataset, horizon, done[0].get("seq_len") if done else None)
+        entry["paper_mse"], entry["paper_mae"] = paper or (None, None)
+        entry["worse_beyond_2std"] = (None if paper is None or entry["mse_std"] is None
+                                      else entry["mse_mean"] - paper[0] > 2 * entry["mse_std"])
+        summary.append(entry)
+    return summary
+
+
+def _cell(mean: float | None, std: float | None, paper: float | None, flag: bool | None) -> str:
+    if mean is None:
+        return "-"
+    text = f"{mean:.3f}" + (f" ± {std:.3f}" if std is not None else "")
+    if paper is not None:
+        text += f" ({paper:.3f})"
+    return text + (" **!**" if flag else "")
+
+
+def format_table(rows: list[dict[str, Any]], models: list[str]) -> str:
+    """Markdown table in the layout of the papers' Table 2: rows dataset x horizon, an MSE and an MAE column per
+    model, each cell "mean ± std over seeds (paper)"; **!** marks an MSE worse than the paper's beyond two
+    standard deviations of ours."""
+    summary = {(e["dataset"], e["horizon"], e["model"]): e for e in summarise(rows)}
+    order = list(dict.fromkeys((row["dataset"], row["horizon"]) for row in rows))
     header = ["Dataset", "H"]
-    for name in [f"{m} (paper)" for m in paper_cols] + list(models):
-        header += [f"{name} MSE", "MAE"]
-    header.append("skt vs paper MSE")
+    for model in models:
+        header += [f"{model} MSE", f"{model} MAE"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for dataset, horizon in order:
         line = [dataset, str(horizon)]
-        for m in paper_cols:
-            ref = paper_result(dataset, horizon, m)
-            line.append(f"{ref[0]:.3f} | {ref[1]:.3f}" if ref else "- | -")
-        for m in models:
-            got = cells.get((dataset, horizon, m))
-            if got:
-                mse, mae = (sum(v) / len(v) for v in zip(*got))
-                line.append(f"{mse:.3f} | {mae:.3f}")
-            else:
-                line.append("failed | -" if (dataset, horizon, m) in errors else "- | -")
-        skt = next((cells[(dataset, horizon, m)] for m in models if m.split(":")[0] == "skt"
-                    and (dataset, horizon, m) in cells), None)
-        ref = paper_result(dataset, horizon)
-        if skt and ref:
-            mse = sum(v[0] for v in skt) / len(skt)
-            line.append(f"{100 * (mse - ref[0]) / ref[0]:+.1f}%")
-        else:
-            line.append("-")
+        for model in models:
+            entry = summary.get((dataset, horizon, model))
+            if entry is None or entry["mse_mean"] is None:
+                line += ["failed" if entry and entry["failed"] else "-", "-"]
+                continue
+            line.append(_cell(entry["mse_mean"], entry["mse_std"], entry["paper_mse"], entry["worse_beyond_2std"]))
+            line.append(_cell(entry["mae_mean"], entry["mae_std"], entry["paper_mae"], None))
         lines.append("| " + " | ".join(line) + " |")
+    seeds = sorted({e["seeds"] for e in summary.values() if e["mse_mean"] is not None})
+    lines.append("")
+    lines.append(f"Test MSE / MAE (scaled units), mean ± sample std over {'/'.join(map(str, seeds)) or 0} seed(s); "
+                 "(paper) = the published number for that model; **!** = ours worse than the paper by more than "
+                 "2 std.")
     return "\n".join(lines)

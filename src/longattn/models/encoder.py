@@ -71,21 +71,27 @@ class LRAEncoder(nn.Module):
         embedding_dropout: float = 0.1,
         norm: str = "pre",
         pooling: str = "mean",
+        input_dim: int | None = None,
     ) -> None:
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-        if vocab_size <= 0 or max_len <= 0:
+        if input_dim is not None and input_dim <= 0:
+            raise ValueError(f"input_dim must be positive, got {input_dim}")
+        if (vocab_size <= 0 and input_dim is None) or max_len <= 0:
             raise ValueError(f"vocab_size and max_len must be positive, got {vocab_size}, {max_len}")
         self.vocab_size = vocab_size
+        self.input_dim = input_dim
         self.max_len = max_len
         self.pooling = pooling
         self.dim = dim
         self.use_cls = pooling == "cls"
         seq_len = max_len + int(self.use_cls)
-        self.token_embedding = nn.Embedding(vocab_size, dim)
+        # Token ids through an embedding table, or real-valued input vectors (CIFAR-100's 2x2 patches,
+        # Singularformer section 4.1) through a linear map.
+        self.token_embedding = nn.Embedding(vocab_size, dim) if input_dim is None else nn.Linear(input_dim, dim)
         self.position_embedding = nn.Embedding(seq_len, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if self.use_cls else None
         self.embedding_dropout = nn.Dropout(embedding_dropout)
@@ -99,26 +105,34 @@ class LRAEncoder(nn.Module):
         )
         # Post-LN blocks already end in a LayerNorm; the final one belongs to the pre-LN layout.
         self.final_norm = nn.LayerNorm(dim) if norm == "pre" else nn.Identity()
-        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        if input_dim is None:
+            nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.position_embedding.weight, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=0.02)
 
     def forward(self, tokens: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Returns (features [B, N', dim], mask [B, N']) with N' = N (+1 with a CLS token)."""
-        if tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int, torch.int16, torch.uint8):
+        """Returns (features [B, N', dim], mask [B, N']) with N' = N (+1 with a CLS token).
+
+        ``tokens``: integer ids [B, N], or float vectors [B, N, input_dim] for an encoder built with ``input_dim``.
+        """
+        if self.input_dim is not None:
+            if tokens.dim() != 3 or not tokens.is_floating_point() or tokens.shape[-1] != self.input_dim:
+                raise ValueError(f"inputs must be a float tensor [B, N, {self.input_dim}], got {tokens.dtype} "
+                                 f"{list(tokens.shape)}")
+        elif tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int, torch.int16, torch.uint8):
             raise ValueError(f"tokens must be an integer tensor [B, N], got {tokens.dtype} {list(tokens.shape)}")
-        batch, length = tokens.shape
+        batch, length = tokens.shape[:2]
         if length > self.max_len:
             raise ValueError(f"sequence length {length} exceeds the model's max_len={self.max_len}")
         if attention_mask is None:
             attention_mask = torch.ones(batch, length, dtype=torch.bool, device=tokens.device)
-        if attention_mask.shape != tokens.shape or attention_mask.dtype != torch.bool:
+        if attention_mask.shape != (batch, length) or attention_mask.dtype != torch.bool:
             raise ValueError(
-                f"attention_mask must be bool {list(tokens.shape)} (True = real token), "
+                f"attention_mask must be bool {[batch, length]} (True = real token), "
                 f"got {attention_mask.dtype} {list(attention_mask.shape)}"
             )
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+        if self.input_dim is None and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]")
         x = self.token_embedding(tokens)
         if self.use_cls:

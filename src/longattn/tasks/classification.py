@@ -53,14 +53,15 @@ class ClassificationDataConfig:
     test: dict[str, Any] = option(default_factory=dict)
 
 
-def classification_step(dual: bool) -> StepFn:
-    """Cross-entropy on the logits of a single- or dual-tower classifier."""
+def classification_step(dual: bool, input_key: str = "tokens") -> StepFn:
+    """Cross-entropy on the logits of a single- or dual-tower classifier; a single tower reads
+    ``batch[input_key]`` (token ids, or e.g. image patches)."""
 
     def step(model: nn.Module, batch: dict[str, Any]) -> StepOutput:
         if dual:
             logits = model(batch["tokens0"], batch["attention_mask0"], batch["tokens1"], batch["attention_mask1"])
         else:
-            logits = model(batch["tokens"], batch["attention_mask"])
+            logits = model(batch[input_key], batch["attention_mask"])
         # The loss in float32 even under autocast: cross-entropy of bf16 logits is too coarse.
         loss = F.cross_entropy(logits.float(), batch["label"])
         return StepOutput(loss, logits.detach(), batch["label"])

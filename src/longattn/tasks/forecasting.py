@@ -25,7 +25,7 @@ from torch.utils.data import default_collate
 
 from longattn.config import ConfigError, option
 from longattn.data.timeseries import ForecastData, load_forecast_data, resolve_series
-from longattn.forecast.paper import paper_result
+from longattn.forecast.paper import paper_for_model
 from longattn.models.registry import model_defaults
 from longattn.tasks.base import Task, TaskData, register_task
 from longattn.train.loop import MetricFn, StepFn, StepOutput, evaluate, mae, mse
@@ -52,6 +52,7 @@ class ForecastDataConfig:
     kind: str | None = option(None, help="split family: ETTh, ETTm or custom (default: the dataset's)")
     date_column: str = "date"
     horizons: list[int] = option([96, 192, 336, 720], help="horizons of a table (forecast-table)")
+    use_test: bool = option(True, help="false: the run has no test split (choosing settings on validation only)")
 
 
 # The authors' time-series smoother (S^3 code): 8 segment averages, ortho FFT, kernel-3 conv, ELU, with the
@@ -188,7 +189,8 @@ class ForecastTask(Task):
         data = load_forecast_data(d.dataset, d.data_dir, seq_len=d.seq_len, label_len=d.label_len,
                                   pred_len=d.pred_len, features=d.features, target=d.target, calendar=d.calendar,
                                   kind=d.kind, date_column=d.date_column)
-        return TaskData(data.train, data.val, data.test, default_collate, info={"forecast": data})
+        return TaskData(data.train, data.val, data.test if d.use_test else None, default_collate,
+                        info={"forecast": data})
 
     def model_inputs(self, config: Any, data: TaskData) -> dict[str, Any]:
         series: ForecastData = data.info["forecast"]
@@ -216,7 +218,9 @@ class ForecastTask(Task):
             "params": results["parameters"],
             "val": split_metrics(results["val"]) if results.get("val") else None,
             "test": split_metrics(results["test"]) if results.get("test") else None,
-            "paper": dict(zip(("mse", "mae"), paper_result(series.name, config.data.pred_len) or (None, None))),
+            "paper": dict(zip(("mse", "mae"), paper_for_model(
+                f"{config.model_name or self.default_model}:{config.attention or ''}", series.name,
+                config.data.pred_len, series.train.seq_len) or (None, None))),
             # Validation runs only at epoch ends, so the best step is the last step of the best epoch.
             "best_epoch": -1 if best_step is None else best_step // steps_per_epoch - 1,
             "epochs_run": len(results["history"]),

@@ -123,6 +123,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_st
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def example_lengths(dataset: Dataset) -> Sequence[int] | None:
+    """Per-example lengths of a dataset that has ``lengths()`` (or a Subset of one); None otherwise."""
+    if isinstance(dataset, torch.utils.data.Subset):
+        inner = example_lengths(dataset.dataset)
+        return None if inner is None else [inner[i] for i in dataset.indices]
+    lengths = getattr(dataset, "lengths", None)
+    return list(lengths()) if callable(lengths) else None
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Tensor):
         return batch.to(device, non_blocking=True)
@@ -279,6 +288,7 @@ class Trainer:
         self.settings = train
         self.model = model.to(self.device)
         self.train_data, self.val_data, self.test_data = train_data, val_data, test_data
+        self._lengths = example_lengths(train_data) if train.group_by_length else None
         # Optimiser steps per epoch (a step straddles two epochs when grad_accum does not divide the batches).
         self.steps_per_epoch = max(1, math.ceil(len(self._epoch_batches(0)) / train.grad_accum))
         if train.epochs is not None:
@@ -286,6 +296,9 @@ class Trainer:
             train = dataclasses.replace(train, max_steps=max_steps, epochs=None)
         if train.eval_every_epoch:
             train = dataclasses.replace(train, eval_every=self.steps_per_epoch)
+        if optim.warmup_epochs is not None:
+            warmup = min(train.max_steps, math.ceil(optim.warmup_epochs * self.steps_per_epoch))
+            optim = dataclasses.replace(optim, warmup_steps=warmup, warmup_epochs=None)
         self.settings = train
         self.optim_settings = optim
         self.collate_fn = collate_fn
@@ -382,12 +395,29 @@ class Trainer:
         sampler.set_epoch(epoch)
         order = list(sampler)
         size = self.settings.batch_size
+        if self.settings.group_by_length:
+            order = self._grouped_by_length(order, epoch)
         batches = [order[i : i + size] for i in range(0, len(order), size)]
+        if self.settings.group_by_length:  # the batches in a seeded random order, the short last one included
+            shuffle = torch.randperm(len(batches), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+            batches = [batches[i] for i in shuffle.tolist()]
         if self.settings.drop_last and len(batches) > 1 and len(batches[-1]) < size:
             batches.pop()
         if self.settings.max_steps_per_epoch is not None:
             batches = batches[: self.settings.max_steps_per_epoch * self.settings.grad_accum]
         return batches
+
+    def _grouped_by_length(self, order: list[int], epoch: int) -> list[int]:
+        """``order`` with each window of 50 batches sorted by example length, longest first (the
+        shuffled order picks which examples share a window, so batches still differ every epoch)."""
+        if self._lengths is None:
+            raise ValueError("train.group_by_length needs a training set with lengths() (or a Subset of one)")
+        window = 50 * self.settings.batch_size
+        grouped = []
+        for start in range(0, len(order), window):
+            chunk = order[start : start + window]
+            grouped += sorted(chunk, key=lambda i: -int(self._lengths[i]))
+        return grouped
 
     def _train_batches(self) -> Iterator[Any]:
         """Endless stream of training batches that resumes at the saved (epoch, batch) position."""

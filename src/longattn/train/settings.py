@@ -28,6 +28,8 @@ class OptimConfig:
     schedule: Literal["constant", "linear", "cosine", "onecycle", "step"] = option(
         "linear", help="after warmup: constant, linear or cosine decay, OneCycle, or per-epoch step decay")
     warmup_steps: int = option(0, ge=0, help="linear warmup steps (OneCycle: its rising phase)")
+    warmup_epochs: float | None = option(None, ge=0, help="if set: warmup_steps = this many passes over the "
+                                         "training data (Singularformer's 4 warm-up epochs)")
     min_lr_ratio: float = option(0.0, ge=0, le=1, help="floor of the linear/cosine decay, as a fraction of lr")
     step_decay: float = option(0.5, gt=0, help="schedule step: lr * step_decay ** epoch (0.5 = FEDformer's type1)")
 
@@ -46,6 +48,9 @@ class TrainConfig:
     eval_every: int = option(100, ge=1, help="optimiser steps between validations")
     eval_every_epoch: bool = option(False, help="validate after every epoch instead (eval_every is then ignored)")
     drop_last: bool = option(False, help="drop each epoch's incomplete last training batch")
+    group_by_length: bool = option(False, help="batch examples of similar length (less padding): each window of "
+                                   "50 shuffled batches is sorted by length, then the batches are shuffled; "
+                                   "needs a training set with lengths()")
     max_steps_per_epoch: int | None = option(None, ge=1, help="cap each epoch (quick runs); null: full epochs")
     checkpoint_every: int | None = option(None, ge=1, help="null: at every validation")
     patience: int | None = option(None, ge=1, help="validations without improvement before stopping; null: never")
