@@ -1,10 +1,9 @@
-"""Singularformer's analyses as ``longattn bench`` subcommands: ``thresholds`` (Table 3),
-``attention-correlation`` (Figures 8-10)."""
+"""Singularformer's analyses as ``longattn bench`` subcommands: ``thresholds`` (Table 3), ``accuracy-cost``
+(Figure 6), ``rank-sweep`` (Figure 7), ``attention-correlation`` (Figures 8-10)."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from pathlib import Path
 
 from longattn.bench import thresholds
@@ -13,17 +12,27 @@ from longattn.commands.bench import _int_list, _write
 from longattn.experiment.analyses import register_analysis
 
 LINEAR_MODELS = ("bigbird", "linformer", "flash", "singular")
-# Singularformer's Figure 5 classifier with Table 2's sizes: 6 layers of width 384 in 6 heads, hidden
-# size 384, max + mean pooling into two dense layers, Post-LN blocks (the baseline of Table 3). The
-# vocabulary only sizes the embedding table, which the memory figures leave out (peak above resident).
-PAPER_MODEL = {"vocab_size": 10_000, "num_classes": 8, "layers": 6, "hidden": 384, "norm": "post",
-               "pooling": "maxmean", "head": "singular", "dropout": 0.1, "embedding_dropout": 0.2}
-PAPER_HEADS, PAPER_HEAD_DIM = 6, 64
+# The vocabulary only sizes the embedding table, which the memory figures leave out (peak above resident).
+VOCABULARY, CLASSES = 10_000, 8
+
+
+def _paper_model(layers: int | None, hidden: int | None) -> tuple[dict, int, int]:
+    """Singularformer's Figure 5 classifier with Table 2's sizes, taken from the registered Post-LN model's
+    defaults (longattn.models.doc_classifier): (build_classifier keywords, heads, head dim)."""
+    import longattn.models.doc_classifier  # noqa: F401  (registers the Table 4 models)
+    from longattn.models.registry import model_defaults
+
+    paper = model_defaults("post_ln")
+    model = {"vocab_size": VOCABULARY, "num_classes": CLASSES, "layers": layers or paper["layers"],
+             "hidden": hidden or paper["hidden"], "norm": paper["norm"], "pooling": "maxmean", "head": "singular",
+             "dropout": paper["dropout"], "embedding_dropout": paper["embedding_dropout"]}
+    return model, paper["heads"], paper["dim"] // paper["heads"]
 
 
 def _thresholds(args: argparse.Namespace) -> int:
-    model = dict(PAPER_MODEL, layers=args.layers, hidden=args.hidden)
-    base = SpeedConfig(target="", length=0, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+    model, heads, head_dim = _paper_model(args.layers, args.hidden)
+    base = SpeedConfig(target="", length=0, batch=args.batch, heads=args.heads or heads,
+                       head_dim=args.head_dim or head_dim,
                        threads=args.threads, warmup=args.warmup, repeats=args.repeats, seed=args.seed,
                        kind="classifier", model=model, inference_only=True)
     report = thresholds.sweep_thresholds(args.attention, base, _int_list(args.grid), resolution=args.resolution,
@@ -50,10 +59,10 @@ def _thresholds_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Post-LN attention: softmax_math holds the n x n scores (the paper's Transformer), "
                              "softmax is SDPA's fused kernel")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=PAPER_MODEL["layers"])
-    parser.add_argument("--hidden", type=int, default=PAPER_MODEL["hidden"])
-    parser.add_argument("--heads", type=int, default=PAPER_HEADS)
-    parser.add_argument("--head-dim", type=int, default=PAPER_HEAD_DIM)
+    parser.add_argument("--layers", type=int, default=None, help="(default: Table 2's, 6)")
+    parser.add_argument("--hidden", type=int, default=None, help="(default: Table 2's, 384)")
+    parser.add_argument("--heads", type=int, default=None, help="(default: Table 2's, 6)")
+    parser.add_argument("--head-dim", type=int, default=None, help="(default: Table 2's, 384 / 6)")
     parser.add_argument("--threads", type=int, default=SpeedConfig.threads)
     parser.add_argument("--warmup", type=int, default=SpeedConfig.warmup)
     parser.add_argument("--repeats", type=int, default=3)
@@ -95,3 +104,53 @@ def _correlation_arguments(parser: argparse.ArgumentParser) -> None:
 
 register_analysis("attention-correlation", "row-wise Pearson correlation of trained models' attention maps "
                   "(Singularformer Figures 8-10)", _correlation_arguments, _correlation)
+
+
+def _accuracy_cost(args: argparse.Namespace) -> int:
+    from longattn.experiment.singular_figures import run_accuracy_cost
+
+    run_accuracy_cost(args.runs, args.out, datasets=args.tasks.split(",") if args.tasks else None,
+                      models=args.models.split(",") if args.models else None, batch=args.batch, repeats=args.repeats,
+                      timeout_s=args.timeout)
+    print(f"wrote {args.out}/figure6.{{json,md,png}}")
+    return 0
+
+
+def _accuracy_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runs", required=True, help="output folder of longattn crossval (its results.json and fold 0's configs)")
+    parser.add_argument("--tasks", default=None, help="comma list of datasets (default: all in results.json)")
+    parser.add_argument("--models", default=None, help="comma list of models (default: all in results.json)")
+    parser.add_argument("--batch", type=int, default=16, help="examples per inference call")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per model's process")
+    parser.add_argument("--out", default="runs/accuracy-cost")
+
+
+def _rank_sweep(args: argparse.Namespace) -> int:
+    from longattn.experiment.singular_figures import run_rank_sweep
+
+    report = run_rank_sweep(args.task, _int_list(args.ranks), args.out, data_dir=args.data_dir, preset=args.preset,
+                            overrides=args.overrides, folds=args.folds,
+                            only_folds=_int_list(args.only_folds) if args.only_folds else None, seed=args.seed,
+                            resume=args.resume)
+    print(f"wrote {args.out}/figure7.{{json,md,png}}")
+    return 1 if any(row["errors"] for row in report["rows"]) else 0
+
+
+def _rank_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", default="r8")
+    parser.add_argument("--ranks", default="4,8,16,32,64,128", help="comma list of r")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--preset", default="cpu")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config value (repeatable)")
+    parser.add_argument("--folds", type=int, default=5)
+    parser.add_argument("--only-folds", default=None, help="comma list of folds to run (the reduced protocol: 0)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--out", default="runs/rank-sweep")
+
+
+register_analysis("accuracy-cost", "accuracy against inference speed, memory as circle size (Singularformer "
+                  "Figure 6)", _accuracy_cost_arguments, _accuracy_cost)
+register_analysis("rank-sweep", "Singularformer's accuracy against r (its Figure 7)", _rank_sweep_arguments, _rank_sweep)

@@ -393,11 +393,19 @@ def build_cifar100(split: str, data_dir: str | Path | None = None, *, label_mode
     if split == "val" and fold is None:
         raise DatasetError("CIFAR-100 has no validation set: pass fold=k for fold k of the cross-validation")
     data, labels, classes = load_cifar100(data_dir, "test" if split == "test" else "train", label_mode, check_counts)
-    if fold is not None and split != "test":  # the folds split the training set; the test set stays whole
-        train_index, val_index = stratified_folds(labels, num_folds, seed)[fold]
-        chosen = val_index if split == "val" else train_index
-        data, labels = data[chosen], labels[chosen]
+    data, labels = _fold_part(data, labels, split, fold, num_folds, seed)
     return PatchDataset(to_patches(data), labels, classes)
+
+
+def _fold_part(data: np.ndarray, labels: np.ndarray, split: str, fold: int | None, num_folds: int, seed: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Fold ``fold`` of a stratified K-fold split of the training set (val) or the other folds (train);
+    the folds split the training set only, the test set stays whole."""
+    if fold is None or split == "test":
+        return data, labels
+    train_index, val_index = stratified_folds(labels, num_folds, seed)[fold]
+    chosen = val_index if split == "val" else train_index
+    return data[chosen], labels[chosen]
 
 
 # ----------------------------------------------------------------------------- CIFAR-10 as 2x2 patches
@@ -427,8 +435,5 @@ def build_cifar10_patches(split: str, data_dir: str | Path | None = None, *, fol
     if split == "val" and fold is None:
         raise DatasetError("CIFAR-10 patches have no validation set: pass fold=k for fold k of the cross-validation")
     data, labels, classes = load_cifar10_rgb(data_dir, "test" if split == "test" else "train", check_counts)
-    if fold is not None and split != "test":
-        train_index, val_index = stratified_folds(labels, num_folds, seed)[fold]
-        chosen = val_index if split == "val" else train_index
-        data, labels = data[chosen], labels[chosen]
+    data, labels = _fold_part(data, labels, split, fold, num_folds, seed)
     return PatchDataset(to_patches(data), labels, classes)
