@@ -89,7 +89,8 @@ class ThresholdSearch:
 
     def __init__(self, base: SpeedConfig, baseline: str, measure: MeasurePoint,
                  progress: Callable[[str], None] | None = None) -> None:
-        self.base = replace(base, inference_only=True)
+        # the baseline is built in measure_point beside the models, not by the speed benchmark's reference
+        self.base = replace(base, inference_only=True, reference=False, reference_target=baseline)
         self.baseline = baseline
         self.measure = measure
         self.progress = progress or (lambda text: None)
