@@ -96,6 +96,10 @@ def _direct_call(name, layer, x, mask):
         options = {"factor_logits": layer.factor_logits(x).detach()}
     elif name == "luna":
         options = {"pack_query": torch.randn(2, HEADS, 16, DIM // HEADS, dtype=x.dtype)}
+    elif name == "bigbird":
+        options = {"random_idx": layer.random_idx(-(-x.shape[1] // layer.block_size)), "block_size": layer.block_size}
+    elif name in ("local", "longformer"):  # their module forms project inside the chunks
+        options = {}
     else:
         raise AssertionError(f"{name}: add the arguments of its functional form to this test")
     return (q, k, v, mask), options

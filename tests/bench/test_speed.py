@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from longattn.bench.speed import SpeedConfig, growth, plot_speed, run_in_subprocess, run_speed, speed_table, traffic_bytes
+from longattn.bench.speed import SpeedConfig, count_flops, growth, plot_speed, run_in_subprocess, run_speed, speed_table, traffic_bytes
 from longattn.cli import main
 
 TINY = SpeedConfig(target="", length=0, batch=2, heads=2, head_dim=16, threads=1, warmup=1, repeats=2)
@@ -42,6 +42,14 @@ def test_flop_count_matches_the_analytic_count_of_sdpa(rows):
     # math path: two GEMMs forward, four backward; the fused kernel's backward also recomputes the scores
     assert by[("softmax_math", 1024)]["flops"] == projections + 2 * b * h * n * n * d * (2 + 4)
     assert by[("softmax", 1024)]["flops"] == projections + 2 * b * h * n * n * d * (2 + 5)
+
+
+def test_flop_count_includes_in_place_gemms():
+    import torch
+
+    out, a, b = torch.zeros(5, 7), torch.randn(5, 3), torch.randn(3, 7)
+    assert count_flops(lambda: out.addmm_(a, b)) == 2 * 5 * 3 * 7
+    assert count_flops(lambda: torch.addmm(out, a, b)) == 2 * 5 * 3 * 7
 
 
 def test_peak_memory_sees_the_math_paths_score_matrix(rows):

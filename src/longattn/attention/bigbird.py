@@ -18,9 +18,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from longattn.attention.base import AttentionBase, AttentionError, Capabilities, QKVProjection, check_qkv, padding_safe, register_attention
+from longattn.attention.chunked import Chunk, chunked_attention, chunked_projected_attention
 from longattn.attention.softmax import softmax_attention
 
 
@@ -68,6 +68,69 @@ def key_block_indices(num_blocks: int, random_idx: Tensor, window_blocks: int) -
 BIGBIRD_CHUNK_TOKENS = 512
 
 
+def _check_pattern(random_idx: Tensor, heads: int, n: int, block_size: int) -> int:
+    nb = -(-n // block_size)
+    if nb < 3 or random_idx.dim() != 3 or random_idx.shape[:2] != (heads, nb - 2):
+        raise AttentionError(
+            f"random_idx must be [H={heads}, nb - 2, r] for nb = ceil(N / block_size) = {nb} >= 3 blocks, "
+            f"got {list(random_idx.shape)} (see random_block_indices; shorter inputs need full attention)"
+        )
+    return nb
+
+
+def _plan(valid: Tensor, random_idx: Tensor, n: int, block_size: int, window_blocks: int, scale: float) -> list[Chunk]:
+    """The global rows (first and last block) against every key, then chunks of middle query blocks,
+    each reading the union of the key blocks its (head, block) pairs gather."""
+    device = valid.device
+    nb = random_idx.shape[1] + 2
+    idx, keep = key_block_indices(nb, random_idx.cpu(), window_blocks)
+    global_rows = torch.cat([torch.arange(block_size), torch.arange((nb - 1) * block_size, n)]).to(device)
+    chunks = [Chunk(rows=global_rows, keys=slice(0, n), info=(valid, scale))]
+    step = max(1, BIGBIRD_CHUNK_TOKENS // block_size)
+    within = torch.arange(block_size)
+    for start in range(0, nb - 2, step):
+        stop = min(start + step, nb - 2)
+        union = idx[:, start:stop].unique()  # sorted: only its last block can be the short block nb - 1
+        local_idx = torch.searchsorted(union, idx[:, start:stop].contiguous())  # [H, chunk, K] into the union
+        positions = (union[:, None] * block_size + within).flatten()
+        positions = positions[positions < n].to(device)
+        chunks.append(Chunk(rows=slice((start + 1) * block_size, (stop + 1) * block_size), keys=positions,
+                            info=(valid, scale, block_size, local_idx.to(device), keep[:, start:stop].to(device))))
+    return chunks
+
+
+def _bigbird_chunk(chunk: Chunk, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    if isinstance(chunk.rows, Tensor):
+        # global query blocks (first and last) attend to every key
+        valid, scale = chunk.info
+        visible = valid[:, None, None, :]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale)
+        return torch.where(visible.any(-1, keepdim=True), out, 0.0)
+    # Middle query blocks against their gathered key blocks, each (head, block) pair through SDPA's
+    # fused kernel. The random blocks differ per head, so heads and blocks both go to the batch
+    # axis, [B * H * chunk, 1, K*bs, D]: one index_select over (head, union block) rows copies whole
+    # [bs, D] blocks straight into that layout. The mask depends only on the key (padding, and
+    # blocks listed twice), so one [K*bs] row per (batch, head, block) serves the block's queries.
+    valid, scale, block_size, local_idx, keep = chunk.info
+    b, h, _, d = query.shape
+    count, slots = local_idx.shape[1:]
+    blocks = -(-key.shape[2] // block_size)  # union blocks read
+    short = blocks * block_size - key.shape[2]
+    rows = (torch.arange(h, device=query.device)[:, None, None] * blocks + local_idx).flatten()
+    pairs, keys = b * h * count, slots * block_size
+
+    def gather_blocks(t: Tensor) -> Tensor:  # [B, H, blocks*bs - short, D] -> [B*H*chunk, 1, K*bs, D]
+        t = F.pad(t, (0, 0, 0, short)).reshape(b, h * blocks, -1)
+        return t.index_select(1, rows).view(pairs, 1, keys, t.shape[-1] // block_size)
+
+    real = F.pad(valid[:, chunk.keys], (0, short), value=False).view(b, blocks, block_size)
+    visible = (real[:, local_idx] & keep[None, ..., None]).view(pairs, 1, 1, keys)
+    q_mid = query.reshape(pairs, 1, block_size, d)
+    out = F.scaled_dot_product_attention(q_mid, gather_blocks(key), gather_blocks(value), attn_mask=visible, scale=scale)
+    out = torch.where(visible.any(-1, keepdim=True), out, 0.0)  # queries that see no key output zeros
+    return out.view(b, h, count * block_size, -1)
+
+
 @padding_safe
 def bigbird_attention(
     query: Tensor,
@@ -85,63 +148,10 @@ def bigbird_attention(
     check_qkv(query, key, value, attention_mask)
     b, h, n, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    nb = -(-n // block_size)
-    if nb < 3 or random_idx.dim() != 3 or random_idx.shape[:2] != (h, nb - 2):
-        raise AttentionError(
-            f"random_idx must be [H={h}, nb - 2, r] for nb = ceil(N / block_size) = {nb} >= 3 blocks, "
-            f"got {list(random_idx.shape)} (see random_block_indices; shorter inputs need full attention)"
-        )
-    pad = nb * block_size - n
+    _check_pattern(random_idx, h, n, block_size)
     valid = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
-    if pad:
-        query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
-        valid = F.pad(valid, (0, pad), value=False)
-    idx, keep = key_block_indices(nb, random_idx.cpu(), window_blocks)
-    idx, keep = idx.to(query.device), keep.to(query.device)
-
-    # Global query blocks (first and last) attend to every key.
-    glob_rows = torch.cat([query[:, :, :block_size], query[:, :, -block_size:]], dim=2)
-    glob_out = softmax_attention(glob_rows, key, value, valid, scale=scale)
-
-    # Middle query blocks attend to their gathered key blocks, each (head, block) pair through SDPA's
-    # fused kernel (no [rows, keys] weights are kept for backward). The random blocks differ per head,
-    # so heads and blocks both go to the batch axis, [B * H * (nb-2), 1, K*bs, D]: one index_select over
-    # (head, block) rows copies whole [bs, D] blocks straight into that layout, which is also the layout
-    # the kernel's gradients come back in. The mask depends only on the key (padding, and blocks listed
-    # twice), so one [K*bs] row per (batch, head, block) is broadcast over the block's queries.
-    # Done in chunks of query blocks, each recomputed in backward (checkpoint), so the gathered
-    # key/value blocks and masks of one chunk are the only such copies alive at a time.
-    key, value = key.contiguous(), value.contiguous()
-    step = max(1, BIGBIRD_CHUNK_TOKENS // block_size)
-    mid_out = torch.cat([
-        checkpoint(_middle_blocks, query, key, value, valid, idx, keep, start, min(start + step, nb - 2), block_size,
-                   scale, use_reentrant=False)
-        for start in range(0, nb - 2, step)
-    ], dim=2)
-
-    out = torch.cat([glob_out[:, :, :block_size], mid_out, glob_out[:, :, block_size:]], dim=2)
-    return out[:, :, :n]
-
-
-def _middle_blocks(query: Tensor, key: Tensor, value: Tensor, valid: Tensor, idx: Tensor, keep: Tensor, start: int,
-                   stop: int, block_size: int, scale: float) -> Tensor:
-    """Middle query blocks start+1 .. stop (of nb) against their gathered key blocks:
-    [B, H, (stop - start) * block_size, Dv]. ``key`` and ``value`` are contiguous [B, H, nb*bs, D]."""
-    b, h, _, d = query.shape
-    nb = idx.shape[1] + 2
-    idx, keep = idx[:, start:stop], keep[:, start:stop]
-    rows = (torch.arange(h, device=query.device)[:, None, None] * nb + idx).flatten()  # [H * chunk * K]
-    pairs, keys = b * h * (stop - start), idx.shape[-1] * block_size
-
-    def gather_blocks(t: Tensor) -> Tensor:  # [B, H, nb*bs, D] -> [B*H*chunk, 1, K*bs, D]
-        return t.view(b, h * nb, -1).index_select(1, rows).view(pairs, 1, keys, t.shape[-1])
-
-    mb = valid.unflatten(1, (nb, block_size))  # [B, nb, bs]
-    visible = (mb[:, idx] & keep[None, ..., None]).view(pairs, 1, 1, keys)
-    q_mid = query[:, :, (start + 1) * block_size:(stop + 1) * block_size].reshape(pairs, 1, block_size, d)
-    out = F.scaled_dot_product_attention(q_mid, gather_blocks(key), gather_blocks(value), attn_mask=visible, scale=scale)
-    out = torch.where(visible.any(-1, keepdim=True), out, 0.0)  # queries that see no key output zeros
-    return out.view(b, h, (stop - start) * block_size, value.shape[-1])
+    chunks = _plan(valid, random_idx, n, block_size, window_blocks, scale)
+    return chunked_attention(_bigbird_chunk, chunks, [(query, key, value)])
 
 
 @padding_safe
@@ -221,11 +231,18 @@ class BigBirdAttention(AttentionBase):
         return self._random_cache[key]
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        q, k, v = self.proj.qkv(x)
-        nb = -(-x.shape[1] // self.block_size)
+        b, n, _ = x.shape
+        nb = -(-n // self.block_size)
         if nb <= 2 + self.window_blocks + self.random_blocks:
-            out = softmax_attention(q, k, v, attention_mask)  # too short to be sparse
-        else:
-            out = bigbird_attention(q, k, v, attention_mask, random_idx=self.random_idx(nb),
-                                    block_size=self.block_size, window_blocks=self.window_blocks)
-        return self.proj.out(out)
+            q, k, v = self.proj.qkv(x)
+            return self.proj.out(softmax_attention(q, k, v, attention_mask))  # too short to be sparse
+        if not isinstance(self.proj, QKVProjection):  # q, k, v handed over from outside (longattn.hf)
+            q, k, v = self.proj.qkv(x)
+            return self.proj.out(bigbird_attention(q, k, v, attention_mask, random_idx=self.random_idx(nb),
+                                                   block_size=self.block_size, window_blocks=self.window_blocks))
+        # the functional form's chunks, with the projections inside them (see chunked.py)
+        valid = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
+        chunks = _plan(valid, self.random_idx(nb), n, self.block_size, self.window_blocks, 1.0 / math.sqrt(self.head_dim))
+        proj = self.proj
+        out = chunked_projected_attention(_bigbird_chunk, chunks, x, [(proj.to_q, proj.to_k, proj.to_v)], self.heads)
+        return proj.out(out)

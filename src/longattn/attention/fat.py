@@ -49,7 +49,7 @@ class FATAttention(AttentionBase):
         self.to_out = nn.Linear(dim, dim, bias=bias)
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        c = self.cross(x, attention_mask)  # eqs. 1-4
+        c = self.cross(x, attention_mask, input_masked=True)  # eqs. 1-4
         q = split_heads(self.to_q(x), self.heads)
         k = split_heads(self.to_k(c), self.heads)
         v = split_heads(self.to_v(c), self.heads)

@@ -23,6 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 from longattn.attention.base import (
     AttentionBase,
@@ -49,9 +51,9 @@ __all__ = [
 FEATURE_MAPS = ("dense", "conv")
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "elu": F.elu, "tanh": torch.tanh, "silu": F.silu}
 TRAIN_INDICES = ("union", "predicted", "random")
-# Elements of one [B, H, keys, E, Dh] per-edge block (8 MB in float32) and of one block of
+# Elements of one [B, H, keys, E, Dh] per-edge block (2 MB in float32) and of one block of
 # the pooled cross's spectra (complex: 8 MB in complex64).
-_EDGE_BLOCK_ELEMENTS = 1 << 21
+_EDGE_BLOCK_ELEMENTS = 1 << 19
 _FFT_BLOCK_ELEMENTS = 1 << 20
 
 
@@ -67,19 +69,41 @@ def pooled_hidden_state_cross(f1x: Tensor, f2x: Tensor) -> Tensor:
     """
     if f1x.shape != f2x.shape or f1x.dim() != 3:
         raise AttentionError(f"f1x and f2x must both be [B, L, D], got {list(f1x.shape)}, {list(f2x.shape)}")
+    return _in_feature_blocks(_cross_block, f1x, f2x)
+
+
+def _in_feature_blocks(block_fn, f1x: Tensor, f2x: Tensor) -> Tensor:
+    """``block_fn(part1, part2, n_fft)`` over blocks of features (they are independent), so that no
+    spectrum above ~8 MB exists (cache friendly, and below the allocator's mmap threshold: linear
+    growth in L); under autograd each block is recomputed in its own backward, so no block's
+    spectra are kept either."""
     length = f1x.shape[1]
     n_fft = 1 << (2 * length - 2).bit_length()  # smallest power of two >= 2L-1
     # torch.fft has no bf16 kernels and half needs care: cross in float32, return in the input dtype.
     work = torch.promote_types(f1x.dtype, torch.float32)
-    # Features are independent: transform them in blocks so that no spectrum above ~8 MB exists
-    # (cache friendly, and below the allocator's mmap threshold: linear growth in L).
     features = max(1, _FFT_BLOCK_ELEMENTS // (f1x.shape[0] * n_fft))
-    blocks = []
-    for part1, part2 in zip(f1x.to(work).split(features, dim=2), f2x.to(work).split(features, dim=2)):
-        spec = torch.fft.rfft(part1, n=n_fft, dim=1) * torch.fft.rfft(part2, n=n_fft, dim=1)
-        # irfft returns the real part (eq. 3's Re): the spectrum of a real convolution is Hermitian.
-        blocks.append(torch.fft.irfft(spec, n=n_fft, dim=1)[:, : 2 * length - 1])
+    recompute = torch.is_grad_enabled() and (f1x.requires_grad or f2x.requires_grad)
+    blocks = [checkpoint(block_fn, part1, part2, n_fft, use_reentrant=False) if recompute else block_fn(part1, part2, n_fft)
+              for part1, part2 in zip(f1x.to(work).split(features, dim=2), f2x.to(work).split(features, dim=2))]
     return torch.cat(blocks, dim=2).to(f1x.dtype)
+
+
+def _cross_block(part1: Tensor, part2: Tensor, n_fft: int) -> Tensor:
+    """Eq. 3 for a block of features: [B, L, d] x 2 -> [B, 2L-1, d]."""
+    spec = torch.fft.rfft(part1, n=n_fft, dim=1) * torch.fft.rfft(part2, n=n_fft, dim=1)
+    # irfft returns the real part (eq. 3's Re): the spectrum of a real convolution is Hermitian.
+    return torch.fft.irfft(spec, n=n_fft, dim=1)[:, : 2 * part1.shape[1] - 1]
+
+
+def _paired_cross_block(part1: Tensor, part2: Tensor, n_fft: int) -> Tensor:
+    """c_{2t} + c_{2t+1} of eq. 4 for a block of features: [B, L, d] x 2 -> [B, L, d]."""
+    return _pairs(_cross_block(part1, part2, n_fft))
+
+
+def _pairs(pooled: Tensor) -> Tensor:
+    """[B, 2L-1, D] -> [B, L, D]: rows 2t and 2t+1 summed (one zero row appended for the odd rows)."""
+    b, rows, d = pooled.shape
+    return F.pad(pooled, (0, 0, 0, 1)).view(b, (rows + 1) // 2, 2, d).sum(2)
 
 
 def pooled_hidden_state_cross_reference(f1x: Tensor, f2x: Tensor) -> Tensor:
@@ -103,8 +127,7 @@ def central_token_symmetry_merge(pooled: Tensor, f1x: Tensor, f2x: Tensor) -> Te
         raise AttentionError(
             f"pooled cross must be [B, 2L-1, D] = {[b, 2 * length - 1, d]}, got {list(pooled.shape)}"
         )
-    pairs = F.pad(pooled, (0, 0, 0, 1)).view(b, length, 2, d).sum(2)
-    return pairs - f1x * f2x
+    return _pairs(pooled) - f1x * f2x
 
 
 def central_token_symmetry_merge_reference(f1x: Tensor, f2x: Tensor) -> Tensor:
@@ -154,14 +177,24 @@ class PooledHiddenStateCross(nn.Module):
         self.f2 = FeatureMap(dim, feature_map, conv_kernel_size, feature_activation)
         self.norm = nn.LayerNorm(dim)
 
-    def forward(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, attention_mask: Tensor | None, input_masked: bool = False) -> Tensor:
+        """``input_masked``: ``x`` is already zero at padded tokens (an attention layer's input is)."""
         keep = None if attention_mask is None else attention_mask[..., None].to(x.dtype)
-        if keep is not None:
+        if keep is not None and not input_masked:
             x = x * keep  # the conv variant must not see padded tokens' values
-        f1x, f2x = self.f1(x), self.f2(x)
-        if keep is not None:
-            f1x, f2x = f1x * keep, f2x * keep  # padded tokens take part in no cross (eq. 2)
-        return self.norm(central_token_symmetry_merge(pooled_hidden_state_cross(f1x, f2x), f1x, f2x))
+        # each feature map is recomputed in backward: its pre-activation is not kept
+        recompute = torch.is_grad_enabled()
+        f1x, f2x = (checkpoint(_masked_feature, f, x, keep, use_reentrant=False) if recompute else _masked_feature(f, x, keep)
+                    for f in (self.f1, self.f2))
+        # central_token_symmetry_merge(pooled_hidden_state_cross(f1x, f2x), f1x, f2x), with the pairs of
+        # eq. 4 summed inside each feature block: no [B, 2L-1, D] cross is kept
+        return self.norm(_in_feature_blocks(_paired_cross_block, f1x, f2x) - f1x * f2x)
+
+
+def _masked_feature(feature_map: FeatureMap, x: Tensor, keep: Tensor | None) -> Tensor:
+    """f(x), zero at padded tokens: they take part in no cross (eq. 2)."""
+    fx = feature_map(x)
+    return fx if keep is None else fx * keep
 
 
 # ----------------------------------------------------------------------------- sparse attention (eqs. 7-10)
@@ -230,6 +263,88 @@ def _check_sparse_inputs(query: Tensor, key: Tensor, dominant_index: Tensor, ran
             )
 
 
+def _edge_blocks(target: Tensor, dh: int) -> int:
+    """Keys per block of per-edge work: no [B, H, N, E, Dh] tensor exists at once (small blocks
+    stay cache-resident and below the allocator's mmap threshold, so the cost grows linearly)."""
+    b, h, _, e = target.shape
+    return max(1, _EDGE_BLOCK_ELEMENTS // (b * h * e * dh))
+
+
+class _EdgeScores(torch.autograd.Function):
+    """scores[b, h, j, e] = query[target[b, h, j, e]] . key[b, h, j] (``query`` flattened to rows),
+    key block by key block, forward and backward; keeps only its inputs for backward (autograd
+    through the blocks kept every block's gathered queries, and its backward made a full-size
+    query gradient per block)."""
+
+    @staticmethod
+    def forward(ctx, flat_query: Tensor, key: Tensor, target: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(flat_query, key, target)
+        rows, dh = _edge_blocks(target, key.shape[-1]), key.shape[-1]
+        return torch.cat([torch.einsum("bhjed,bhjd->bhje", flat_query.index_select(0, t.flatten()).view(*t.shape, dh), k)
+                          for t, k in zip(target.split(rows, dim=2), key.split(rows, dim=2))], dim=2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+        flat_query, key, target = ctx.saved_tensors
+        rows, dh = _edge_blocks(target, key.shape[-1]), key.shape[-1]
+        grad_query = torch.zeros_like(flat_query) if ctx.needs_input_grad[0] else None
+        grad_key = torch.empty_like(key) if ctx.needs_input_grad[1] else None
+        start = 0
+        for t, k, g in zip(target.split(rows, dim=2), key.split(rows, dim=2), grad.split(rows, dim=2)):
+            if grad_key is not None:
+                gathered = flat_query.index_select(0, t.flatten()).view(*t.shape, dh)
+                grad_key[:, :, start:start + t.shape[2]] = torch.einsum("bhje,bhjed->bhjd", g, gathered)
+            if grad_query is not None:
+                grad_query.index_add_(0, t.flatten(), (g.unsqueeze(-1) * k.unsqueeze(3)).reshape(-1, dh))
+            start += t.shape[2]
+        return grad_query, grad_key, None
+
+
+class _EdgeSums(torch.autograd.Function):
+    """out[target[b, h, j, e]] += weight[b, h, j, e] * value[b, h, j] over all edges ([B*H*N, Dh]
+    rows), key block by key block, forward and backward; keeps only its inputs for backward."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, value: Tensor, target: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(weight, value, target)
+        b, h, n, dh = value.shape
+        rows = _edge_blocks(target, dh)
+        out = value.new_zeros(b * h * n, dh)
+        for t, w, v in zip(target.split(rows, dim=2), weight.split(rows, dim=2), value.split(rows, dim=2)):
+            out.index_add_(0, t.flatten(), (w.unsqueeze(-1) * v.unsqueeze(3)).reshape(-1, dh))
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+        weight, value, target = ctx.saved_tensors
+        dh = value.shape[-1]
+        rows = _edge_blocks(target, dh)
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[0] else None
+        grad_value = torch.empty_like(value) if ctx.needs_input_grad[1] else None
+        start = 0
+        for t, w, v in zip(target.split(rows, dim=2), weight.split(rows, dim=2), value.split(rows, dim=2)):
+            received = grad.index_select(0, t.flatten()).view(*t.shape, dh)  # the gradient at each edge's query
+            stop = start + t.shape[2]
+            if grad_weight is not None:
+                grad_weight[:, :, start:stop] = torch.einsum("bhjed,bhjd->bhje", received, v)
+            if grad_value is not None:
+                grad_value[:, :, start:stop] = torch.einsum("bhje,bhjed->bhjd", w, received)
+            start = stop
+        return grad_weight, grad_value, None
+
+
+def _repeated_edges(index: Tensor, valid: Tensor, n: int) -> Tensor:
+    """Union as a set: sort each key's edges and mark repeats of a query (the stable sort keeps the
+    first column). Its sort buffers die with this call."""
+    e = index.shape[-1]
+    sort_key = torch.where(valid, index, n + torch.arange(e, device=index.device))
+    sorted_key, order = torch.sort(sort_key, dim=-1, stable=True)
+    repeat_sorted = F.pad(sorted_key[..., 1:] == sorted_key[..., :-1], (1, 0), value=False)
+    return torch.zeros_like(repeat_sorted).scatter(-1, order, repeat_sorted)
+
+
 @padding_safe
 def fsat_sparse_attention(
     query: Tensor,
@@ -281,28 +396,20 @@ def fsat_sparse_attention(
     if attention_mask is not None:
         real = attention_mask[:, None, :].expand(b, h, n)  # [B, H, N]
         valid = valid & real.gather(2, index.flatten(2)).view_as(index) & attention_mask[:, None, :, None]
-    # Union as a set: sort each key's edges, drop repeats of a query (stable sort keeps the first column).
-    sort_key = torch.where(valid, index, n + torch.arange(e, device=index.device))
-    sorted_key, order = torch.sort(sort_key, dim=-1, stable=True)
-    repeat_sorted = F.pad(sorted_key[..., 1:] == sorted_key[..., :-1], (1, 0), value=False)
-    repeat = torch.zeros_like(repeat_sorted).scatter(-1, order, repeat_sorted)
-    keep = valid & ~repeat
+    keep = valid & ~_repeated_edges(index, valid, n)
 
     confidence = _gaussian_confidence(index, centre, sigma2, normalize_confidence)
     if truncate_gradient:
         confidence = _TruncateGradient.apply(confidence)
 
-    # Flatten (batch, head, query) so one index_add / scatter covers every head's graph at once.
-    offsets = (torch.arange(b * h, device=index.device) * n).view(b, h, 1, 1)
-    # Per-edge work in blocks of keys: no [B, H, N, E, Dh] tensor at once (small blocks stay
-    # cache-resident and below the allocator's mmap threshold, so the cost grows linearly).
-    rows = max(1, _EDGE_BLOCK_ELEMENTS // (b * h * e * dh))
-    flat_query = query.reshape(b * h * n, dh)
-    scores = torch.cat([
-        torch.einsum("bhjed,bhjd->bhje", flat_query.index_select(0, t.flatten()).view(*t.shape, dh), k)
-        for t, k in zip((index + offsets).split(rows, dim=2), key.split(rows, dim=2))
-    ], dim=2) * scale  # q_{I_je} . k_j, [B, H, N(key), E]
-    target = (index + offsets).flatten()  # global query row of each edge
+    # Flatten (batch, query, head) so one index_add / scatter covers every head's graph at once; the
+    # token-major order is the projections' own layout, so queries and output need no copy.
+    offsets = (torch.arange(b, device=index.device).view(b, 1, 1, 1) * n * h
+               + torch.arange(h, device=index.device).view(1, h, 1, 1))
+    target = index * h + offsets  # query row of each edge, [B, H, N(key), E]
+    flat_query = query.transpose(1, 2).reshape(b * n * h, dh)
+    scores = _EdgeScores.apply(flat_query, key, target) * scale  # q_{I_je} . k_j
+    target = target.flatten()
 
     # Softmax over each query's in-edges (its out-neighbour keys N_i of eq. 7).
     # softmax is shift invariant: the per-query max needs no gradient
@@ -315,11 +422,7 @@ def fsat_sparse_attention(
     prob = weight / denom[target].clamp_min(torch.finfo(scores.dtype).tiny)
 
     edge_weight = prob.view(b, h, n, e) * confidence  # Psi(.) * s of eq. 7
-    # accumulate in place block by block (autograd passes the gradient through each index_add_)
-    out = value.new_zeros(b * h * n, dh)
-    for t, w, v in zip(target.view(b, h, n, e).split(rows, dim=2), edge_weight.split(rows, dim=2), value.split(rows, dim=2)):
-        out.index_add_(0, t.flatten(), (w.unsqueeze(-1) * v.unsqueeze(3)).reshape(-1, dh))
-    return out.view(b, h, n, dh)
+    return _EdgeSums.apply(edge_weight, value, target.view(b, h, n, e)).view(b, n, h, dh).transpose(1, 2)
 
 
 @padding_safe
@@ -452,7 +555,7 @@ class FSATAttention(AttentionBase):
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         b, n, _ = x.shape
-        c = self.cross(x, attention_mask)  # eqs. 1-4
+        c = self.cross(x, attention_mask, input_masked=True)  # eqs. 1-4
         q = split_heads(self.to_q(x), self.heads)
         k = split_heads(self.to_k(c), self.heads)
         v = split_heads(self.to_v(c), self.heads)

@@ -12,23 +12,101 @@ block's scores at a time, never N x N.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from longattn.attention.base import AttentionBase, AttentionError, Capabilities, QKVProjection, check_qkv, padding_safe, register_attention
+from longattn.attention.chunked import Chunk, chunked_attention, chunked_projected_attention
 
 
-# Query tokens per chunk: the chunk's neighbourhood copies and SDPA mask and temporaries are the
-# only per-chunk memory (a few MiB at the default window), recomputed in backward.
-LOCAL_CHUNK_TOKENS = 512
+# Query tokens per chunk: the chunk's neighbourhood copies, SDPA mask and temporaries are the only
+# per-chunk memory (a few MiB at the default window), recomputed in backward; its keys span one
+# window more on each side, so larger chunks project fewer keys twice in the module form.
+LOCAL_CHUNK_TOKENS = 1024
 
 
 def _blocks(x: Tensor, block: int) -> Tensor:
     """[..., N, D] (N a multiple of block) -> [..., N // block, block, D]."""
     return x.unflatten(-2, (x.shape[-2] // block, block))
+
+
+@dataclass(frozen=True)
+class _Options:
+    window: int
+    look_backward: int
+    look_forward: int
+    exact_window: bool
+    is_causal: bool
+    scale: float
+    dropout_p: float
+    length: int
+
+
+def _check_options(window_size: int, look_forward: int | None, is_causal: bool) -> int:
+    if window_size < 1:
+        raise AttentionError(f"window_size must be >= 1, got {window_size}")
+    look_forward = (0 if is_causal else 1) if look_forward is None else look_forward
+    if is_causal and look_forward:
+        raise AttentionError("causal local attention cannot look forward")
+    return look_forward
+
+
+def _plan(valid: Tensor, options: _Options) -> list[Chunk]:
+    """Chunks of query blocks; each reads the key blocks of its neighbourhoods (one contiguous range)."""
+    w, n = options.window, options.length
+    step = max(1, LOCAL_CHUNK_TOKENS // w)
+    blocks = -(-n // w)
+    chunks = []
+    for start in range(0, blocks, step):
+        stop = min(start + step, blocks)
+        keys = slice(max(0, (start - options.look_backward) * w), min(n, (stop + options.look_forward) * w))
+        chunks.append(Chunk(rows=slice(start * w, min(n, stop * w)), keys=keys, info=(valid, options)))
+    return chunks
+
+
+def _local_chunk(chunk: Chunk, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """The chunk's query blocks against their neighbourhoods: [B, H, rows, Dv]. ``query`` holds the
+    chunk's rows, ``key``/``value`` the positions ``chunk.keys`` (a range)."""
+    valid, o = chunk.info
+    w, back, fwd = o.window, o.look_backward, o.look_forward
+    b, rows = query.shape[0], query.shape[2]
+    start = chunk.rows.start // w  # first query block
+    count = -(-rows // w)
+    span = back + count + fwd  # key blocks from start - back on
+    first = (start - back) * w  # position of the first key row below
+    device = query.device
+
+    def pad_keys(t: Tensor, fill: float | bool = 0) -> Tensor:  # positions [first, first + span * w)
+        lead = chunk.keys.start - first
+        return F.pad(t, (0, 0, lead, span * w - lead - t.shape[-2]), value=fill)
+
+    positions = torch.arange(first, first + span * w, device=device)
+    key_pos = _neighbourhood(_blocks(positions[:, None], w), back, back + count, back, fwd)[..., 0]  # [count, nbhd]
+    key_ok = pad_keys(valid[:, chunk.keys, None], fill=False)
+    key_ok = _neighbourhood(_blocks(key_ok, w), back, back + count, back, fwd)[..., 0]  # [B, count, nbhd]
+    query_pos = _blocks(positions[back * w:(back + count) * w, None], w)[..., 0]  # [count, w]
+    offset = key_pos[:, None, :] - query_pos[:, :, None]  # j - i, [count, w, nbhd]
+    structural = ((key_pos >= 0) & (key_pos < o.length))[:, None, :].expand_as(offset)  # the key exists
+    if o.exact_window:
+        structural = structural & (offset <= w * fwd) & (offset >= -w * back)
+    if o.is_causal:
+        structural = structural & (offset <= 0)
+    allowed = (structural[None] & key_ok[:, :, None, :]).flatten(0, 1)[:, None]  # [B*count, 1, w, nbhd]
+
+    # every query block against its neighbourhood in SDPA's fused kernel; heads sit beside each
+    # other so one [w, nbhd] mask per block serves them all
+    def heads_inner(t: Tensor) -> Tensor:  # [B, H, count, rows, D] -> [B*count, H, rows, D]
+        return t.transpose(1, 2).flatten(0, 1)
+
+    q = heads_inner(_blocks(F.pad(query, (0, 0, 0, count * w - rows)), w))
+    k = heads_inner(_neighbourhood(_blocks(pad_keys(key), w), back, back + count, back, fwd))
+    v = heads_inner(_neighbourhood(_blocks(pad_keys(value), w), back, back + count, back, fwd))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=o.dropout_p, scale=o.scale)
+    out = torch.where(allowed.any(-1, keepdim=True), out, 0.0)  # queries that see no key output zeros
+    return out.unflatten(0, (b, -1)).transpose(1, 2).flatten(2, 3)[:, :, :rows]
 
 
 @padding_safe
@@ -48,71 +126,20 @@ def local_attention(
 ) -> Tensor:
     """Sliding-window attention on [B, H, N, Dh]; ``attention_mask`` bool [B, N], True = real key."""
     check_qkv(query, key, value, attention_mask)
-    if window_size < 1:
-        raise AttentionError(f"window_size must be >= 1, got {window_size}")
-    look_forward = (0 if is_causal else 1) if look_forward is None else look_forward
-    if is_causal and look_forward:
-        raise AttentionError("causal local attention cannot look forward")
+    look_forward = _check_options(window_size, look_forward, is_causal)
     b, h, n, d = query.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    w = window_size
-    pad = (-n) % w
+    options = _Options(window_size, look_backward, look_forward, exact_window, is_causal,
+                       1.0 / math.sqrt(d) if scale is None else scale, dropout_p, n)
     valid = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
-    if pad:
-        query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
-        valid = F.pad(valid, (0, pad), value=False)
-    options = (w, look_backward, look_forward, exact_window, is_causal, scale, dropout_p)
-    blocks = (n + pad) // w
-    step = max(1, LOCAL_CHUNK_TOKENS // w)
-    # Query blocks in chunks, each recomputed in backward (checkpoint): only one chunk's
-    # neighbourhood copies, mask and SDPA temporaries exist at a time, forward or backward;
-    # what is kept for backward is q, k, v themselves.
-    chunks = [
-        checkpoint(_local_chunk, query, key, value, valid, start, min(start + step, blocks), options,
-                   use_reentrant=False)
-        for start in range(0, blocks, step)
-    ]
-    return torch.cat(chunks, dim=2)[:, :, :n]
+    return chunked_attention(_local_chunk, _plan(valid, options), [(query, key, value)], replay_random=dropout_p > 0)
 
 
-def _neighbourhood(blocks: Tensor, start: int, stop: int, backward: int, forward: int, fill: float | bool = 0) -> Tensor:
-    """Blocks [start, stop) each followed by its neighbours, missing neighbours at the ends
-    filled with ``fill``: [..., nb, block, D] -> [..., stop - start, (backward + 1 + forward) * block, D]."""
-    nb = blocks.shape[-3]
-    lo, hi = max(0, start - backward), min(nb, stop + forward)
-    context = F.pad(blocks[..., lo:hi, :, :], (0, 0, 0, 0, lo - (start - backward), (stop + forward) - hi), value=fill)
+def _neighbourhood(blocks: Tensor, start: int, stop: int, backward: int, forward: int) -> Tensor:
+    """Blocks [start, stop) each followed by its neighbours (all of which exist):
+    [..., nb, block, D] -> [..., stop - start, (backward + 1 + forward) * block, D]."""
     count = stop - start
-    return torch.cat([context[..., i:i + count, :, :] for i in range(backward + forward + 1)], dim=-2)
-
-
-def _local_chunk(query: Tensor, key: Tensor, value: Tensor, valid: Tensor, start: int, stop: int,
-                 options: tuple) -> Tensor:
-    """Query blocks [start, stop) against their neighbourhoods: [B, H, (stop - start) * w, Dh]."""
-    w, look_backward, look_forward, exact_window, is_causal, scale, dropout_p = options
-    b = query.shape[0]
-    positions = torch.arange(query.shape[2], device=query.device)
-    key_pos = _neighbourhood(_blocks(positions[:, None], w), start, stop, look_backward, look_forward, fill=-1)[..., 0]
-    key_ok = _neighbourhood(_blocks(valid[..., None], w), start, stop, look_backward, look_forward, fill=False)[..., 0]
-    query_pos = _blocks(positions[:, None], w)[start:stop, :, 0]  # [chunk, w]
-    offset = key_pos[:, None, :] - query_pos[:, :, None]  # j - i, [chunk, w, span]
-    structural = (key_pos >= 0)[:, None, :].expand_as(offset)  # neighbour block exists
-    if exact_window:
-        structural = structural & (offset <= w * look_forward) & (offset >= -w * look_backward)
-    if is_causal:
-        structural = structural & (offset <= 0)
-    allowed = (structural[None] & key_ok[:, :, None, :]).flatten(0, 1)[:, None]  # [B*chunk, 1, w, span]
-
-    # every query block against its neighbourhood in SDPA's fused kernel; heads sit beside each
-    # other so one [w, span] mask per block serves them all
-    def heads_inner(t: Tensor) -> Tensor:  # [B, H, chunk, rows, D] -> [B*chunk, H, rows, D]
-        return t.transpose(1, 2).flatten(0, 1)
-
-    q = heads_inner(_blocks(query, w)[:, :, start:stop])
-    k = heads_inner(_neighbourhood(_blocks(key, w), start, stop, look_backward, look_forward))
-    v = heads_inner(_neighbourhood(_blocks(value, w), start, stop, look_backward, look_forward))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
-    out = torch.where(allowed.any(-1, keepdim=True), out, 0.0)  # queries that see no key output zeros
-    return out.unflatten(0, (b, -1)).transpose(1, 2).flatten(2, 3)
+    return torch.cat([blocks[..., start - backward + i:start - backward + i + count, :, :]
+                      for i in range(backward + forward + 1)], dim=-2)
 
 
 @padding_safe
@@ -184,11 +211,20 @@ class LocalAttention(AttentionBase):
         self.dropout = dropout
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        q, k, v = self.proj.qkv(x)
-        out = local_attention(
-            q, k, v, attention_mask,
-            window_size=self.window_size, look_backward=self.look_backward, look_forward=self.look_forward,
-            exact_window=self.exact_window, is_causal=self.causal,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
-        return self.proj.out(out)
+        dropout_p = self.dropout if self.training else 0.0
+        if not isinstance(self.proj, QKVProjection):  # q, k, v handed over from outside (longattn.hf)
+            q, k, v = self.proj.qkv(x)
+            return self.proj.out(local_attention(
+                q, k, v, attention_mask, window_size=self.window_size, look_backward=self.look_backward,
+                look_forward=self.look_forward, exact_window=self.exact_window, is_causal=self.causal,
+                dropout_p=dropout_p))
+        # the functional form's chunks, with the projections inside them (see chunked.py)
+        b, n, _ = x.shape
+        options = _Options(self.window_size, self.look_backward, _check_options(self.window_size, self.look_forward,
+                                                                                   self.causal),
+                           self.exact_window, self.causal, 1.0 / math.sqrt(self.head_dim), dropout_p, n)
+        valid = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
+        proj = self.proj
+        out = chunked_projected_attention(_local_chunk, _plan(valid, options), x, [(proj.to_q, proj.to_k, proj.to_v)],
+                                          self.heads, replay_random=dropout_p > 0)
+        return proj.out(out)

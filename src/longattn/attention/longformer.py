@@ -17,11 +17,11 @@ kernel: memory O(N (1 + 2 delta + 2G/w) Dh) per head for the gathered keys, neve
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from torch import Tensor, nn
 
 from longattn.attention.base import (
@@ -34,6 +34,7 @@ from longattn.attention.base import (
     register_attention,
     split_heads,
 )
+from longattn.attention.chunked import Chunk, chunked_attention, chunked_projected_attention
 
 __all__ = ["LongformerAttention", "longformer_attention", "longformer_attention_reference"]
 
@@ -67,6 +68,90 @@ def _global_index(global_positions: Sequence[int], length: int, device: torch.de
 
 # Query tokens per group of window chunks (recomputed together in backward).
 LONGFORMER_GROUP_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class _Options:
+    half: int  # w/2: queries per window chunk
+    dilation: int
+    is_causal: bool
+    scale: float
+    dropout_p: float
+
+    @property
+    def reach(self) -> int:
+        return self.dilation * self.half
+
+
+def _plan(real: Tensor, gidx: Tensor, options: _Options) -> list[Chunk]:
+    """Groups of window chunks (rows, their window keys and the global keys), then the global rows."""
+    b, n = real.shape
+    is_global = torch.zeros(n, dtype=torch.bool, device=real.device)
+    is_global[gidx] = True
+    c, reach = options.half, options.reach
+    step = max(1, LONGFORMER_GROUP_TOKENS // c) * c
+    chunks = []
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        lo, hi = max(0, r0 - reach), min(n, r0 + -(-(r1 - r0) // c) * c + reach)
+        keys = torch.cat([torch.arange(lo, hi, device=real.device), gidx])
+        chunks.append(Chunk(rows=slice(r0, r1), keys=keys, info=(real, is_global, gidx, lo, hi, options)))
+    if gidx.numel():
+        chunks.append(Chunk(rows=gidx, keys=slice(0, n), info=(real, gidx, options), triple=1))
+    return chunks
+
+
+def _longformer_chunk(chunk: Chunk, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    if chunk.triple == 1:
+        # global rows: Q_g of the global tokens against K_g, V_g of every token (full rows)
+        real, gidx, o = chunk.info
+        b, n = real.shape
+        visible = real[:, None, None, :].expand(b, 1, gidx.numel(), n)
+        if o.is_causal:
+            visible = visible & (torch.arange(n, device=real.device)[None, :] <= gidx[:, None])
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, dropout_p=o.dropout_p, scale=o.scale)
+        return torch.where(visible.any(-1, keepdim=True), out, 0.0)
+
+    # window chunks of c = w/2 queries, chunk j of the group seeing keys [r0 + j c - reach,
+    # r0 + j c + c + reach) plus the G global keys (K_s, V_s), all under one softmax; chunks go to
+    # the batch axis, so one mask per chunk serves all heads
+    real, is_global, gidx, lo, hi, o = chunk.info
+    b, h, rows, d = query.shape
+    n, g, c, reach = real.shape[1], gidx.numel(), o.half, o.reach
+    span = c + 2 * reach
+    chunks = -(-rows // c)
+    base = chunk.rows.start - reach  # position of window row 0 below
+    device = query.device
+
+    def windows(t: Tensor) -> Tensor:  # [B, H, hi - lo + G, D] -> [B * chunks, H, span + G, D]
+        padded = F.pad(t[:, :, :hi - lo], (0, 0, lo - base, base + chunks * c + 2 * reach - hi))
+        window = padded.unfold(2, span, c).transpose(-1, -2)  # [B, H, chunks, span, D]
+        glob = t[:, :, None, hi - lo:].expand(-1, -1, chunks, -1, -1)
+        return torch.cat([window, glob], dim=-2).transpose(1, 2).flatten(0, 1)
+
+    # key offset relative to the query: (chunk_start - reach + s) - (chunk_start + r) = s - r - reach
+    offset = torch.arange(span, device=device)[None, :] - torch.arange(c, device=device)[:, None] - reach
+    in_window = (offset.abs() <= reach) & (offset % o.dilation == 0)
+    if o.is_causal:
+        in_window = in_window & (offset <= 0)
+    positions = torch.arange(base, base + chunks * c + 2 * reach, device=device)
+    exists = (positions >= 0) & (positions < n)
+    inside = positions.clamp(0, n - 1)
+    # keys that exist, are real and are not global (global keys are added once, at the end)
+    key_ok = (exists & (real[:, inside] & ~is_global[inside])).unfold(1, span, c)  # [B, chunks, span]
+    query_pos = positions[reach:reach + chunks * c].view(chunks, c, 1)
+    visible_glob = real[:, gidx][:, None, None, :].expand(b, chunks, c, g)
+    if o.is_causal:
+        visible_glob = visible_glob & (gidx.view(1, 1, g) <= query_pos)
+    visible = torch.cat([in_window & key_ok[:, :, None, :], visible_glob], dim=-1).flatten(0, 1)[:, None]
+    q = F.pad(query, (0, 0, 0, chunks * c - rows)).unflatten(2, (chunks, c)).transpose(1, 2).flatten(0, 1)
+    out = F.scaled_dot_product_attention(q, windows(key), windows(value), attn_mask=visible, dropout_p=o.dropout_p,
+                                         scale=o.scale)
+    # queries that see no key output zeros; global queries' rows come from their own chunk
+    global_query = is_global[query_pos.clamp(max=n - 1)].expand(b, chunks, c, 1).flatten(0, 1)[:, None]
+    keep = visible.any(-1, keepdim=True) & ~global_query
+    out = torch.where(keep, out, 0.0)
+    return out.unflatten(0, (b, chunks)).transpose(1, 2).flatten(2, 3)[:, :, :rows]
 
 
 @padding_safe
@@ -105,89 +190,12 @@ def longformer_attention(
             raise AttentionError(
                 f"{label} must be [B, H, N, Dh] = [{b}, {h}, {n}, Dh] of dtype {query.dtype}"
             )
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    device = query.device
-    real = torch.ones(b, n, dtype=torch.bool, device=device) if attention_mask is None else attention_mask
-    gidx = _global_index(global_positions, n, device)
-    is_global = torch.zeros(n, dtype=torch.bool, device=device)
-    is_global[gidx] = True
-
-    # -- sliding-window rows, chunk by chunk: c = w/2 queries see keys [start - reach, start + c + reach)
-    # plus the G global keys, all under one softmax, each chunk through SDPA's fused kernel (no
-    # [rows, keys] weights are kept for backward). Chunks go to the batch axis and are gathered
-    # token-major, [chunks, keys, H, D] (the fused kernel's own layout, seen as [chunks, H, keys, D]),
-    # so one index picks a chunk's keys for every head and one mask per chunk serves all heads.
-    half = attention_window // 2
-    reach = dilation * half
-    chunk = half
-    chunks = -(-n // chunk)
-    span = chunk + 2 * reach
-    tail = chunks * chunk - n
-    g = gidx.numel()
-
-    # key offset relative to the query: (chunk_start - reach + s) - (chunk_start + r) = s - r - reach
-    offset = torch.arange(span, device=device)[None, :] - torch.arange(chunk, device=device)[:, None] - reach
-    in_window = (offset.abs() <= reach) & (offset % dilation == 0)
-    if is_causal:
-        in_window = in_window & (offset <= 0)
-    # keys that exist, are real and are not global (global keys are added once, at the end)
-    key_ok = F.pad(real & ~is_global, (reach, tail + reach)).unfold(1, span, chunk)  # [B, C, span]
-    visible_glob = real[:, gidx][:, None, None, :].expand(b, chunks, chunk, g)
-    if is_causal:
-        query_pos = torch.arange(chunks * chunk, device=device).view(chunks, chunk, 1)
-        visible_glob = visible_glob & (gidx.view(1, 1, g) <= query_pos)
-
-    # token-major and padded: key position p sits at row p + reach
-    query_t = F.pad(query.transpose(1, 2), (0, 0, 0, 0, 0, tail)).unflatten(1, (chunks, chunk))  # [B, C, c, H, D]
-    key_t, value_t = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, reach, tail + reach)) for t in (key, value))
-
-    def attend_chunks(batch: Tensor, chunk_idx: Tensor, visible: Tensor) -> Tensor:
-        """Chunks (batch[i], chunk_idx[i]) under ``visible`` ([c, span + G] or [M, 1, c, span + G]) -> [M, c, H, D]."""
-        window = chunk_idx[:, None] * chunk + torch.arange(span, device=device)
-        rows = torch.cat([window, (gidx + reach).expand(len(window), g)], dim=1)  # local rows use K_s, V_s on globals
-        k, v = (t[batch[:, None], rows].transpose(1, 2) for t in (key_t, value_t))
-        q = query_t[batch, chunk_idx].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout_p, scale=scale)
-        out = torch.where(visible.any(-1)[..., None], out, 0.0)  # queries that see no key output zeros
-        return out.transpose(1, 2)
-
-    # Most chunks see every key of their span and every global key: their mask is the window band
-    # alone, one [c, span + G] tensor for all of them. Only the others (sequence ends, padding, global
-    # tokens inside the span) get masks of their own, so masks cost O(such chunks), not O(N (w + G)).
-    unmasked = key_ok.all(-1) & visible_glob.flatten(2).all(-1)  # [B, C]
-    # Groups of chunks, each recomputed in backward (checkpoint): one group's gathered keys, values
-    # and masks are the only such copies alive at a time, forward or backward.
-    step = max(1, LONGFORMER_GROUP_TOKENS // chunk)
-
-    def attend_in_groups(batch: Tensor, chunk_idx: Tensor, visible_of: Callable[[slice], Tensor]) -> Tensor:
-        return torch.cat([
-            checkpoint(attend_chunks, batch[i:i + step], chunk_idx[i:i + step], visible_of(slice(i, i + step)),
-                       use_reentrant=False)
-            for i in range(0, batch.numel(), step)
-        ])
-
-    out = query_t.new_zeros(b, chunks, chunk, h, value.shape[-1])
-    open_chunks = unmasked.nonzero().unbind(1)
-    if open_chunks[0].numel():
-        band = torch.cat([in_window, in_window.new_ones(chunk, g)], dim=-1)
-        out = out.index_put(open_chunks, attend_in_groups(*open_chunks, lambda _: band))
-    masked_chunks = (~unmasked).nonzero().unbind(1)
-    if masked_chunks[0].numel():
-        visible_win = in_window & key_ok[masked_chunks][:, None, :]  # [M, c, span]
-        visible = torch.cat([visible_win, visible_glob[masked_chunks]], dim=-1)[:, None]  # [M, 1, c, span + G]
-        out = out.index_put(masked_chunks, attend_in_groups(*masked_chunks, lambda rows: visible[rows]))
-    out = out.flatten(1, 2)[:, :n].transpose(1, 2)  # [B, H, N, D]
-    if g == 0:
-        return out
-
-    # -- global rows: Q_g of the global tokens against K_g, V_g of every token (full rows)
-    visible_g = real[:, None, None, :].expand(b, 1, g, n)
-    if is_causal:
-        visible_g = visible_g & (torch.arange(n, device=device)[None, :] <= gidx[:, None])
-    out_g = F.scaled_dot_product_attention(global_query[:, :, gidx], global_key, global_value,
-                                           attn_mask=visible_g, dropout_p=dropout_p, scale=scale)
-    out_g = torch.where(visible_g.any(-1, keepdim=True), out_g, 0.0)
-    return out.index_copy(2, gidx, out_g)
+    options = _Options(attention_window // 2, dilation, is_causal, 1.0 / math.sqrt(d) if scale is None else scale,
+                       dropout_p)
+    real = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
+    chunks = _plan(real, _global_index(global_positions, n, query.device), options)
+    return chunked_attention(_longformer_chunk, chunks, [(query, key, value), (global_query, global_key, global_value)],
+                             replay_random=dropout_p > 0)
 
 
 @padding_safe
@@ -295,20 +303,24 @@ class LongformerAttention(AttentionBase):
         return tuple(split_heads(self.global_proj[name](x), self.heads) for name in ("query", "key", "value"))
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        q, k, v = self.proj.qkv(x)
-        gq, gk, gv = self.global_qkv(x)
-        out = longformer_attention(
-            q, k, v, attention_mask,
-            attention_window=self.attention_window,
-            dilation=self.dilation,
-            global_positions=self.global_positions,
-            global_query=gq,
-            global_key=gk,
-            global_value=gv,
-            is_causal=self.causal,
-            scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
+        scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+        options = _Options(self.attention_window // 2, self.dilation, self.causal, scale,
+                           self.dropout if self.training else 0.0)
+        if not isinstance(self.proj, QKVProjection):  # q, k, v handed over from outside (longattn.hf)
+            q, k, v = self.proj.qkv(x)
+            gq, gk, gv = self.global_qkv(x)
+            return self.proj.out(longformer_attention(
+                q, k, v, attention_mask, attention_window=self.attention_window, dilation=self.dilation,
+                global_positions=self.global_positions, global_query=gq, global_key=gk, global_value=gv,
+                is_causal=self.causal, scale=self.scale, dropout_p=options.dropout_p))
+        # the functional form's chunks, with the projections inside them (see chunked.py)
+        b, n, _ = x.shape
+        real = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
+        chunks = _plan(real, _global_index(self.global_positions, n, x.device), options)
+        local = (self.proj.to_q, self.proj.to_k, self.proj.to_v)
+        glob = local if self.global_proj is None else tuple(self.global_proj[name] for name in ("query", "key", "value"))
+        out = chunked_projected_attention(_longformer_chunk, chunks, x, [local, glob], self.heads,
+                                          replay_random=options.dropout_p > 0)
         return self.proj.out(out)
 
     def extra_repr(self) -> str:

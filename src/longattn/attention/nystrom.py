@@ -22,10 +22,12 @@ every softmax and zeroed before the convolution.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from longattn.attention.base import (
     AttentionBase,
@@ -36,6 +38,7 @@ from longattn.attention.base import (
     padding_safe,
     register_attention,
 )
+from longattn.attention.chunked import Chunk, chunked_sequence_op
 
 
 def iterative_pinv(a: Tensor, iterations: int) -> Tensor:
@@ -48,20 +51,32 @@ def iterative_pinv(a: Tensor, iterations: int) -> Tensor:
     norm_1 = abs_a.sum(dim=-2).amax(dim=-1)[..., None, None]
     norm_inf = abs_a.sum(dim=-1).amax(dim=-1)[..., None, None]
     z = a.transpose(-1, -2) / (norm_1 * norm_inf)
+    # Under autograd each step is recomputed in its own backward: only the Z_j are kept, not the
+    # half dozen m x m products of every step.
+    remember_steps_only = torch.is_grad_enabled() and (a.requires_grad or z.requires_grad)
     for _ in range(iterations):
-        az = a @ z
-        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+        z = checkpoint(_pinv_step, a, z, eye, use_reentrant=False) if remember_steps_only else _pinv_step(a, z, eye)
     return z
 
 
-def depthwise_value_conv(value: Tensor, weight: Tensor) -> Tensor:
+def _pinv_step(a: Tensor, z: Tensor, eye: Tensor) -> Tensor:
+    """One step of eq. 16."""
+    az = a @ z
+    return 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+
+
+def depthwise_value_conv(value: Tensor, weight: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """Depth-wise conv of V along the sequence, one [kernel] filter per head: weight [H, 1, kernel, 1]
-    (the layout of a grouped Conv2d(H, H, (kernel, 1), groups=H))."""
+    (the layout of a grouped Conv2d(H, H, (kernel, 1), groups=H)); V is read as zero at the padded
+    positions of ``attention_mask`` (bool [B, N], True = real)."""
     b, h, n, d = value.shape
     kernel = weight.shape[-2]
     # As a 1-d conv with one channel per (head, feature) and each head's filter repeated over its
     # features: the same sum, about 2.5x faster on CPU than the (kernel, 1) 2-d convolution.
-    channels = value.transpose(-1, -2).reshape(b, h * d, n)
+    channels = value.transpose(-1, -2)
+    if attention_mask is not None:
+        channels = channels.masked_fill(~attention_mask[:, None, None, :], 0.0)
+    channels = channels.reshape(b, h * d, n)
     filters = weight[..., 0].to(value.dtype).repeat_interleave(d, dim=0)  # [H * Dh, 1, kernel]
     out = F.conv1d(channels, filters, padding=kernel // 2, groups=h * d)
     return out.reshape(b, h, d, n).transpose(-1, -2)
@@ -90,6 +105,40 @@ def _real_segment_sums(query: Tensor, key: Tensor, real: Tensor, m: int) -> tupl
     return q_sum, k_sum, counts[:, None, :m, None]
 
 
+# Query tokens per chunk of the output (kernel_1 times the mixed landmark values, plus the
+# convolution of V): its SDPA and convolution buffers exist for one chunk at a time.
+OUTPUT_CHUNK_TOKENS = 2048
+
+
+def _output_rows(query: Tensor, value: Tensor, k_land: Tensor, mixed: Tensor, landmark_mask: Tensor | None,
+                 conv_weight: Tensor | None, attention_mask: Tensor | None, scale: float) -> Tensor:
+    """softmax(Q K~^T scale) mixed (eq. 15's left factor), plus the convolution of V, chunk by chunk
+    along the queries: nothing of size N is kept for backward but the inputs."""
+    n = query.shape[2]
+    half = 0 if conv_weight is None else conv_weight.shape[-2] // 2
+    chunks = [Chunk(rows=slice(start, min(n, start + OUTPUT_CHUNK_TOKENS)),
+                    keys=slice(max(0, start - half), min(n, start + OUTPUT_CHUNK_TOKENS + half)),
+                    info=(landmark_mask, attention_mask, scale))
+              for start in range(0, n, OUTPUT_CHUNK_TOKENS)]
+    params = [k_land, mixed] + ([] if conv_weight is None else [conv_weight])
+    sources, reads = ([query], lambda c: [c.rows]) if conv_weight is None else ([query, value], lambda c: [c.rows, c.keys])
+    return chunked_sequence_op(_output_chunk, chunks, sources, reads, params)
+
+
+def _output_chunk(chunk: Chunk, leaves: list[Tensor], params: Sequence[Tensor]) -> Tensor:
+    landmark_mask, attention_mask, scale = chunk.info
+    out = F.scaled_dot_product_attention(leaves[0], params[0], params[1], attn_mask=landmark_mask, scale=scale)
+    if len(params) == 2:
+        return out
+    value, weight = leaves[1], params[2]
+    half = weight.shape[-2] // 2
+    # the chunk's rows with kernel // 2 positions on each side, zeros beyond the sequence
+    before, after = chunk.keys.start - (chunk.rows.start - half), chunk.rows.stop + half - chunk.keys.stop
+    window = F.pad(value, (0, 0, before, after))
+    real = None if attention_mask is None else F.pad(attention_mask[:, chunk.keys], (before, after), value=False)
+    return out + depthwise_value_conv(window, weight, real)[:, :, half:window.shape[2] - half]
+
+
 @padding_safe
 def nystrom_attention(
     query: Tensor,
@@ -111,22 +160,18 @@ def nystrom_attention(
     b, h, n, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     real = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
-    if attention_mask is not None:
-        keep = attention_mask[:, None, :, None].to(value.dtype)
-        query_real, key_real, value = query * keep, key * keep, value * keep
-    else:
-        query_real, key_real = query, key
 
     m = num_landmarks
     if attention_mask is None:
         pad = (-n) % m
         segment = (n + pad) // m
         # Segment sums (eq. 13-14), then the mean over the count.
-        q_sum = F.pad(query_real, (0, 0, 0, pad)).reshape(b, h, m, segment, d).sum(dim=-2)
-        k_sum = F.pad(key_real, (0, 0, 0, pad)).reshape(b, h, m, segment, d).sum(dim=-2)
+        q_sum, k_sum = ((F.pad(t, (0, 0, 0, pad)) if pad else t).unflatten(2, (m, segment)).sum(dim=-2)
+                        for t in (query, key))
         counts = F.pad(real, (0, pad), value=False).reshape(b, 1, m, segment).sum(dim=-1, keepdim=True)
     else:
-        q_sum, k_sum, counts = _real_segment_sums(query_real, key_real, real, m)
+        # padded tokens fall in a spare segment: no masked copy of q or k is needed
+        q_sum, k_sum, counts = _real_segment_sums(query, key, real, m)
     q_land = q_sum / counts.clamp(min=1).to(q_sum.dtype) * scale  # the scale on the small side
     k_land = k_sum / counts.clamp(min=1).to(k_sum.dtype)
     valid = counts[..., 0] > 0  # [B, 1, m]: landmark has at least one real token
@@ -138,13 +183,11 @@ def nystrom_attention(
         eye = torch.eye(m, dtype=kernel_2.dtype, device=kernel_2.device)
         kernel_2 = torch.where(valid[..., None], kernel_2, eye)  # invalid landmark: identity row
     # Right to left, and the two [N, m]-sized softmax products (kernel_3 V and kernel_1 W) through
-    # SDPA's fused kernel, which keeps neither [B, H, N, m] matrix for the backward pass.
+    # SDPA's fused kernel, which keeps neither [B, H, N, m] matrix for the backward pass. Padded
+    # keys are outside every softmax, so only the convolution needs V zeroed there.
     landmark_values = F.scaled_dot_product_attention(q_land, key, value, attn_mask=key_mask, scale=1.0)
     mixed = iterative_pinv(kernel_2, pinv_iterations) @ landmark_values  # [B, H, m, Dh]
-    out = F.scaled_dot_product_attention(query, k_land, mixed, attn_mask=landmark_mask, scale=scale)
-    if conv_weight is not None:
-        out = out + depthwise_value_conv(value, conv_weight)
-    return out
+    return _output_rows(query, value, k_land, mixed, landmark_mask, conv_weight, attention_mask, scale)
 
 
 @padding_safe

@@ -314,6 +314,11 @@ def _c2c_flops(input_shape, dim, normalization, forward, out_shape=None, **kwarg
     return _fft_flops(n, math.prod(input_shape) // n, complex_input=True)
 
 
+def _addmm_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    (m, k), (_, n) = a_shape, b_shape
+    return 2 * m * k * n
+
+
 def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
     from torch.utils.flop_counter import sdpa_flop_count
 
@@ -328,12 +333,14 @@ def _cpu_sdpa_backward_flops(grad_out, query, key, value, *args, out_shape=None,
 
 def count_flops(step: Callable[[], None]) -> int:
     """FLOPs of one call of ``step`` as torch's FlopCounterMode counts them from each op's shapes
-    (matmuls, convolutions, attention kernels), plus the FFTs and SDPA's CPU kernels it does not
-    know. Elementwise ops and reductions are not counted: they are memory traffic."""
+    (matmuls, convolutions, attention kernels), plus the FFTs, SDPA's CPU kernels and the in-place
+    GEMM ``addmm_`` (the skeleton's fused stem) it does not know. Elementwise ops and reductions are
+    not counted: they are memory traffic."""
     from torch.utils.flop_counter import FlopCounterMode
 
     aten = torch.ops.aten
     custom = {aten._fft_r2c: _r2c_flops, aten._fft_c2r: _c2r_flops, aten._fft_c2c: _c2c_flops,
+              aten.addmm_: _addmm_flops,
               aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
               aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops}
     with FlopCounterMode(display=False, custom_mapping=custom) as counter:
