@@ -26,6 +26,9 @@ TASKS = {
     "listops": StubTask("listops"),
     "image": StubTask("image"),
     "retrieval": StubTask("retrieval", dual=True),
+    # longer, for analyses of token matrices at ranks up to 16 (S^3 Table 14 on Text and Pathfinder)
+    "text": StubTask("text", max_len=48),
+    "pathfinder": StubTask("pathfinder", max_len=48),
 }
 
 

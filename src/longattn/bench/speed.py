@@ -27,11 +27,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from longattn.bench.targets import SDPA, SDPA_MATH, math_backend, make_target
+
+if TYPE_CHECKING:
+    from torch.utils.flop_counter import FlopCounterMode
 
 # Defaults of ``longattn bench speed`` / ``bench model`` live here only; the command reads them.
 DEFAULT_LENGTHS = "1k,4k,16k"
@@ -74,6 +77,8 @@ class SpeedConfig:
     reference: bool = True
     # what that in-process baseline is: SDPA, or SDPA's math path (softmax_math: the n x n scores held)
     reference_target: str = SDPA
+    # lra_text: micro-batches of ``batch`` per optimiser step (gradient accumulation, Skeinformer Table 2)
+    grad_accum: int = 1
 
     @property
     def dim(self) -> int:
@@ -145,7 +150,8 @@ def _lra_text_calls(config: SpeedConfig, target_name: str, device: torch.device)
             model(tokens, mask)
 
     def train_step() -> None:
-        F.cross_entropy(model(tokens, mask), labels).backward()
+        for _ in range(config.grad_accum):
+            (F.cross_entropy(model(tokens, mask), labels) / config.grad_accum).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -331,11 +337,11 @@ def _cpu_sdpa_backward_flops(grad_out, query, key, value, *args, out_shape=None,
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
-def count_flops(step: Callable[[], None]) -> int:
-    """FLOPs of one call of ``step`` as torch's FlopCounterMode counts them from each op's shapes
-    (matmuls, convolutions, attention kernels), plus the FFTs, SDPA's CPU kernels and the in-place
-    GEMM ``addmm_`` (the skeleton's fused stem) it does not know. Elementwise ops and reductions are
-    not counted: they are memory traffic."""
+def flop_counter() -> "FlopCounterMode":
+    """torch's FlopCounterMode (FLOPs from each op's shapes: matmuls, convolutions, attention
+    kernels; a multiply-add counts 2) taught the ops it does not know: the FFTs, SDPA's CPU
+    kernels and the in-place GEMM ``addmm_`` (the skeleton's fused stem). Elementwise ops and
+    reductions are not counted: they are memory traffic. Use as ``with flop_counter() as counter: ...``."""
     from torch.utils.flop_counter import FlopCounterMode
 
     aten = torch.ops.aten
@@ -343,7 +349,12 @@ def count_flops(step: Callable[[], None]) -> int:
               aten.addmm_: _addmm_flops,
               aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
               aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops}
-    with FlopCounterMode(display=False, custom_mapping=custom) as counter:
+    return FlopCounterMode(display=False, custom_mapping=custom)
+
+
+def count_flops(step: Callable[[], None]) -> int:
+    """FLOPs of one call of ``step`` as :func:`flop_counter` counts them."""
+    with flop_counter() as counter:
         step()
     return int(counter.get_total_flops())
 
@@ -361,16 +372,19 @@ def child_env(config: SpeedConfig) -> dict[str, str]:
 MEMORY_PROCESS_MMAP_THRESHOLD = 1 << 20
 
 
-def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes: int | None) -> dict[str, Any]:
+def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes: int | None,
+                      parts: tuple[str, ...] = ("memory", "time")) -> dict[str, Any]:
     """Measure ``config`` in fresh Python processes, the peak memory in one (CPU: glibc's mmap
     threshold fixed, see MEMORY_PROCESS_MMAP_THRESHOLD) and the times in another (the default
-    allocator behaviour); out-of-memory and time-outs become statuses."""
+    allocator behaviour), or only the ``parts`` asked for; out-of-memory and time-outs become statuses."""
     row: dict[str, Any] = asdict(config)
     env = child_env(config)
     if memory_limit_bytes:
         env["LONGATTN_BENCH_MEMORY_LIMIT"] = str(memory_limit_bytes)
     memory_env = dict(env, MALLOC_MMAP_THRESHOLD_=str(MEMORY_PROCESS_MMAP_THRESHOLD))
     for part, part_env in (("memory", memory_env), ("time", env)):
+        if part not in parts:
+            continue
         cmd = [sys.executable, "-m", "longattn.bench.speed", json.dumps(asdict(config)), part]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=part_env)
@@ -561,6 +575,26 @@ def model_table(rows: list[dict[str, Any]], reference: str = SDPA) -> str:
     return "\n".join(lines)
 
 
+def per_sequence_table(rows: list[dict[str, Any]], reference: str = SDPA) -> str:
+    """Markdown table of FSAT Figure 3's figures: training time and peak memory per sequence (a
+    training step's, divided by the batch) against N, with ratios to the softmax model (its
+    time measured in the same process, its memory in its own row)."""
+    ref = {r["length"]: r for r in rows if r["target"] == reference and r.get("status") == "ok"}
+    lines = [f"Times: median, {clock_of(rows)}; one training step divided by its batch.", "",
+             "| attention | N | train ms / sequence | speed-up vs softmax | peak MiB / sequence | memory vs softmax |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["target"], r["length"])):
+        if r.get("status") != "ok":
+            lines.append(f"| {r['target']} | {r['length']} | {r.get('status')} | | | |")
+            continue
+        base = ref.get(r["length"])
+        mem = r["peak_memory_bytes"] / base["peak_memory_bytes"] if base and base["peak_memory_bytes"] else None
+        lines.append(f"| {r['target']} | {r['length']} | {1000 * r['forward_backward_s'] / r['batch']:.1f} | "
+                     f"{_fmt(_speedup(r, reference), '.2f')} | {r['peak_memory_bytes'] / 2**20 / r['batch']:.1f} | "
+                     f"{_fmt(mem, '.2f')} |")
+    return "\n".join(lines)
+
+
 def growth(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per target, how much faster than linear time and memory grow from the shortest to the longest
     measured length: (t_long / t_short) / (N_long / N_short); 1.0 is exactly linear."""
@@ -580,23 +614,29 @@ def growth(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def plot_speed(rows: list[dict[str, Any]], path: str | Path) -> None:
-    """Log-log plot of forward+backward time and peak memory against N, with a slope-1 guide."""
+def plot_speed(rows: list[dict[str, Any]], path: str | Path, per_sequence: bool = False) -> None:
+    """Log-log plot of forward+backward time and peak memory against N, with a slope-1 guide;
+    ``per_sequence`` divides both by the batch (FSAT Figure 3)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    unit = " per sequence" if per_sequence else ""
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    for ax, key, label in ((axes[0], "forward_backward_s", "forward+backward time (s)"),
-                           (axes[1], "peak_memory_bytes", "peak memory (bytes)")):
+    for ax, key, label in ((axes[0], "forward_backward_s", f"forward+backward time{unit} (s)"),
+                           (axes[1], "peak_memory_bytes", f"peak memory{unit} (bytes)")):
         lengths = sorted({r["length"] for r in rows})
+        ok = [r for r in rows if r.get("status") == "ok" and r.get(key)]
+
+        def value(r: dict[str, Any]) -> float:
+            return r[key] / r["batch"] if per_sequence else r[key]
+
         for target in sorted({r["target"] for r in rows}):
-            pts = sorted((r["length"], r[key]) for r in rows
-                         if r["target"] == target and r.get("status") == "ok" and r.get(key))
+            pts = sorted((r["length"], value(r)) for r in ok if r["target"] == target)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=target)
-        values = [r[key] for r in rows if r.get("status") == "ok" and r.get(key)]
+        values = [value(r) for r in ok]
         if values and len(lengths) > 1:
             y0 = min(values)
             ax.plot(lengths, [y0 * n / lengths[0] for n in lengths], "k--", lw=1, label="slope 1 (linear)")

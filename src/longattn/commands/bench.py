@@ -211,3 +211,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # registers "seqpar" and the Singularformer analyses (after the helpers above, which they use)
 from longattn.commands import _bench_seqpar  # noqa: E402,F401
 from longattn.commands import _bench_singular  # noqa: E402,F401
+# registers the papers' analyses: flops, fsat-fig3, ... (issue 18)
+from longattn.commands import _bench_papers  # noqa: E402,F401
