@@ -7,6 +7,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 import lra_stub
 from longattn import attention
@@ -68,6 +69,71 @@ def test_compare_writes_table_results_and_plot(tmp_path, capsys):
     assert (out / "compare.png").stat().st_size > 1000
 
 
+class RecordingDataset(torch.utils.data.Dataset):
+    """Logs the index of every training example handed to a loader, in order."""
+
+    def __init__(self, inner, log: list[int]) -> None:
+        self.inner, self.log = inner, log
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int):
+        self.log.append(index)
+        return self.inner[index]
+
+
+def test_compare_pairs_seeds_that_see_the_same_data_order_and_writes_learning_curves(tmp_path, monkeypatch, capsys):
+    log: list[int] = []
+    original = lra_stub.build_dataset
+
+    def recording(name, split="train", data_dir=None, **options):
+        dataset = original(name, split, data_dir, **options)
+        return RecordingDataset(dataset, log) if split == "train" else dataset
+
+    monkeypatch.setattr(LRATask.data_api, "build_dataset", recording)
+    out = tmp_path / "cmp"
+    # no --seeds: the demo preset's default of 3 seeds
+    assert main(["compare", "--task", "listops", "--attentions", "skein,softmax", "--preset", "demo",
+                 "--out", str(out), *TINY, "--set", "data.train.num_examples=12"]) == 0
+    # runs in order skein s0, s1, s2, softmax s0, s1, s2; each draws 2 batches of 4 training examples
+    runs = [log[i:i + 8] for i in range(0, len(log), 8)]
+    assert len(runs) == 6
+    assert runs[0:3] == runs[3:6], "a seed must give the same data order to every mechanism"
+    assert len({tuple(run) for run in runs[0:3]}) == 3, "different seeds must give different orders"
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["seeds"] == [0, 1, 2] and summary["reference"] == "softmax"
+    orders = [[r["data_order"] for r in run["results"]] for run in summary["runs"]]
+    assert orders[0] == orders[1] and len(set(orders[0])) == 3
+    skein = summary["runs"][0]
+    assert skein["difference"]["seeds"] == [0, 1, 2] and skein["test_summary"]["n"] == 3
+    history = skein["results"][0]["history"]
+    assert all("loss" in record and record["train_time_s"] > 0 for record in history)
+    table = (out / "table.md").read_text()
+    assert "Δ test vs softmax" in table and "reference" in table and "s.e." in table
+    curves = json.loads((out / "curves.json").read_text())["curves"]
+    assert [c["label"] for c in curves] == ["skein", "softmax"] and all(len(c["seeds"]) == 3 for c in curves)
+    assert (out / "curves_listops.png").stat().st_size > 1000 and "| skein" in (out / "curves.md").read_text()
+    # the same curves from the folder alone (runs found on disk, seeds grouped by their folder)
+    for name in ("curves.json", "curves.md", "curves_listops.png"):
+        (out / name).unlink()
+    assert main(["curves", str(out)]) == 0
+    again = json.loads((out / "curves.json").read_text())["curves"]
+    assert sorted(c["label"] for c in again) == ["skein", "softmax"]
+    assert sorted(again, key=lambda c: c["label"])[0]["points"] == curves[0]["points"]
+    assert (out / "curves_listops.png").is_file() and "| softmax" in capsys.readouterr().out
+
+
+def test_compare_reference_must_be_compared(tmp_path, capsys):
+    code = main(["compare", "--attentions", "skein", "--reference", "softmax", "--out", str(tmp_path / "c")])
+    assert code == 2 and "--reference 'softmax'" in capsys.readouterr().err
+
+
+def test_curves_command_on_a_folder_without_runs_is_a_clear_error(tmp_path, capsys):
+    assert main(["curves", str(tmp_path)]) == 2
+    assert "no run results" in capsys.readouterr().err
+
+
 def test_sweep_grid_and_variants(tmp_path):
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text("""title: toy
@@ -80,15 +146,24 @@ paper:
   "layers=1": {listops: 10.0}
 """)
     out = tmp_path / "out"
-    assert main(["sweep", "--config", str(sweep), "--out", str(out), *TINY]) == 0
+    assert main(["sweep", "--config", str(sweep), "--out", str(out), "--seeds", "0", *TINY]) == 0
     table = (out / "table.md").read_text()
     assert "layers=1" in table and "layers=2" in table and "retrieval" in table and "Paper" in table
+    assert "Paired difference from layers=1" in table and (out / "curves_retrieval.png").is_file()
     cells = json.loads((out / "results.json").read_text())["cells"]
     assert len(cells) == 4 and all(len(c["test"]) == 1 for c in cells)
     # resume reuses the finished runs instead of training again
     before = (out / "layers=1" / "listops" / "seed0" / "results.json").stat().st_mtime_ns
-    assert main(["sweep", "--config", str(sweep), "--out", str(out), "--resume", *TINY]) == 0
+    assert main(["sweep", "--config", str(sweep), "--out", str(out), "--seeds", "0", "--resume", *TINY]) == 0
     assert (out / "layers=1" / "listops" / "seed0" / "results.json").stat().st_mtime_ns == before
+
+
+def test_sweep_reference_must_be_a_row_and_is_checked_before_training(tmp_path, capsys):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("attention: softmax\ntasks: [listops]\ngrid: {model.layers: [1, 2]}\n")
+    code = main(["sweep", "--config", str(sweep), "--reference", "layers=3", "--out", str(tmp_path / "o"), *TINY])
+    assert code == 2 and "layers=1, layers=2" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_sweep_file_with_unknown_key_is_rejected(tmp_path, capsys):
@@ -109,7 +184,7 @@ def test_noise_command_adds_the_dataset_option(tmp_path, monkeypatch):
     monkeypatch.setattr(LRATask.data_api, "build_dataset", recording)
     out = tmp_path / "noise"
     assert main(["noise", "--attentions", "softmax", "--levels", "0,4", "--preset", "demo", "--out", str(out),
-                 *TINY]) == 0
+                 "--seeds", "0", *TINY]) == 0
     assert set(seen) == {0, 4}
     assert "noise_amplitude=4" in (out / "table.md").read_text()
 

@@ -43,11 +43,21 @@ def lra_effective(config) -> dict:
                      **{f"split_{s}": {**data.options, **getattr(data, s)} for s in ("train", "val", "test")}}}
 
 
+# Deliberate change (issue 18): the ListOps demo budget is cut to 200 steps so that `compare` runs 3 seeds in a
+# few minutes (reasons in configs/lra/listops/demo.yaml); nothing else of any preset moves.
+CHANGED_TRAINER = {("listops", "demo"): {"max_steps": 200, "warmup_steps": 20, "eval_every": 40}}
+
+
 @pytest.mark.parametrize("key", sorted(BEFORE["lra"]))
 def test_lra_presets(key):
     task, preset, attention = key.split("/")
     config = resolve_config(task, preset, attention=attention)
-    assert lra_effective(config) == BEFORE["lra"][key]
+    before = BEFORE["lra"][key]
+    changed = CHANGED_TRAINER.get((task, preset), {})
+    if changed:
+        assert {k: before["trainer"][k] for k in changed} != changed  # the fixture holds the old values
+    before = {**before, "trainer": {**before["trainer"], **changed}}
+    assert lra_effective(config) == before
 
 
 def test_every_sweep_cell():

@@ -36,9 +36,11 @@ def loop_settings(**values) -> dict:
     return {"train": TrainConfig(**values), "optim": OptimConfig(**optim), **chosen}
 
 
-def final_state(out_dir) -> tuple[dict, list[str], dict]:
+def final_state(out_dir) -> tuple[dict, list[dict], dict]:
     results = json.loads((out_dir / "results.json").read_text())
-    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    # every record but the elapsed training time (a clock reading, never bit-identical)
+    lines = [{k: v for k, v in json.loads(line).items() if k != "train_time_s"}
+             for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     weights = load_checkpoint(out_dir / "checkpoints" / "last.pt")["model"]
     return results, lines, weights
 

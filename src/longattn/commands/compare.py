@@ -3,90 +3,135 @@
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from longattn.commands._args import add_config_arguments, attention_list, no_progress, seed_list
-from longattn.experiment.grid import Cell, markdown_table, mean_std, run_cells
-from longattn.experiment.results import now, write_results
+from longattn.config import ConfigError
+from longattn.experiment.curves import CurveGroup, curve_groups, learning_curves, write_learning_curves
+from longattn.experiment.grid import (DEMO_SEEDS, PAPER_SEEDS, Cell, default_seeds, difference_record, paired_against,
+                                      run_cells)
+from longattn.experiment.results import markdown_table, now, write_results
+from longattn.experiment.stats import format_difference, format_sem, legend, mean_std, summarize
 from longattn.tasks.base import get_task, task_names
 
 # The README's main job: the papers' mechanisms and two baselines.
 DEFAULT_ATTENTIONS = ("softmax", "skeleton", "singular", "fsat", "skein", "nystrom", "linformer")
 
 
+# The row every other row is compared with (paired by seed) when it is compared and --reference names no other;
+# without it, the first mechanism.
+DEFAULT_REFERENCE = "softmax"
+
+
 def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: str | None = "demo",
-                config_file: str | None = None, overrides: list[str] = (), seeds: list[int] = (0,),
-                resume: bool = False) -> dict[str, Any]:
-    """Train every mechanism of ``attentions`` on ``task`` into ``out_dir/<mechanism>/seed<k>``; table + plot."""
+                config_file: str | None = None, overrides: list[str] = (), seeds: list[int] | None = None,
+                resume: bool = False, reference: str | None = None) -> dict[str, Any]:
+    """Train every mechanism of ``attentions`` on ``task`` into ``out_dir/<mechanism>/seed<k>`` (seeds default to
+    :func:`default_seeds` of the preset); table (mean, std, standard error, paired difference from ``reference``),
+    plot with error bars, learning curves."""
     started = now()
     out_dir = Path(out_dir)
+    seeds = list(seeds) if seeds else default_seeds(preset)
+    if reference is None:
+        reference = DEFAULT_REFERENCE if DEFAULT_REFERENCE in attentions else attentions[0]
+    if reference not in attentions:
+        raise ConfigError(f"--reference {reference!r} is not among the compared mechanisms ({', '.join(attentions)})")
     cells = [Cell(name, task, task, preset, config_file, list(overrides), {"attention": name}) for name in attentions]
-    run_cells(cells, list(seeds), out_dir, run_dir=lambda cell, seed: out_dir / cell.row / f"seed{seed}",
-              resume=resume)
-    task_obj = get_task(task)
-    metric = task_obj.select_metric + (" (%)" if task_obj.table_scale == 100 else "")
-    headers = ["attention", "params", f"val {metric}", f"test {metric}", "train time (s)", "steps/s", "peak mem (MB)"]
-    table = (f"### {task}: test {task_obj.select_metric} of the best validation checkpoint\n\n"
-             + markdown_table(headers, [_row(cell) for cell in cells]) + "\n")
+    run_cells(cells, seeds, out_dir, run_dir=lambda cell, seed: out_dir / cell.row / f"seed{seed}", resume=resume)
+    base = next(cell for cell in cells if cell.attention == reference)
+    table = compare_table(task, cells, base, seeds)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(table)
-    summary = {"task": task, "preset": preset, "seeds": list(seeds), "overrides": list(overrides),
-               "metric": task_obj.select_metric,
-               "runs": [{"attention": c.attention, "error": c.error, "results": c.results} for c in cells]}
-    write_results(out_dir / "results.json", summary, seeds=list(seeds), started=started)
+    summary = {"task": task, "preset": preset, "seeds": seeds, "overrides": list(overrides),
+               "metric": get_task(task).select_metric, "reference": reference,
+               "runs": [{"attention": c.attention, "error": c.error, "test_summary": c.summary(),
+                         "val_summary": c.summary(split="val"), "difference": difference_record(c, base),
+                         "results": c.results} for c in cells]}
+    write_results(out_dir / "results.json", summary, seeds=seeds, started=started)
     plot_compare(cells, out_dir / "compare.png", task)
+    written = write_learning_curves(curve_groups(cells), out_dir)
     print(table)
-    print(f"wrote {out_dir / 'table.md'}, {out_dir / 'results.json'}, {out_dir / 'compare.png'}")
+    files = [out_dir / "table.md", out_dir / "results.json", out_dir / "compare.png", *written]
+    print(f"wrote {', '.join(str(path) for path in files)}")
     return summary
 
 
-def _row(cell: Cell) -> list[Any]:
+def compare_table(task: str, cells: list[Cell], base: Cell, seeds: list[int]) -> str:
+    """One row per mechanism: the metric's mean ± std on validation and test, the test standard error, the
+    paired difference from ``base`` with its interval (marked when not significant), time and memory."""
+    task_obj = get_task(task)
+    metric = task_obj.select_metric + (" (%)" if task_obj.table_scale == 100 else "")
+    headers = ["attention", "params", f"val {metric}", f"test {metric}", "s.e.",
+               f"Δ test vs {base.attention}", "train time (s)", "steps/s", "peak mem (MB)"]
+    table = (f"### {task}: test {task_obj.select_metric} of the best validation checkpoint, mean ± std over "
+             f"seeds {seeds}\n\n" + markdown_table(headers, [_row(cell, base) for cell in cells]) + "\n")
+    if len(cells) > 1:
+        table += f"\n{legend(base.attention)}\n"
+    return table
+
+
+def _row(cell: Cell, base: Cell) -> list[Any]:
     if cell.error or not cell.results:
-        return [cell.attention, "-", "failed", cell.error or "no result", "-", "-", "-"]
+        return [cell.attention, "-", "failed", cell.error or "no result", "-", "-", "-", "-", "-"]
     first = cell.results[0]
     times = [r["train_time_s"] for r in cell.results]
     rate = statistics.mean(r["steps"] / r["train_time_s"] for r in cell.results if r["train_time_s"] > 0)
+    difference = ("reference" if cell is base else
+                  format_difference(paired_against(cell, base)) if base.results else "-")
     return [cell.attention, first["parameters"], mean_std(cell.values(split="val")), mean_std(cell.values()),
-            f"{statistics.mean(times):.1f}", f"{rate:.1f}", f"{max(r['peak_memory_mb'] for r in cell.results):.0f}"]
+            format_sem(cell.values()), difference, f"{statistics.mean(times):.1f}", f"{rate:.1f}",
+            f"{max(r['peak_memory_mb'] for r in cell.results):.0f}"]
 
 
 def plot_compare(cells: list[Cell], path: Path, task: str) -> None:
-    """The validation metric over training steps (left) and the test metric (right), one colour per mechanism."""
+    """Validation metric over training steps, mean ± std over seeds (left); test metric per mechanism, mean with
+    ± std error bars and each seed as a dot (right)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
     task_obj = get_task(task)
-    metric, scale = task_obj.select_metric, task_obj.table_scale
+    metric, unit = task_obj.select_metric, " (%)" if task_obj.table_scale == 100 else ""
     fig, (curves, bars) = plt.subplots(1, 2, figsize=(11, 4))
-    names, tests = [], []
-    for cell in cells:
-        if not cell.results:
-            continue
-        history = cell.results[0].get("history") or []
-        if history:
-            curves.plot([h["step"] for h in history], [scale * h[metric] for h in history], marker=".",
-                        label=cell.attention)
-        names.append(cell.attention)
-        tests.append(statistics.mean(cell.values()) if cell.values() else 0.0)
-    curves.set(xlabel="optimiser step", ylabel=f"validation {metric}", title=f"{task}: validation")
-    if names:
+    done = [cell for cell in cells if cell.results]
+    for index, cell in enumerate(done):
+        points = learning_curves(CurveGroup(task, cell.attention, cell.results))["points"]
+        steps = [p["step"] for p in points]
+        mean = [p["metric"] for p in points]
+        spread = [0.0 if math.isnan(p["metric_std"]) else p["metric_std"] for p in points]
+        curves.plot(steps, mean, marker=".", color=f"C{index}", label=cell.attention)
+        curves.fill_between(steps, [m - s for m, s in zip(mean, spread)], [m + s for m, s in zip(mean, spread)],
+                            color=f"C{index}", alpha=0.15, linewidth=0)
+        values = cell.values()
+        summary = summarize(values)
+        bars.bar(index, summary.mean, color=f"C{index}", alpha=0.6,
+                 yerr=0.0 if math.isnan(summary.std) else summary.std, capsize=4)
+        bars.plot([index] * len(values), values, "k.", markersize=4)
+    seeds = max((len(cell.results) for cell in done), default=0)
+    over = f"mean ± std over {seeds} seed{'s' if seeds != 1 else ''}"
+    curves.set(xlabel="optimiser step", ylabel=f"validation {metric}{unit}", title=f"{task}: validation, {over}")
+    if done:
         curves.legend(fontsize="small")
-    bars.bar(names, tests, color=[f"C{i}" for i in range(len(names))])
-    bars.set(ylabel=f"test {metric}", title=f"{task}: test (best validation checkpoint)")
-    bars.tick_params(axis="x", rotation=30)
+    classes = getattr(task_obj, "num_classes", 0) if metric == "accuracy" else 0
+    if classes:  # uniform guessing, so that a reader sees how far every mechanism is from it
+        bars.axhline(task_obj.table_scale / classes, color="grey", linestyle="--", linewidth=1, label="chance")
+        bars.legend(fontsize="small", loc="lower right")
+    bars.set_xticks(range(len(done)), [cell.attention for cell in done], rotation=30)
+    bars.set(ylabel=f"test {metric}{unit}", title=f"{task}: test, {over} (dots: seeds)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def _cmd(args: argparse.Namespace) -> int:
     summary = run_compare(args.task, attention_list(args.attentions), args.out, preset=args.preset,
-                          config_file=args.config, overrides=no_progress(args), seeds=seed_list(args.seeds),
-                          resume=args.resume)
+                          config_file=args.config, overrides=no_progress(args),
+                          seeds=seed_list(args.seeds) if args.seeds else None, resume=args.resume,
+                          reference=args.reference)
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
@@ -99,7 +144,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--attentions", default=",".join(DEFAULT_ATTENTIONS), help="comma-separated mechanisms")
     add_config_arguments(p)
     p.set_defaults(preset="demo")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds (mean ± std over them)")
+    p.add_argument("--seeds", help=f"comma-separated seeds (default: {DEMO_SEEDS} for the demo preset, "
+                   f"{PAPER_SEEDS} for the papers' presets)")
+    p.add_argument("--reference", help=f"mechanism the others are compared with, paired by seed (default: "
+                   f"{DEFAULT_REFERENCE} when compared, else the first)")
     p.add_argument("--out", default="runs/compare", help="output folder")
     p.add_argument("--resume", action="store_true", help="reuse finished runs and resume interrupted ones")
     p.add_argument("--no-progress", action="store_true")

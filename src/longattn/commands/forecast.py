@@ -10,7 +10,8 @@ from longattn.data.timeseries import SERIES, download_series
 from longattn.experiment.config import resolve_config
 from longattn.experiment.results import write_results
 from longattn.experiment.run import run
-from longattn.forecast.table import format_table, run_table, summarise
+from longattn.experiment.grid import PAPER_SEEDS
+from longattn.forecast.table import difference_table, format_table, run_table, summarise
 from longattn.models.registry import model_names
 from longattn.tasks.base import get_task
 from longattn.tasks.forecasting import find_preset
@@ -29,15 +30,21 @@ def _forecast(args: argparse.Namespace) -> int:
 
 
 def _table(args: argparse.Namespace) -> int:
+    if args.reference and args.reference not in args.models:  # say so before hours of training, not after
+        raise ValueError(f"--reference {args.reference!r} is not among --models ({', '.join(args.models)})")
     rows = run_table(args.data_dir, args.datasets, args.models, args.out, horizons=args.horizons,
                      overrides=args.set or [], seeds=args.seeds, device=args.device, collect_only=args.collect_only)
     table = format_table(rows, args.models)
+    differences = difference_table(rows, args.models, args.reference)
+    if differences:
+        table += "\n\n" + differences
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table + "\n")
     summary = summarise(rows)
-    write_results(out / "table.json", {"rows": rows, "cells": summary}, seeds=args.seeds)
+    write_results(out / "table.json", {"rows": rows, "cells": summary, "reference": args.reference or args.models[0]},
+                  seeds=sorted({row["seed"] for row in rows if row.get("seed") is not None}))
     if not args.no_plot:
         from longattn.forecast.plots import plot_mse_by_horizon
 
@@ -84,8 +91,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--horizons", nargs="+", type=int, help="default: each dataset's config horizons")
     t.add_argument("--models", nargs="+", default=["skt", "dlinear", "encoder:softmax", "encoder:skein"],
                    help="model or model:attention, e.g. skt encoder:skein dlinear")
-    t.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4],
-                   help="seeds per cell (default 0-4: the papers repeat each cell 5 times)")
+    t.add_argument("--seeds", nargs="+", type=int,
+                   help=f"seeds per cell (default 0-{PAPER_SEEDS - 1}: the papers repeat each cell {PAPER_SEEDS} times)")
+    t.add_argument("--reference", help="model the others' MSE is compared with, paired by seed (default: the first)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override applied to every cell")
     t.add_argument("--device", help="cpu (default), cuda, ...")
     t.add_argument("--collect-only", action="store_true", help="train nothing; tabulate the finished cells")

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from longattn.commands._args import attention_list, seed_list
-from longattn.experiment.grid import load_sweep, run_sweep
+from longattn.experiment.grid import DEMO_SEEDS, PAPER_SEEDS, load_sweep, run_sweep
 
 NOISE_LEVELS = (0, 2, 4, 8)
 
@@ -20,7 +20,7 @@ def _sweep(args: argparse.Namespace) -> int:
     spec = load_sweep(args.config)
     seeds = seed_list(args.seeds) if args.seeds else None
     summary = run_sweep(spec, args.out, preset=args.preset, tasks=_split(args.tasks), extra_overrides=args.overrides,
-                        seeds=seeds, resume=args.resume)
+                        seeds=seeds, resume=args.resume, reference=args.reference)
     return 1 if any(cell["error"] for cell in summary["cells"]) else 0
 
 
@@ -53,9 +53,9 @@ def _noise(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--levels must be comma-separated numbers, got {args.levels!r}") from None
     spec = noise_spec(attention_list(args.attentions), levels)
-    seeds = seed_list(args.seeds)
+    seeds = seed_list(args.seeds) if args.seeds else None
     summary = run_sweep(spec, args.out, preset=args.preset, extra_overrides=args.overrides, seeds=seeds,
-                        resume=args.resume)
+                        resume=args.resume, reference=args.reference)
     return 1 if any(cell["error"] for cell in summary["cells"]) else 0
 
 
@@ -68,7 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks", help="comma-separated subset of the sweep's tasks")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override for every run (repeatable)")
-    p.add_argument("--seeds", help="comma-separated seeds (default: the sweep file's, else 0)")
+    p.add_argument("--seeds", help=f"comma-separated seeds (default: the sweep file's, else {DEMO_SEEDS} for the "
+                   f"demo preset and {PAPER_SEEDS} for the papers')")
+    p.add_argument("--reference", help="row the others are compared with, paired by seed (default: the sweep "
+                   "file's `reference`, else its first row)")
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="reuse finished runs, resume interrupted ones")
     p.set_defaults(func=_sweep)
@@ -80,7 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     n.add_argument("--levels", default=",".join(str(v) for v in NOISE_LEVELS))
     n.add_argument("--preset", default="skt_noise", help="Image preset (default: 5k steps as in the paper)")
     n.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    n.add_argument("--seeds", default="0", help="the paper uses 5 replicates: 0,1,2,3,4")
+    n.add_argument("--seeds", help=f"comma-separated seeds (default: {PAPER_SEEDS}, the paper's replicates; "
+                   f"{DEMO_SEEDS} with --preset demo)")
+    n.add_argument("--reference", help="mechanism the others are compared with (default: the first)")
     n.add_argument("--out", required=True)
     n.add_argument("--resume", action="store_true")
     n.set_defaults(func=_noise)

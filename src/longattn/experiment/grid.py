@@ -20,11 +20,15 @@ from typing import Any, Callable
 from longattn import attention as attention_registry
 from longattn.config import ConfigError, read_yaml
 from longattn.experiment.config import resolve_config
-from longattn.experiment.results import now, write_results
+from longattn.experiment.results import markdown_table, now, write_results
 from longattn.experiment.run import run
+from longattn.experiment.curves import curve_groups, write_learning_curves
+from longattn.experiment.stats import (PairedDifference, format_difference, legend, mean_with_sem, paired_difference,
+                                       summarize)
 from longattn.tasks.base import get_task, task_names
 
-__all__ = ["Cell", "load_sweep", "markdown_table", "mean_std", "run_cells", "sweep_cells", "write_sweep_table"]
+__all__ = ["Cell", "default_seeds", "difference_record", "load_sweep", "markdown_table", "paired_against", "run_cells",
+           "sweep_cells", "write_sweep_table"]
 
 
 @dataclass
@@ -47,10 +51,44 @@ class Cell:
 
     def values(self, metric: str | None = None, split: str = "test") -> list[float]:
         """``metric`` (default: the task's selection metric) on ``split`` for every seed, scaled for tables."""
+        return list(self.by_seed(metric, split).values())
+
+    def by_seed(self, metric: str | None = None, split: str = "test") -> dict[int, float]:
+        """{seed: ``metric`` on ``split``}, scaled for tables (the runs that have it)."""
         task = get_task(self.task)
         metric = metric or task.select_metric
-        return [task.table_scale * r[split][metric] for r in self.results
-                if r.get(split) and r[split].get(metric) is not None]
+        return {r["seed"]: task.table_scale * r[split][metric] for r in self.results
+                if r.get(split) and r[split].get(metric) is not None}
+
+    def summary(self, metric: str | None = None, split: str = "test") -> dict[str, Any]:
+        """Mean, std and standard error of ``metric`` on ``split`` over the seeds (for results files)."""
+        return summarize(self.values(metric, split)).as_dict()
+
+
+def paired_against(cell: Cell, reference: Cell, metric: str | None = None,
+                   split: str = "test") -> PairedDifference | None:
+    """``cell`` - ``reference`` paired by seed, over the seeds whose runs saw the same data order."""
+    ours, theirs = cell.by_seed(metric, split), reference.by_seed(metric, split)
+    order = {r["seed"]: r.get("data_order") for r in reference.results}
+    # results written before runs recorded their data order carry none: those are taken as paired
+    unpaired = sorted(r["seed"] for r in cell.results if r["seed"] in theirs and r.get("data_order")
+                      and order.get(r["seed"]) and r["data_order"] != order[r["seed"]])
+    if unpaired:
+        print(f"note: {cell.row} / {cell.column} and {reference.row} / {reference.column} saw different data "
+              f"orders for seed(s) {unpaired}; those seeds are left out of their paired difference")
+    return paired_difference({s: v for s, v in ours.items() if s not in unpaired}, theirs)
+
+
+# Seeds per grid cell, decided here only: 3 for the demo scale (the README's `compare` stays a few minutes on
+# 2 cores), 5 for the papers' presets (the papers report 5 runs: S^3 Table 12, SKTformer's forecasting tables,
+# Singularformer's 5 folds). An explicit --seeds or a sweep file's `seeds` wins.
+DEMO_SEEDS = 3
+PAPER_SEEDS = 5
+
+
+def default_seeds(preset: str | Path | None) -> list[int]:
+    """Seeds 0..k-1: k = DEMO_SEEDS for the demo preset or a config file of one's own, else PAPER_SEEDS."""
+    return list(range(DEMO_SEEDS if preset is None or str(preset) == "demo" else PAPER_SEEDS))
 
 
 def run_cells(cells: list[Cell], seeds: list[int], out_dir: str | Path, *,
@@ -93,23 +131,6 @@ def registered_or_note(names: list[str]) -> list[str]:
     return kept
 
 
-def mean_std(values: list[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
-
-
-def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
-    text = [[str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in text)) if text else len(h) for i, h in enumerate(headers)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in text]
-    return "\n".join(lines)
-
-
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in text)
 
@@ -117,7 +138,7 @@ def _slug(text: str) -> str:
 # ----------------------------------------------------------------------------- sweep files
 
 SWEEP_KEYS = {"title", "description", "tasks", "preset", "attention", "set", "seeds", "grid", "variants",
-              "columns", "paper", "average"}
+              "columns", "paper", "average", "reference"}
 VARIANT_KEYS = {"name", "attention", "set"}
 COLUMN_KEYS = {"key", "values"}
 
@@ -217,28 +238,38 @@ def sweep_cells(spec: dict[str, Any], preset: str | None = None, tasks: list[str
 
 
 def write_sweep_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path, seeds: list[int],
-                      started: str | None = None) -> dict[str, Any]:
-    """``table.md`` (rows x columns, mean ± std of the task's metric) and ``results.json``."""
+                      started: str | None = None, reference: str | None = None) -> dict[str, Any]:
+    """``table.md`` (rows x columns: mean ± std (standard error) of the task's metric over seeds, then each
+    row's paired difference from the ``reference`` row, default the sweep's or the first) and ``results.json``."""
     rows = list(dict.fromkeys(c.row for c in cells))
     columns = list(dict.fromkeys(c.column for c in cells))
     by_key = {(c.row, c.column): c for c in cells}
+    reference = sweep_reference(spec, rows, reference)
     average = spec.get("average", "columns" not in spec)
     headers = ["", *columns] + (["average"] if average else [])
-    table_rows = []
+    table_rows, difference_rows = [], []
     for row in rows:
         means = []
-        line = [row]
+        line, differences = [row], [row]
         for column in columns:
             cell = by_key.get((row, column))
             values = cell.values() if cell else []
-            means.append(statistics.mean(values) if values else math.nan)
-            line.append("failed" if cell and cell.error else mean_std(values))
+            means.append(summarize(values).mean)
+            line.append("failed" if cell and cell.error else mean_with_sem(values))
+            base = by_key.get((reference, column))
+            differences.append("reference" if row == reference else
+                               format_difference(paired_against(cell, base)) if cell and base else "-")
         if average:
             line.append(f"{statistics.mean(means):.2f}" if not any(math.isnan(m) for m in means) else "-")
         table_rows.append(line)
+        difference_rows.append(differences)
     title = spec.get("title", "sweep")
     metric = _metric_label(cells)
-    text = f"### {title} — {metric}\n\n" + markdown_table(headers, table_rows) + "\n"
+    text = (f"### {title} — {metric}, mean ± std (standard error) over seeds {seeds}\n\n"
+            + markdown_table(headers, table_rows) + "\n")
+    if len(rows) > 1:
+        text += (f"\nPaired difference from {reference}:\n\n" + markdown_table(["", *columns], difference_rows)
+                 + f"\n\n{legend(reference)}\n")
     paper = spec.get("paper")
     if paper:
         paper_rows = [[row, *(paper.get(row, {}).get(c, "-") for c in columns)] for row in rows if row in paper]
@@ -248,14 +279,32 @@ def write_sweep_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path, se
     summary = {
         "title": title,
         "metric": metric,
+        "reference": reference,
         "cells": [{"row": c.row, "column": c.column, "task": c.task, "attention": c.attention,
                    "overrides": c.overrides, "test": c.values(), "val": c.values(split="val"),
+                   "test_summary": c.summary(), "difference": difference_record(c, by_key.get((reference, c.column))),
                    "error": c.error} for c in cells],
         "paper": paper,
     }
     write_results(out_dir / "results.json", summary, seeds=seeds, started=started)
     print(text)
     return summary
+
+
+def sweep_reference(spec: dict[str, Any], rows: list[str], reference: str | None = None) -> str | None:
+    """The row the others are compared with: ``reference``, else the sweep's ``reference``, else the first row."""
+    reference = reference or spec.get("reference") or (rows[0] if rows else None)
+    if rows and reference not in rows:
+        raise ConfigError(f"reference row {reference!r} is not a row of this sweep; rows: {', '.join(rows)}")
+    return reference
+
+
+def difference_record(cell: Cell, reference: Cell | None) -> dict[str, Any] | None:
+    """The paired difference of ``cell`` from ``reference`` for results files (None for the reference)."""
+    if reference is None or reference is cell:
+        return None
+    difference = paired_against(cell, reference)
+    return difference.as_dict() if difference else None
 
 
 def _metric_label(cells: list[Cell]) -> str:
@@ -267,9 +316,14 @@ def _metric_label(cells: list[Cell]) -> str:
 
 
 def run_sweep(spec: dict[str, Any], out_dir: str | Path, preset: str | None = None, tasks: list[str] | None = None,
-              extra_overrides: list[str] = (), seeds: list[int] | None = None, resume: bool = False) -> dict[str, Any]:
-    """Train every (row, column) cell of a sweep spec and write ``table.md`` and ``results.json``."""
+              extra_overrides: list[str] = (), seeds: list[int] | None = None, resume: bool = False,
+              reference: str | None = None) -> dict[str, Any]:
+    """Train every (row, column) cell of a sweep spec; write ``table.md``, ``results.json`` and learning curves."""
     started = now()
-    seeds = seeds or list(spec.get("seeds", [0]))
-    cells = run_cells(sweep_cells(spec, preset, tasks, extra_overrides), seeds, out_dir, resume=resume)
-    return write_sweep_table(spec, cells, Path(out_dir), seeds, started)
+    seeds = seeds or list(spec.get("seeds") or default_seeds(preset or spec.get("preset", "standard")))
+    cells = sweep_cells(spec, preset, tasks, extra_overrides)
+    sweep_reference(spec, list(dict.fromkeys(c.row for c in cells)), reference)  # a bad name fails before training
+    run_cells(cells, seeds, out_dir, resume=resume)
+    summary = write_sweep_table(spec, cells, Path(out_dir), seeds, started, reference)
+    write_learning_curves(curve_groups(cells), Path(out_dir))
+    return summary

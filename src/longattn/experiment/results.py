@@ -22,7 +22,7 @@ import torch
 from longattn.config import config_hash
 from longattn.utils import dumps_strict
 
-__all__ = ["now", "provenance", "write_results"]
+__all__ = ["markdown_table", "now", "provenance", "write_results"]
 
 
 def now() -> str:
@@ -87,3 +87,13 @@ def write_results(path: str | Path, payload: dict[str, Any], *, config: Any = No
     tmp.write_text(text + "\n")
     tmp.replace(path)
     return path
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """The human table beside a results file: a markdown table with aligned columns."""
+    text = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in text)) if text else len(h) for i, h in enumerate(headers)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in text]
+    return "\n".join(lines)

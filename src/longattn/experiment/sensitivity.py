@@ -14,7 +14,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from longattn.experiment.grid import Cell, markdown_table, mean_std, run_cells
+from longattn.experiment.grid import Cell, markdown_table, run_cells
+from longattn.experiment.stats import mean_std
 
 __all__ = ["PAPER_BATCHES", "PAPER_LEARNING_RATES", "plot_sensitivity", "run_sensitivity", "sensitivity_table"]
 

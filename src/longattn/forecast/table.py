@@ -9,17 +9,19 @@ the paper's numbers beside ours.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from longattn.experiment.config import resolve_config
-from longattn.experiment.grid import Cell, run_cells
+from longattn.experiment.grid import PAPER_SEEDS, Cell, run_cells
+from longattn.experiment.results import markdown_table
+from longattn.experiment.stats import format_difference, legend, paired_difference, summarize
 from longattn.data.timeseries import resolve_series
 from longattn.forecast.paper import paper_for_model
 from longattn.tasks.forecasting import find_preset
 
-__all__ = ["cell_dir", "format_table", "forecast_cells", "run_table", "split_model_spec", "summarise"]
+__all__ = ["cell_dir", "difference_table", "format_table", "forecast_cells", "run_table", "split_model_spec",
+           "summarise"]
 
 
 def cell_dir(out: str | Path, dataset: str, model_spec: str, horizon: int, seed: int) -> Path:
@@ -80,7 +82,7 @@ def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str
 
     ``collect_only`` trains nothing: a (cell, seed) without results gives a row marked ``missing``.
     """
-    seeds = seeds or [0]
+    seeds = seeds or list(range(PAPER_SEEDS))  # the configs are the papers' settings
     cells = forecast_cells(data_dir, datasets, models, horizons, overrides, device)
 
     def run_dir(cell: Cell, seed: int) -> Path:
@@ -105,7 +107,7 @@ def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per (dataset, horizon, model): test MSE/MAE mean and sample standard deviation over the seeds
+    """One entry per (dataset, horizon, model): test MSE/MAE mean, sample std and standard error over the seeds
     (as the paper's "repeated 5 times"), the published numbers for that model, and whether ours is worse than
     the paper beyond two standard deviations (mean - paper > 2 std; undecided with fewer than two seeds)."""
     groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
@@ -119,9 +121,10 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                  "failed": any("error" in r for r in group),
                                  "train_seconds": sum(r.get("seconds") or 0.0 for r in done)}
         for metric in ("mse", "mae"):
-            values = [r[metric] for r in done]
-            entry[f"{metric}_mean"] = statistics.mean(values) if values else None
-            entry[f"{metric}_std"] = statistics.stdev(values) if len(values) > 1 else None
+            values = summarize([r[metric] for r in done])
+            entry[f"{metric}_mean"] = values.mean if values.n else None
+            entry[f"{metric}_std"] = values.std if values.n > 1 else None
+            entry[f"{metric}_sem"] = values.sem if values.n > 1 else None
         paper = paper_for_model(model, dataset, horizon, done[0].get("seq_len") if done else None)
         entry["paper_mse"], entry["paper_mae"] = paper or (None, None)
         entry["worse_beyond_2std"] = (None if paper is None or entry["mse_std"] is None
@@ -172,3 +175,23 @@ def format_table(rows: list[dict[str, Any]], models: list[str]) -> str:
             f"{e['dataset']} {e['horizon']} {e['model']}: {' '.join(map(str, e['missing_seeds']))}"
             for e in incomplete) + ".")
     return "\n".join(lines)
+
+
+def difference_table(rows: list[dict[str, Any]], models: list[str], reference: str | None = None) -> str:
+    """Each model's test MSE minus the ``reference`` model's (default: the first), paired by seed, with its
+    t interval and the mark for differences that are not significant (:mod:`longattn.experiment.stats`)."""
+    reference = reference or models[0]
+    others = [m for m in models if m != reference]
+    if not others:
+        return ""
+    by_seed: dict[tuple[str, int, str], dict[int, float]] = {}
+    for row in rows:
+        if "error" not in row and not row.get("missing"):
+            by_seed.setdefault((row["dataset"], row["horizon"], row["model"]), {})[row["seed"]] = row["mse"]
+    order = list(dict.fromkeys((row["dataset"], row["horizon"]) for row in rows))
+    table = [[dataset, horizon, *(format_difference(paired_difference(by_seed.get((dataset, horizon, m), {}),
+                                                                      by_seed.get((dataset, horizon, reference), {})),
+                                                    digits=3) for m in others)]
+             for dataset, horizon in order]
+    return (f"Test MSE minus {reference}'s:\n\n" + markdown_table(["Dataset", "H", *others], table)
+            + f"\n\n{legend(reference)}")

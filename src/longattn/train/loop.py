@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -407,6 +408,12 @@ class Trainer:
             batches = batches[: self.settings.max_steps_per_epoch * self.settings.grad_accum]
         return batches
 
+    def data_order(self) -> str:
+        """A fingerprint of the first epoch's batches: equal for runs that see the same data in the same order
+        (the order depends only on the seed, the training set and the batch settings, not on the model)."""
+        order = json.dumps(self._epoch_batches(0), separators=(",", ":"))
+        return hashlib.sha256(order.encode()).hexdigest()[:16]
+
     def _grouped_by_length(self, order: list[int], epoch: int) -> list[int]:
         """``order`` with each window of 50 batches sorted by example length, longest first (the
         shuffled order picks which examples share a window, so batches still differ every epoch)."""
@@ -657,8 +664,10 @@ class Trainer:
             if s.patience is not None and p.evals_without_improvement >= s.patience:
                 p.stopped_early = True
         # "epoch" counts finished passes: a validation right after an epoch's last batch belongs to that epoch.
+        # train_time_s: training time so far (validation excluded), the x axis of learning curves against time
         record = {"split": "val", "step": p.step, "epoch": p.epoch, **result, "best": improved,
-                  "train_loss": p.since_eval[0] / max(1, p.since_eval[1]), "lr": p.last_lr}
+                  "train_loss": p.since_eval[0] / max(1, p.since_eval[1]), "lr": p.last_lr,
+                  "train_time_s": round(p.train_time_s, 3)}
         p.since_eval = [0.0, 0]
         p.history.append(record)
         self._log(record)
@@ -695,6 +704,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "precision": self.settings.precision,
             "history": p.history,
+            "data_order": self.data_order(),
         }
         if self.dist.is_main:
             if self.write_results is not None:
