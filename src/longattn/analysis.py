@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["mu_incoherence"]
+__all__ = ["mu_incoherence", "pooled_attention", "row_pearson"]
 
 
 def mu_incoherence(x: Tensor, rank: int) -> float:
@@ -31,3 +31,40 @@ def mu_incoherence(x: Tensor, rank: int) -> float:
     left = w.square().sum(-1).max() * n / rank
     right = v.square().sum(-1).max() * d / rank
     return float(torch.maximum(left, right))
+
+
+def pooled_attention(layer_maps: list[Tensor]) -> Tensor:
+    """Singularformer's A^{*,*} (eqs. 19-20): each layer's [B, H, N, N] maps max-pooled over heads, then
+    averaged over layers -> [B, N, N]."""
+    if not layer_maps:
+        raise ValueError("pooled_attention needs the maps of at least one layer")
+    shapes = {tuple(m.shape) for m in layer_maps}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 4:
+        raise ValueError(f"every layer's map must be [B, H, N, N] of one shape, got {sorted(shapes)}")
+    return torch.stack([m.amax(dim=1) for m in layer_maps]).mean(dim=0)
+
+
+def row_pearson(a: Tensor, b: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """The attention correlation of Singularformer Sec. 5.2 per example: the Pearson correlation of row i
+    of ``a`` with row i of ``b`` ([B, N, N]), over the real keys, averaged over the real rows -> [B].
+
+    Rows where either map is constant (a correlation without a value, e.g. one real token) are left out
+    of the average; an example without any such row gets NaN. Computed in float64.
+    """
+    if a.shape != b.shape or a.dim() != 3 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"row_pearson expects two [B, N, N] maps of one shape, got {list(a.shape)}, {list(b.shape)}")
+    real = torch.ones(a.shape[:2], dtype=torch.bool, device=a.device) if attention_mask is None else attention_mask
+    if real.shape != a.shape[:2] or real.dtype != torch.bool:
+        raise ValueError(f"attention_mask must be bool {list(a.shape[:2])}, got {real.dtype} {list(real.shape)}")
+    keys = real[:, None, :].to(torch.float64)
+    count = keys.sum(-1, keepdim=True).clamp_min(1)
+    centred = []
+    for m in (a, b):
+        m = m.to(torch.float64) * keys
+        centred.append((m - m.sum(-1, keepdim=True) / count) * keys)
+    covariance = (centred[0] * centred[1]).sum(-1)
+    scale = (centred[0].square().sum(-1) * centred[1].square().sum(-1)).sqrt()
+    valid = real & (scale > 0)
+    per_row = torch.where(valid, covariance / scale.where(valid, torch.ones_like(scale)), torch.zeros_like(scale))
+    rows = valid.sum(-1)
+    return torch.where(rows > 0, per_row.sum(-1) / rows.clamp_min(1), torch.full_like(covariance[:, 0], float("nan")))

@@ -129,3 +129,30 @@ def test_shared_cifar_jpeg_copy(shared_data):
     assert len(ds) == 10_000
     assert np.bincount(ds.labels, minlength=10).tolist() == [1000] * 10
     assert ds[0]["tokens"].shape == (1024,)
+
+
+def test_cifar10_as_patches_from_python_batches_and_folder(tmp_path):
+    (tmp_path / "py").mkdir()
+    train, test = _python_batches(tmp_path / "py")
+    ds = image.build_cifar10_patches("test", str(tmp_path / "py"), check_counts=False)
+    assert len(ds) == 3 and ds.max_len == 256 and ds.patch_dim == 12 and ds.classes[0] == "airplane"
+    planar = test[0][1]  # second image, channel-planar [3072]
+    patches = ds[1]["patches"]
+    assert patches.shape == (256, 12)
+    # token 17 is the patch at row 1, col 1: pixels (2..3, 2..3), values ordered (dy, dx, channel)
+    expected = [planar[c * 1024 + (2 + dy) * 32 + 2 + dx] / 255 for dy in range(2) for dx in range(2) for c in range(3)]
+    assert patches[17].tolist() == pytest.approx(expected)
+    folds = [image.build_cifar10_patches("val", str(tmp_path / "py"), fold=k, check_counts=False) for k in range(5)]
+    assert sum(len(f) for f in folds) == 20
+    assert len(image.build_cifar10_patches("train", str(tmp_path / "py"), fold=0, check_counts=False)) == 20 - len(folds[0])
+    with pytest.raises(DatasetError, match="fold=k"):
+        image.build_cifar10_patches("val", str(tmp_path / "py"), check_counts=False)
+    # an image folder: a red image's patches hold (1, 0, 0) per pixel
+    tree = tmp_path / "tree"
+    for split in ("train", "test"):
+        for cls, colour in (("cat", (255, 0, 0)), ("airplane", (0, 0, 0))):
+            (tree / split / cls).mkdir(parents=True)
+            (tree / split / cls / "0.png").write_bytes(_png(colour))
+    red = image.build_cifar10_patches("test", str(tree), check_counts=False)
+    assert red.classes == ["airplane", "cat"] and red.labels.tolist() == [0, 1]
+    assert red[1]["patches"][0].tolist() == [1.0, 0.0, 0.0] * 4

@@ -15,6 +15,7 @@ import pkgutil
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
+    AttentionMap,
     Capabilities,
     MechanismSpec,
     QKVProjection,
@@ -28,6 +29,7 @@ from longattn.attention.base import (
     get_spec,
     merge_heads,
     padding_safe,
+    record_attention_maps,
     register_attention,
     split_heads,
 )
@@ -39,6 +41,7 @@ for _info in pkgutil.iter_modules(__path__):
 __all__ = [
     "AttentionBase",
     "AttentionError",
+    "AttentionMap",
     "Capabilities",
     "MechanismSpec",
     "QKVProjection",
@@ -52,6 +55,7 @@ __all__ = [
     "get_spec",
     "merge_heads",
     "padding_safe",
+    "record_attention_maps",
     "register_attention",
     "split_heads",
 ]

@@ -35,7 +35,7 @@ import contextvars
 import functools
 import inspect
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +56,8 @@ __all__ = [
     "check_qkv",
     "padding_safe",
     "compute_dtype",
+    "AttentionMap",
+    "record_attention_maps",
     "split_heads",
     "merge_heads",
 ]
@@ -82,6 +84,8 @@ class Capabilities:
             models leave out their own FFN around it.
         sequence_parallel: has an exact sequence-parallel form in :mod:`longattn.parallel` (one
             sequence split across processes, equal to the single-process result).
+        attention_map: can hand its n x n attention matrix to :func:`record_attention_maps`
+            (analysis only, in eval mode).
     """
 
     causal: bool = False
@@ -93,6 +97,7 @@ class Capabilities:
     max_seq_len: int | None = None
     replaces_ffn: bool = False
     sequence_parallel: bool = False
+    attention_map: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -406,6 +411,7 @@ class AttentionBase(nn.Module):
         self.max_len = max_len
         self.causal = causal
         self._aux_losses: dict[str, Tensor] = {}
+        self._map_records: list[AttentionMap] | None = None  # set by record_attention_maps only
 
     # -- hooks for subclasses ------------------------------------------------------------
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
@@ -414,6 +420,19 @@ class AttentionBase(nn.Module):
     def add_aux_loss(self, name: str, value: Tensor) -> None:
         """Record an auxiliary loss of this forward pass (summed over layers by collect_aux_losses)."""
         self._aux_losses[name] = value
+
+    @property
+    def recording_maps(self) -> bool:
+        """True inside :func:`record_attention_maps`: the mechanism then materialises its map."""
+        return self._map_records is not None
+
+    def record_map(self, weights: Tensor, value: Tensor, attention_mask: Tensor | None) -> None:
+        """Hand this forward's attention matrix [B, H, N, N] and the per-head values [B, H, N, Dh]
+        it multiplies to the recorder; rows and columns of padded tokens are zeroed."""
+        if attention_mask is not None:
+            real = attention_mask[:, None, :, None]
+            weights = weights.masked_fill(~real, 0.0).masked_fill(~real.transpose(-1, -2), 0.0)
+        self._map_records.append(AttentionMap(self, weights.detach(), value.detach()))
 
     # -- public ----------------------------------------------------------------------------
     def forward(
@@ -435,6 +454,8 @@ class AttentionBase(nn.Module):
         padding replacement and the zeroed padded outputs (longattn.parallel runs a layer's
         sequence-parallel form through it)."""
         self.check_input(x, attention_mask)
+        if self.recording_maps and self.training:
+            raise AttentionError("attention maps are recorded for analysis only: call model.eval() first")
         self._aux_losses = {}
         if x.shape[0] == 0:
             return x.clone()  # an empty batch: an empty result of the same shape
@@ -482,6 +503,47 @@ class AttentionBase(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, dim={self.dim}, heads={self.heads}, max_len={self.max_len}"
+
+
+class AttentionMap(NamedTuple):
+    """One layer's attention matrix in one forward pass, materialised for analysis only.
+
+    ``weights @ value`` is the layer's per-head output before its output projection (the tests
+    check it against the mechanism's own output): ``weights`` [B, H, N, N] (row = query, zeros at
+    padded rows and columns), ``value`` [B, H, N, Dh].
+    """
+
+    layer: AttentionBase
+    weights: Tensor
+    value: Tensor
+
+
+@contextlib.contextmanager
+def record_attention_maps(model: nn.Module) -> Iterator[list[AttentionMap]]:
+    """Inside ``with record_attention_maps(model) as maps:`` every attention layer of ``model``
+    appends an :class:`AttentionMap` to ``maps`` at each forward call, in call order.
+
+    The n x n matrices exist only here, for analyses on lengths where they fit; training never
+    builds them (recording refuses a model in training mode). Mechanisms declare the ability as
+    ``Capabilities.attention_map``; a model with another mechanism raises :class:`AttentionError`.
+    """
+    layers = [m for m in model.modules() if isinstance(m, AttentionBase)]
+    if not layers:
+        raise AttentionError(f"{type(model).__name__} has no attention layer to record")
+    unable = sorted({m.name for m in layers if not m.capabilities.attention_map})
+    if unable:
+        able = sorted(n for n in available() if capabilities(n).attention_map)
+        raise AttentionError(f"attention {unable} cannot hand out attention maps; mechanisms that can: {able}")
+    if any(m.training for m in layers):
+        raise AttentionError("attention maps are recorded for analysis only: call model.eval() first")
+    records: list[AttentionMap] = []
+    for layer in layers:
+        layer._map_records = records
+    try:
+        yield records
+    finally:
+        for layer in layers:
+            layer._map_records = None
 
 
 class QKVProjection(nn.Module):

@@ -73,8 +73,10 @@ def realformer_attention(
     is_causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
-) -> tuple[Tensor, Tensor]:
-    """Residual attention on [B, H, N, Dh]; returns (output, this layer's raw scores S_l [B, H, N, N]).
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """Residual attention on [B, H, N, Dh]; returns (output, this layer's raw scores S_l [B, H, N, N]),
+    and with ``return_weights`` also softmax(S_l) [B, H, N, N] as it multiplied V (analyses).
 
     Scores accumulate in :func:`compute_dtype` (float32 for half inputs) and are returned in it.
     A query with no key to attend to gets zeros.
@@ -107,6 +109,8 @@ def realformer_attention(
     out = weights @ value.to(work)
     if no_key is not None:
         out = out.masked_fill(no_key, 0.0)
+    if return_weights:
+        return out.to(value.dtype), scores, weights if no_key is None else weights.masked_fill(no_key, 0.0)
     return out.to(value.dtype), scores
 
 
@@ -141,7 +145,7 @@ def realformer_attention_reference(
 
 @register_attention(
     "realformer",
-    capabilities=Capabilities(causal=True, subquadratic=False, uses_layer_state=True),
+    capabilities=Capabilities(causal=True, subquadratic=False, uses_layer_state=True, attention_map=True),
     functional=realformer_attention,
     reference=realformer_attention_reference,
     paper="RealFormer: Transformer Likes Residual Attention (He et al., Findings of ACL 2021)",
@@ -181,13 +185,16 @@ class RealformerAttention(AttentionBase):
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         q, k, v = self.proj.qkv(x)
         carry = self.residual_scores and layer_state is not None
-        out, scores = realformer_attention(
+        out, scores, *weights = realformer_attention(
             q, k, v, attention_mask,
             prev_scores=layer_state.get(SCORES_KEY) if carry else None,
             is_causal=self.causal,
             scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
+            return_weights=self.recording_maps,
         )
+        if weights:
+            self.record_map(weights[0], v, attention_mask)
         if carry:
             layer_state[SCORES_KEY] = scores
         return self.proj.out(out)

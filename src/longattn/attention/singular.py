@@ -46,6 +46,7 @@ __all__ = [
     "singular_attention",
     "singular_attention_reference",
     "singular_factors",
+    "singular_map",
 ]
 
 #: ``layer_state`` key under which each layer leaves its pseudo-token scores for the next one.
@@ -210,9 +211,14 @@ def singular_attention_reference(
         scores = scores + prev_scores
     a_prime = torch.exp(scores - scores.amax(-1, keepdim=True))
     a_prime = a_prime / a_prime.sum(-1, keepdim=True)
-    full = torch.einsum("bnr,bhrs,bsm->bhnm", alpha_u, a_prime, alpha_v_t)  # the n x n attention
-    out = full @ value
+    out = singular_map(alpha_u, a_prime, alpha_v_t) @ value
     return (out, scores) if return_scores else out
+
+
+def singular_map(alpha_u: Tensor, a_prime: Tensor, alpha_v_t: Tensor) -> Tensor:
+    """The n x n attention matrix of each head, alpha_U A' alpha_V^T (eq. 8): [B, N, r], [B, H, r, r],
+    [B, r, N] -> [B, H, N, N]. Materialised: reference and analyses only."""
+    return torch.einsum("bnr,bhrs,bsm->bhnm", alpha_u, a_prime, alpha_v_t)
 
 
 def orthogonal_loss(alpha_u: Tensor, alpha_v_t: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -248,7 +254,8 @@ def diagonal_loss(a_prime: Tensor) -> Tensor:
 
 @register_attention(
     "singular",
-    capabilities=Capabilities(aux_losses=True, uses_layer_state=True, subquadratic=True, sequence_parallel=True),
+    capabilities=Capabilities(aux_losses=True, uses_layer_state=True, subquadratic=True, sequence_parallel=True,
+                              attention_map=True),
     functional=singular_attention,
     reference=singular_attention_reference,
     paper="Singularformer: Learning to Decompose Self-Attention to Linearize the Complexity of "
@@ -325,7 +332,10 @@ class SingularAttention(AttentionBase):
             pseudo_q = _dropout(factors.alpha_q_t, p) @ x
             pseudo_k = _dropout(factors.alpha_k_t, p) @ x
             pseudo_v = _dropout(factors.alpha_v_t, p) @ x
-        return self.attend_pseudo_tokens(pseudo_q, pseudo_k, pseudo_v, factors.alpha_u, layer_state, p, attention_mask, factors)
+        # analysis only (record_attention_maps): the per-head values of the n tokens that the n x n map multiplies
+        map_value = split_heads(self.to_v(x), self.heads) if self.recording_maps else None
+        return self.attend_pseudo_tokens(pseudo_q, pseudo_k, pseudo_v, factors.alpha_u, layer_state, p, attention_mask,
+                                         factors, map_value=map_value)
 
     def attend_pseudo_tokens(
         self,
@@ -338,11 +348,13 @@ class SingularAttention(AttentionBase):
         attention_mask: Tensor | None,
         factors: SingularFactors | None,
         aux_share: float = 1.0,
+        map_value: Tensor | None = None,
     ) -> Tensor:
         """Eq. 9 among the r pseudo tokens [B, r, dim], then alpha_U unfolds them (eqs. 3, 8), and the
         auxiliary losses of eq. 17 while training. A sequence split across processes
         (longattn.parallel) passes ``factors=None`` with its own orthogonality loss and each
-        process's ``aux_share`` of the losses, so that their sum over the processes is the loss."""
+        process's ``aux_share`` of the losses, so that their sum over the processes is the loss.
+        With ``map_value`` (the n tokens' per-head values) the layer records its n x n map for analysis."""
         prev = None
         if self.residual_scores and layer_state is not None:
             prev = layer_state.get(SCORES_KEY)
@@ -356,6 +368,8 @@ class SingularAttention(AttentionBase):
         )
         if self.residual_scores and layer_state is not None:
             layer_state[SCORES_KEY] = scores
+        if map_value is not None and factors is not None:
+            self.record_map(singular_map(alpha_u, a_prime, factors.alpha_v_t), map_value, attention_mask)
         # Output projection on the r pseudo tokens, then alpha_U unfolds them to n (eqs. 3, 8).
         out = _dropout(alpha_u, p) @ self.to_out(merge_heads(context))
         if self.training:

@@ -53,6 +53,28 @@ def softmax_attention(
     return out
 
 
+def softmax_weights(
+    query: Tensor,
+    key: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """The n x n matrix softmax(Q K^T * scale) [B, H, N_q, N_k], padded keys (and, causal, later
+    keys) at zero; a query without any key gets a zero row. Materialised: reference and analyses only."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = query @ key.transpose(-1, -2) * scale
+    allowed = torch.ones_like(scores, dtype=torch.bool)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, None, :]
+    if is_causal:
+        n_q, n_k = scores.shape[-2:]
+        allowed = allowed & torch.ones(n_q, n_k, dtype=torch.bool, device=scores.device).tril(n_k - n_q)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+
+
 @padding_safe
 def softmax_attention_reference(
     query: Tensor,
@@ -64,22 +86,12 @@ def softmax_attention_reference(
     scale: float | None = None,
 ) -> Tensor:
     """Plain math: materialises the full score matrix. Float64-friendly; for tests only."""
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = query @ key.transpose(-1, -2) * scale
-    allowed = torch.ones_like(scores, dtype=torch.bool)
-    if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, None, :]
-    if is_causal:
-        n_q, n_k = scores.shape[-2:]
-        allowed = allowed & torch.ones(n_q, n_k, dtype=torch.bool, device=scores.device).tril(n_k - n_q)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return weights @ value
+    return softmax_weights(query, key, attention_mask, is_causal=is_causal, scale=scale) @ value
 
 
 @register_attention(
     "softmax",
-    capabilities=Capabilities(causal=True, subquadratic=False, sequence_parallel=True),
+    capabilities=Capabilities(causal=True, subquadratic=False, sequence_parallel=True, attention_map=True),
     functional=softmax_attention,
     reference=softmax_attention_reference,
     paper="Attention Is All You Need (Vaswani et al., 2017)",
@@ -110,4 +122,7 @@ class SoftmaxAttention(AttentionBase):
             is_causal=self.causal,
             scale=self.scale,
         )
+        if self.recording_maps:  # analysis only: SDPA's fused kernel never forms the weights
+            self.record_map(softmax_weights(q, k, attention_mask, is_causal=self.causal, scale=self.scale), v,
+                            attention_mask)
         return self.proj.out(out)

@@ -16,6 +16,7 @@ the machine (``machine_rates``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from longattn.bench.targets import SDPA, SDPA_MATH, make_target
+from longattn.bench.targets import SDPA, SDPA_MATH, math_backend, make_target
 
 if TYPE_CHECKING:
     from torch.utils.flop_counter import FlopCounterMode
@@ -63,9 +64,19 @@ class SpeedConfig:
     # "layer": one attention layer, forward / forward+backward. "lra_text": SKTformer Table 4's
     # model-level benchmark, the standard LRA text classifier (2 layers, dim 64, vocab 257):
     # forward is inference, forward_backward one full training step with AdamW.
+    # "classifier": the classifier of longattn.models.classifier built with ``model`` (the keywords of
+    # build_classifier besides max_len, attention, heads and dim), e.g. Singularformer's Figure 5 model;
+    # forward is inference (eval mode), forward_backward one training step with AdamW. "registered": the
+    # registered classifier named by ``target`` built with ``model`` (its own attention); its in-process
+    # baseline ``reference_target`` is then a registered classifier too (e.g. post_ln).
     kind: str = "layer"
+    model: dict[str, Any] = field(default_factory=dict)
+    # time only the forward (inference) and take the peak memory of a forward, not of forward+backward
+    inference_only: bool = False
     # time SDPA in the same process, interleaved with the target (layer kind, target != SDPA)
     reference: bool = True
+    # what that in-process baseline is: SDPA, or SDPA's math path (softmax_math: the n x n scores held)
+    reference_target: str = SDPA
     # lra_text: micro-batches of ``batch`` per optimiser step (gradient accumulation, Skeinformer Table 2)
     grad_accum: int = 1
 
@@ -96,7 +107,7 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _time_interleaved(calls: dict[str, Callable[[], None]], config: SpeedConfig) -> dict[str, dict[str, float | None]]:
+def time_interleaved(calls: dict[str, Callable[[], None]], config: SpeedConfig) -> dict[str, dict[str, float | None]]:
     """Median wall and process-CPU seconds of each call over ``config.repeats`` rounds; each
     round runs every call once, so a change of machine load hits all of them alike."""
     wall: dict[str, list[float]] = {name: [] for name in calls}
@@ -170,7 +181,68 @@ def _layer_calls(config: SpeedConfig, target_name: str, device: torch.device):
     return module, forward, forward_backward
 
 
-_CALLS = {"layer": _layer_calls, "lra_text": _lra_text_calls}
+def _classifier_calls(config: SpeedConfig, target_name: str, device: torch.device):
+    """The classifier built from ``config.model`` with ``target_name`` attention (SDPA: ``softmax``, and
+    ``softmax_math`` the same under SDPA's math path)."""
+    from longattn.models.classifier import build_classifier
+
+    baseline = target_name in (SDPA, SDPA_MATH)
+    model = build_classifier(max_len=config.length, attention=SDPA if baseline else target_name,
+                             attention_options={} if baseline else config.options,
+                             heads=config.heads, dim=config.dim, **config.model)
+    return _model_calls(model, config, device, math_backend if target_name == SDPA_MATH else contextlib.nullcontext)
+
+
+def _registered_calls(config: SpeedConfig, target_name: str, device: torch.device):
+    """The registered classifier ``target_name`` (e.g. a Table 4 model of Singularformer) built with
+    ``config.model``, its own attention and sizes."""
+    from longattn.models.registry import build_model
+
+    model = build_model(target_name, family="classifier", max_len=config.length, **config.model)
+    return _model_calls(model, config, device, contextlib.nullcontext)
+
+
+def _model_calls(model: torch.nn.Module, config: SpeedConfig, device: torch.device, context: Callable):
+    """(model, inference, training step) of a classifier ``model(inputs, mask)`` on random inputs: token
+    ids, or vectors for an encoder with ``input_dim``; inference in eval mode, a training step with AdamW."""
+    import torch.nn.functional as F
+
+    model = model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    encoder = model.encoder
+    if getattr(encoder, "input_dim", None):
+        inputs = torch.rand(config.batch, config.length, encoder.input_dim, device=device)
+    else:
+        inputs = torch.randint(0, encoder.vocab_size, (config.batch, config.length), device=device)
+    mask = torch.ones(config.batch, config.length, dtype=torch.bool, device=device)
+    labels = torch.randint(0, config.model.get("num_classes", 2), (config.batch,), device=device)
+
+    def forward() -> None:
+        model.eval()
+        with torch.no_grad(), context():
+            model(inputs, mask)
+
+    def train_step() -> None:
+        model.train()
+        with context():
+            loss = F.cross_entropy(model(inputs, mask), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, forward, train_step
+
+
+_CALLS = {"layer": _layer_calls, "lra_text": _lra_text_calls, "classifier": _classifier_calls,
+          "registered": _registered_calls}
+
+
+def benchmark_calls(config: SpeedConfig, target: str):
+    """(module, forward, forward_backward) of ``target`` as ``config.kind`` builds it (for other benchmarks
+    that time with :func:`time_interleaved` and :func:`peak_memory`)."""
+    if config.kind not in _CALLS:
+        raise ValueError(f"unknown benchmark kind {config.kind!r}: one of {', '.join(_CALLS)}")
+    return _CALLS[config.kind](config, target, torch.device(config.device))
 
 
 def measure(config: SpeedConfig, part: str = "time") -> dict[str, Any]:
@@ -180,34 +252,37 @@ def measure(config: SpeedConfig, part: str = "time") -> dict[str, Any]:
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
     device = torch.device(config.device)
-    if config.kind not in _CALLS:
-        raise ValueError(f"unknown benchmark kind {config.kind!r}: 'layer' or 'lra_text'")
-    module, forward, forward_backward = _CALLS[config.kind](config, config.target, device)
+    module, forward, forward_backward = benchmark_calls(config, config.target)
     result: dict[str, Any] = {"parameters": sum(p.numel() for p in module.parameters())}
+    step = forward if config.inference_only else forward_backward
     for _ in range(config.warmup):
-        forward_backward()
+        step()
     if part == "memory":
-        return {**result, "peak_memory_bytes": _peak_memory(forward_backward, device)}
-    result["flops"] = count_flops(forward_backward)
-    calls = {"forward": forward, "forward_backward": forward_backward}
-    if config.reference and config.target not in (SDPA, SDPA_MATH):
-        _, sdpa_forward, sdpa_forward_backward = _CALLS[config.kind](config, SDPA, device)
+        return {**result, "peak_memory_bytes": peak_memory(step, device)}
+    result["flops"] = count_flops(step)
+    calls = {"forward": forward} if config.inference_only else {"forward": forward, "forward_backward": forward_backward}
+    if config.reference and config.target not in (SDPA, SDPA_MATH, config.reference_target):
+        _, sdpa_forward, sdpa_forward_backward = benchmark_calls(config, config.reference_target)
         for _ in range(max(1, config.warmup)):
-            sdpa_forward_backward()
-        calls.update(sdpa_forward=sdpa_forward, sdpa_forward_backward=sdpa_forward_backward)
-    for name, times in _time_interleaved(calls, config).items():
+            (sdpa_forward if config.inference_only else sdpa_forward_backward)()
+        calls["sdpa_forward"] = sdpa_forward
+        if not config.inference_only:
+            calls["sdpa_forward_backward"] = sdpa_forward_backward
+    for name, times in time_interleaved(calls, config).items():
         result[f"{name}_wall_s"] = times["wall_s"]
         result[f"{name}_cpu_s"] = times["cpu_s"]
         # the figure a row is compared by: CPU time on single-thread CPU runs, wall time otherwise
         result[f"{name}_s"] = times["cpu_s"] if config.cpu_time_is_cost else times["wall_s"]
     if "sdpa_forward_backward_s" in result:
         result["speedup_vs_sdpa"] = result["sdpa_forward_backward_s"] / result["forward_backward_s"]
+    if "sdpa_forward_s" in result:
         result["forward_speedup_vs_sdpa"] = result["sdpa_forward_s"] / result["forward_s"]
     return result
 
 
-def _peak_memory(forward_backward: Callable[[], None], device: torch.device) -> int:
-    """Peak memory of one forward+backward above what is resident before it (model and inputs)."""
+def peak_memory(forward_backward: Callable[[], None], device: torch.device) -> int:
+    """Peak memory of one step (forward+backward, or the forward alone) above what is resident before
+    it (model and inputs)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -284,7 +359,7 @@ def count_flops(step: Callable[[], None]) -> int:
     return int(counter.get_total_flops())
 
 
-def _child_env(config: SpeedConfig) -> dict[str, str]:
+def child_env(config: SpeedConfig) -> dict[str, str]:
     # the child imports this very copy of longattn, whatever is installed
     src_dir = str(Path(__file__).resolve().parents[2])
     return dict(os.environ, OMP_NUM_THREADS=str(config.threads),
@@ -303,7 +378,7 @@ def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes:
     threshold fixed, see MEMORY_PROCESS_MMAP_THRESHOLD) and the times in another (the default
     allocator behaviour), or only the ``parts`` asked for; out-of-memory and time-outs become statuses."""
     row: dict[str, Any] = asdict(config)
-    env = _child_env(config)
+    env = child_env(config)
     if memory_limit_bytes:
         env["LONGATTN_BENCH_MEMORY_LIMIT"] = str(memory_limit_bytes)
     memory_env = dict(env, MALLOC_MMAP_THRESHOLD_=str(MEMORY_PROCESS_MMAP_THRESHOLD))
@@ -351,7 +426,7 @@ def machine_rates(device: str = "cpu", dtype: str = "float32", threads: int = 1,
     src = torch.randn(64 * 2**20, device=device)  # 256 MiB of float32
     dst = torch.empty_like(src)
     a @ b, dst.copy_(src)  # warm-up
-    times = _time_interleaved({"gemm": lambda: a @ b, "copy": lambda: dst.copy_(src)}, config)
+    times = time_interleaved({"gemm": lambda: a @ b, "copy": lambda: dst.copy_(src)}, config)
     key = "cpu_s" if config.cpu_time_is_cost else "wall_s"
     return {"gemm_flop_per_s": 2 * size**3 / times["gemm"][key],
             "copy_bytes_per_s": 2 * src.numel() * src.element_size() / times["copy"][key]}
@@ -383,7 +458,7 @@ def _machine_rates_in_subprocess(base: SpeedConfig, timeout_s: float) -> dict[st
     code = ("import json, sys; from longattn.bench.speed import machine_rates; "
             "print(json.dumps(machine_rates(*sys.argv[1:3], int(sys.argv[3]))))")
     proc = subprocess.run([sys.executable, "-c", code, base.device, base.dtype, str(base.threads)],
-                          capture_output=True, text=True, timeout=timeout_s, env=_child_env(base))
+                          capture_output=True, text=True, timeout=timeout_s, env=child_env(base))
     if proc.returncode != 0:
         raise RuntimeError(f"measuring the machine's rates failed: {proc.stderr.strip()[-500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

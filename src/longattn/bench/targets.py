@@ -30,7 +30,7 @@ class Target:
     context: Callable[[], ContextManager]
 
 
-def _math_backend() -> ContextManager:
+def math_backend() -> ContextManager:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(SDPBackend.MATH)
@@ -109,7 +109,7 @@ def make_target(name: str, dim: int, heads: int, length: int, options: dict | No
     options = dict(options or {})
     if name == SDPA_MATH:
         module = attention.build(SDPA, dim=dim, heads=heads, max_len=length)
-        return Target(name, module, module, _math_backend)
+        return Target(name, module, module, math_backend)
     if name in PEERS:
         module_name, _, builder = PEERS[name]
         if importlib.util.find_spec(module_name) is None:

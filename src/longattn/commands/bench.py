@@ -208,7 +208,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         analysis.arguments(parser)
         parser.set_defaults(func=analysis.run)
 
-# registers "seqpar" (after the helpers above, which it uses)
+# registers "seqpar" and the Singularformer analyses (after the helpers above, which they use)
 from longattn.commands import _bench_seqpar  # noqa: E402,F401
+from longattn.commands import _bench_singular  # noqa: E402,F401
 # registers the papers' analyses: flops, fsat-fig3, ... (issue 18)
 from longattn.commands import _bench_papers  # noqa: E402,F401

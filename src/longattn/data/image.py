@@ -163,6 +163,14 @@ def load_python_batches(data_dir: str | Path, subset: str, check_counts: bool = 
     """Gray pixels [N, 1024] and labels of the official `train` (5 batches, in order) or `test` batch,
     read without unpickling code (only arrays); each batch must hold 10,000 rows unless not
     ``check_counts``."""
+    planar, labels = load_python_batches_rgb(data_dir, subset, check_counts)
+    rgb = planar.reshape(-1, 3, SEQ_LEN).transpose(0, 2, 1)  # planar -> [N, 1024, 3]
+    return rgb_to_gray(np.ascontiguousarray(rgb)), labels
+
+
+def load_python_batches_rgb(data_dir: str | Path, subset: str, check_counts: bool = True
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 channel-planar RGB [N, 3072] and labels of the official CIFAR-10 python batches."""
     root = Path(data_dir)
     folder = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
     names = [f"data_batch_{i}" for i in range(1, 6)] if subset == "train" else ["test_batch"]
@@ -171,8 +179,7 @@ def load_python_batches(data_dir: str | Path, subset: str, check_counts: bool = 
         raise DatasetError(f"CIFAR-10: missing {', '.join(missing)} in {folder} "
                            "(expected the official cifar-10-batches-py/ folder)")
     datas, labels = zip(*(_unpickle_batch(folder / name, check_counts) for name in names))
-    rgb = np.concatenate(datas).reshape(-1, 3, SEQ_LEN).transpose(0, 2, 1)  # planar -> [N, 1024, 3]
-    return rgb_to_gray(np.ascontiguousarray(rgb)), np.concatenate(labels)
+    return np.concatenate(datas), np.concatenate(labels)
 
 
 # ----------------------------------------------------------------------------- image folders
@@ -194,9 +201,16 @@ def _gray_sequence(rgb: np.ndarray, where: str, image_size: int) -> np.ndarray:
     return rgb_to_gray(rgb).reshape(-1)
 
 
+def _planar_rgb(rgb: np.ndarray, where: str, image_size: int) -> np.ndarray:
+    if rgb.shape[:2] != (image_size, image_size):
+        raise DatasetError(f"{where}: expected a {image_size}x{image_size} image, got {rgb.shape[1]}x{rgb.shape[0]}")
+    return rgb.transpose(2, 0, 1).reshape(-1)  # channel-planar, the python batches' layout
+
+
 def _collect(entries: list[tuple[str, str, object]], where: str, image_size: int,
-             classes: list[str] | None) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """entries: (class name, file name, bytes or Path). Sorted by (class, file) for a stable order."""
+             classes: list[str] | None, pixels_of=_gray_sequence) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """entries: (class name, file name, bytes or Path). Sorted by (class, file) for a stable order.
+    ``pixels_of(rgb, where, image_size)`` makes one image's row (default: LRA's gray sequence)."""
     if not entries:
         raise DatasetError(f"no images (*.png, *.jpg) found under {where}; expected <split>/<class>/<image>")
     entries.sort(key=lambda entry: (entry[0], entry[1]))
@@ -205,8 +219,8 @@ def _collect(entries: list[tuple[str, str, object]], where: str, image_size: int
     unknown = sorted({entry[0] for entry in entries} - set(index))
     if unknown:
         raise DatasetError(f"{where}: class folders {unknown} are not among the training classes {names}")
-    pixels = np.stack([_gray_sequence(_decode_image(data, f"{where}/{cls}/{name}"), f"{where}/{cls}/{name}",
-                                      image_size) for cls, name, data in entries])
+    pixels = np.stack([pixels_of(_decode_image(data, f"{where}/{cls}/{name}"), f"{where}/{cls}/{name}",
+                                 image_size) for cls, name, data in entries])
     labels = np.array([index[cls] for cls, _, _ in entries], dtype=np.int64)
     return pixels, labels, names
 
@@ -236,10 +250,11 @@ def _subset_entries(data_dir: Path, subset: str) -> tuple[list[tuple[str, str, o
     raise DatasetError(f"image folder: neither {folder}/<class>/*.png|jpg nor a *{subset}*.tar.gz archive in {data_dir}")
 
 
-def load_image_folder(data_dir: str | Path, subset: str, image_size: int = 32, check_counts: bool = True
-                      ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Gray pixels, labels and class names of `<data_dir>/<subset>/<class>/*` (or its tar.gz); with
-    ``check_counts`` each class must have CIFAR-10's official count (5,000 train, 1,000 test)."""
+def load_image_folder(data_dir: str | Path, subset: str, image_size: int = 32, check_counts: bool = True,
+                      rgb: bool = False) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Gray pixels (``rgb``: channel-planar RGB, [N, 3 * S * S]), labels and class names of
+    `<data_dir>/<subset>/<class>/*` (or its tar.gz); with ``check_counts`` each class must have
+    CIFAR-10's official count (5,000 train, 1,000 test)."""
     root = Path(data_dir)
     classes = None
     if subset != "train":  # label ids must match training: take class names from the train tree when present
@@ -249,7 +264,7 @@ def load_image_folder(data_dir: str | Path, subset: str, image_size: int = 32, c
         except DatasetError:
             classes = None
     entries, where = _subset_entries(root, subset)
-    pixels, labels, names = _collect(entries, where, image_size, classes)
+    pixels, labels, names = _collect(entries, where, image_size, classes, _planar_rgb if rgb else _gray_sequence)
     per_class = np.bincount(labels, minlength=NUM_CLASSES)
     check_count(where, repr(subset), dict(zip(names, per_class.tolist())),
                 {name: OFFICIAL_PER_CLASS[subset] for name in names} if len(names) == NUM_CLASSES
@@ -378,8 +393,47 @@ def build_cifar100(split: str, data_dir: str | Path | None = None, *, label_mode
     if split == "val" and fold is None:
         raise DatasetError("CIFAR-100 has no validation set: pass fold=k for fold k of the cross-validation")
     data, labels, classes = load_cifar100(data_dir, "test" if split == "test" else "train", label_mode, check_counts)
-    if fold is not None and split != "test":  # the folds split the training set; the test set stays whole
-        train_index, val_index = stratified_folds(labels, num_folds, seed)[fold]
-        chosen = val_index if split == "val" else train_index
-        data, labels = data[chosen], labels[chosen]
+    data, labels = _fold_part(data, labels, split, fold, num_folds, seed)
+    return PatchDataset(to_patches(data), labels, classes)
+
+
+def _fold_part(data: np.ndarray, labels: np.ndarray, split: str, fold: int | None, num_folds: int, seed: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Fold ``fold`` of a stratified K-fold split of the training set (val) or the other folds (train);
+    the folds split the training set only, the test set stays whole."""
+    if fold is None or split == "test":
+        return data, labels
+    train_index, val_index = stratified_folds(labels, num_folds, seed)[fold]
+    chosen = val_index if split == "val" else train_index
+    return data[chosen], labels[chosen]
+
+
+# ----------------------------------------------------------------------------- CIFAR-10 as 2x2 patches
+
+# the official label order of the python batches (batches.meta), also the sorted class-folder names
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+def load_cifar10_rgb(data_dir: str | Path, subset: str, check_counts: bool = True
+                     ) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """uint8 [N, 3072] channel-planar RGB pixels, labels and class names of CIFAR-10 ``subset`` ("train"
+    or "test"), from the python batches or an image folder / its tar.gz."""
+    root = Path(data_dir)
+    if find_first(root, ["cifar-10-batches-py/test_batch", "test_batch"]):
+        pixels, labels = load_python_batches_rgb(root, subset, check_counts)
+        return pixels, labels, CIFAR10_CLASSES
+    return load_image_folder(root, subset, check_counts=check_counts, rgb=True)
+
+
+def build_cifar10_patches(split: str, data_dir: str | Path | None = None, *, fold: int | None = None,
+                          num_folds: int = 5, seed: int = 0, check_counts: bool = True) -> PatchDataset:
+    """CIFAR-10 as 256 tokens of 2x2x3 pixels, the layout of Singularformer's CIFAR-100 (a stand-in where
+    CIFAR-100 is absent). ``fold=k``: train/val are the other folds and fold k of a stratified K-fold split
+    of the official training set; the test set stays whole."""
+    check_split(split)
+    if data_dir is None:
+        raise DatasetError("CIFAR-10 needs data_dir: cifar-10-batches-py/ or <split>/<class>/*.jpg|png (or tar.gz)")
+    if split == "val" and fold is None:
+        raise DatasetError("CIFAR-10 patches have no validation set: pass fold=k for fold k of the cross-validation")
+    data, labels, classes = load_cifar10_rgb(data_dir, "test" if split == "test" else "train", check_counts)
+    data, labels = _fold_part(data, labels, split, fold, num_folds, seed)
     return PatchDataset(to_patches(data), labels, classes)

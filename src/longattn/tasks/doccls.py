@@ -28,7 +28,8 @@ from torch.utils.data import Dataset, Subset
 
 from longattn import metrics
 from longattn.config import option
-from longattn.data.image import CIFAR100_PATCH_DIM, CIFAR100_TOKENS, build_cifar100, collate_patches
+from longattn.data.image import (CIFAR100_PATCH_DIM, CIFAR100_TOKENS, build_cifar10_patches, build_cifar100,
+                                 collate_patches)
 from longattn.data.textcls import build_textcls, collate_textcls, get_textcls
 from longattn.tasks.base import TaskData, register_task
 from longattn.tasks.classification import ClassificationDataConfig, ClassificationTask, classification_step
@@ -103,12 +104,14 @@ class DocClassificationTask(ClassificationTask):
 
 
 class PatchClassificationTask(DocClassificationTask):
-    """CIFAR-100 as 256 tokens, each a 2x2 pixel patch (12 values in [0, 1]) embedded by a linear map."""
+    """CIFAR-100 (or CIFAR-10, its stand-in) as 256 tokens, each a 2x2 pixel patch (12 values in [0, 1])
+    embedded by a linear map."""
 
     max_len = CIFAR100_TOKENS  # type: ignore[assignment]
+    build_patches = staticmethod(build_cifar100)
 
     def build_split(self, config: Any, split: str, **options: Any) -> Dataset:
-        return build_cifar100(split, config.data.data_dir, **self.fold_options(config), **options)
+        return self.build_patches(split, config.data.data_dir, **self.fold_options(config), **options)
 
     def has_validation(self, config: Any) -> bool:
         return config.data.fold is not None
@@ -169,3 +172,7 @@ register_task("mimic3_50", description="MIMIC-III top-50 ICD-9 codes, multi-labe
 register_task("cifar100", description=f"CIFAR-100 as {CIFAR100_TOKENS} tokens of 2x2 pixel patches "
               f"({CIFAR100_PATCH_DIM} values each), 100 classes")(
     type("DocCls_cifar100", (PatchClassificationTask,), {"dataset": "cifar100"}))
+register_task("cifar10", description=f"CIFAR-10 as {CIFAR100_TOKENS} tokens of 2x2 pixel patches, 10 classes "
+              "(the CIFAR-100 layout; a stand-in where CIFAR-100 is absent)")(
+    type("DocCls_cifar10", (PatchClassificationTask,), {"dataset": "cifar10",
+                                                          "build_patches": staticmethod(build_cifar10_patches)}))
