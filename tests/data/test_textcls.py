@@ -258,3 +258,20 @@ def test_real_r8(shared_data):
     assert train.max_len == 141 and test.max_len == 141
     val = textcls.build_textcls("r8", "val", folder, fold=0)
     assert len(val) == 1097 and set(np.unique(val.labels)) == set(range(8))
+
+
+def test_bbc_and_20news_error_rules(tmp_path):
+    """Empty documents and labels the training set lacks get errors naming the file (BBC and 20NG layouts)."""
+    bbc = _copy(tmp_path / "a", "bbc")
+    (bbc / "sport" / "006.txt").write_text("  \n")
+    with pytest.raises(DatasetError, match=r"empty document at .*bbc/sport/006.txt \(1 in all\)"):
+        textcls.build_textcls("bbc", "train", tmp_path / "a")
+    assert len(textcls.build_textcls("bbc", "train", tmp_path / "a", skip_empty=True)) == 20
+    for top in ("20news-bydate-train", "20news-bydate-test"):
+        _copy(tmp_path / "b", top)
+    unknown = tmp_path / "b" / "20news-bydate-test" / "rec.autos"
+    unknown.mkdir()
+    (unknown / "103007").write_text("From: a@b.c\nSubject: cars\n\nfast cars\n")
+    with pytest.raises(DatasetError, match=r"20news-bydate-test/rec.autos/103007: label 'rec.autos' does not occur"):
+        textcls.build_textcls("20news", "test", tmp_path / "b")
+    assert len(textcls.build_textcls("20news", "train", tmp_path / "b")) == 10

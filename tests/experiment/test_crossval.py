@@ -121,6 +121,11 @@ def test_crossval_layout_table_resume_and_command(tmp_path, monkeypatch, capsys)
                  "--folds", "3", "--out", str(out), "--resume", *(a for s in TINY for a in ("--set", s))])
     assert code == 0 and calls == [out / "r8" / "singularformer" / "fold1"]
     assert "Singularformer" in capsys.readouterr().out
+    shutil.rmtree(out / "r8" / "post_ln" / "fold2")
+    calls.clear()
+    report = run_crossval(["r8"], ["post_ln", "singularformer"], out, folds=3, report_only=True)
+    assert calls == [] and "(2/3 folds)" in (out / "table.md").read_text()
+    assert [len(e["folds"]) for e in report["entries"]] == [2, 3]
     assert main(["crossval", "--tasks", "r8", "--models", "post_lnn", "--out", str(out)]) == 2
     assert "unknown model(s) ['post_lnn']" in capsys.readouterr().err
     assert main(["crossval", "--tasks", "r8", "--only-folds", "7", "--out", str(out)]) == 2
@@ -130,7 +135,7 @@ def test_cifar100_patches_task_trains_a_fold(tmp_path):
     from cifar100_files import _write_cifar100
 
     folder = _write_cifar100(tmp_path / "cifar-100-python")
-    config = resolve_config("cifar100", "cpu", overrides=[f"data.data_dir={tmp_path}", "data.options.check_counts=false",
+    config = resolve_config("cifar100", "cpu_reduced", overrides=[f"data.data_dir={tmp_path}", "data.options.check_counts=false",
                                                           *TINY], model_name="pre_ln")
     data = get_task("cifar100").build_data(config)
     assert (len(data.train), len(data.val), len(data.test)) == (32, 8, 10) and folder.is_dir()

@@ -23,7 +23,7 @@ def _cmd(args: argparse.Namespace) -> int:
     summary = run_crossval(_names(args.tasks), _names(args.models), args.out, preset=args.preset,
                            config_file=args.config, overrides=overrides, folds=args.folds,
                            only_folds=int_list(args.only_folds) if args.only_folds else None, seed=args.seed,
-                           resume=args.resume)
+                           resume=args.resume, report_only=args.report)
     return 1 if any(entry["errors"] for entry in summary["entries"]) else 0
 
 
@@ -45,5 +45,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="training seed of every fold")
     p.add_argument("--out", default="runs/table4", help="output folder")
     p.add_argument("--resume", action="store_true", help="reuse finished folds and resume interrupted ones")
+    p.add_argument("--report", action="store_true", help="train nothing: write the table from the folds finished in --out")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd)
