@@ -25,7 +25,7 @@ _PAPER_NAMES = {"ETTm2": "ETTm2", "Electricity": "electricity", "Exchange": "exc
 
 def _rows(model, dataset, horizon, values, seq_len=96):
     return [{"dataset": dataset, "horizon": horizon, "model": model, "seed": seed, "mse": mse, "mae": mse + 0.1,
-             "seq_len": seq_len} for seed, mse in enumerate(values)]
+             "seq_len": seq_len, "seconds": 900.0} for seed, mse in enumerate(values)]
 
 
 def test_table16_is_read_from_the_paper_text():
@@ -73,7 +73,7 @@ def test_summary_mean_std_and_the_two_std_mark():
     skt = summary["skt"]
     assert skt["seeds"] == 3 and skt["mse_mean"] == pytest.approx(0.30)
     assert skt["mse_std"] == pytest.approx(statistics.stdev([0.30, 0.31, 0.29]))
-    assert skt["paper_mse"] == 0.192 and skt["worse_beyond_2std"] is True
+    assert skt["paper_mse"] == 0.192 and skt["worse_beyond_2std"] is True and skt["train_seconds"] == 2700.0
     assert summary["fedformer"]["worse_beyond_2std"] is False
     assert summary["autoformer"]["mse_std"] is None and summary["autoformer"]["worse_beyond_2std"] is None
     assert summary["itransformer"]["paper_mse"] is None and summary["itransformer"]["worse_beyond_2std"] is None
@@ -86,6 +86,11 @@ def test_summary_mean_std_and_the_two_std_mark():
     assert "**!**" not in cells[4] and "(0.203)" in cells[4]
     assert cells[6] == "0.400 (0.255)" and cells[8].startswith("0.250 ± ") and "(" not in cells[8]
     assert cells[10:] == ["failed", "-"]
+    assert table.endswith("Training time of these runs: 2.00 h.")  # 8 finished runs of 900 s
+    rows += [{"dataset": "ETTm2", "horizon": 192, "model": "skt", "seed": seed, "missing": True} for seed in (3, 4)]
+    table = format_table(rows, ["skt"])
+    assert "| ETTm2 | 192 | - | - |" in table
+    assert table.endswith("Not run yet (dataset H model: missing seeds): ETTm2 192 skt: 3 4.")
 
 
 def test_plot_per_dataset(tmp_path):

@@ -78,7 +78,7 @@ def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str
               device: str | None = None, log: Any = print, collect_only: bool = False) -> list[dict[str, Any]]:
     """Run every (dataset, horizon, model, seed) cell not already done (results.json present); the rows.
 
-    ``collect_only`` trains nothing: cells without results are left out of the rows.
+    ``collect_only`` trains nothing: a (cell, seed) without results gives a row marked ``missing``.
     """
     seeds = seeds or [0]
     cells = forecast_cells(data_dir, datasets, models, horizons, overrides, device)
@@ -95,6 +95,10 @@ def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str
                 if done.is_file():
                     cell.results = [json.loads(done.read_text())]
                     rows += _rows([cell], [seed])
+                else:
+                    dataset, horizon = cell.row.rsplit("/", 1)
+                    rows.append({"dataset": dataset, "horizon": int(horizon), "model": cell.column, "seed": seed,
+                                 "missing": True})
         return rows
     run_cells(cells, seeds, out, run_dir=run_dir, resume=True, log=log)
     return _rows(cells, seeds)
@@ -109,9 +113,11 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault((row["dataset"], row["horizon"], row["model"]), []).append(row)
     summary = []
     for (dataset, horizon, model), group in groups.items():
-        done = [r for r in group if "error" not in r]
+        done = [r for r in group if "error" not in r and not r.get("missing")]
         entry: dict[str, Any] = {"dataset": dataset, "horizon": horizon, "model": model, "seeds": len(done),
-                                 "failed": any("error" in r for r in group)}
+                                 "missing_seeds": [r["seed"] for r in group if r.get("missing")],
+                                 "failed": any("error" in r for r in group),
+                                 "train_seconds": sum(r.get("seconds") or 0.0 for r in done)}
         for metric in ("mse", "mae"):
             values = [r[metric] for r in done]
             entry[f"{metric}_mean"] = statistics.mean(values) if values else None
@@ -155,7 +161,14 @@ def format_table(rows: list[dict[str, Any]], models: list[str]) -> str:
         lines.append("| " + " | ".join(line) + " |")
     seeds = sorted({e["seeds"] for e in summary.values() if e["mse_mean"] is not None})
     lines.append("")
+    hours = sum(e["train_seconds"] for e in summary.values()) / 3600
     lines.append(f"Test MSE / MAE (scaled units), mean ± sample std over {'/'.join(map(str, seeds)) or 0} seed(s); "
                  "(paper) = the published number for that model; **!** = ours worse than the paper by more than "
-                 "2 std.")
+                 f"2 std. Training time of these runs: {hours:.2f} h.")
+    incomplete = [e for e in summary.values() if e["missing_seeds"]]
+    if incomplete:
+        lines.append("")
+        lines.append("Not run yet (dataset H model: missing seeds): " + "; ".join(
+            f"{e['dataset']} {e['horizon']} {e['model']}: {' '.join(map(str, e['missing_seeds']))}"
+            for e in incomplete) + ".")
     return "\n".join(lines)
