@@ -556,13 +556,13 @@ def speed_table(rows: list[dict[str, Any]], reference: str = SDPA) -> str:
     return "\n".join(lines)
 
 
-def model_table(rows: list[dict[str, Any]], reference: str = SDPA) -> str:
-    """Markdown table of the model-level benchmark (SKTformer Table 4 layout): training steps per
-    second and peak memory per length, with ratios to the softmax model (its speed measured in
-    the same process, its memory in its own row)."""
+def _table_against_reference(rows: list[dict[str, Any]], reference: str, note: str, columns: tuple[str, str],
+                             cells: Callable[[dict[str, Any]], tuple[str, str]]) -> str:
+    """Markdown table per (target, N) of a time cell and a memory cell (``cells``), each followed by its
+    ratio to ``reference`` (its speed measured in the same process, its memory in its own row)."""
     ref = {r["length"]: r for r in rows if r["target"] == reference and r.get("status") == "ok"}
-    lines = [f"Times: median, {clock_of(rows)}.", "",
-             "| attention | N | train steps/s | speed-up vs softmax | peak MiB | memory vs softmax |",
+    lines = [f"Times: median, {clock_of(rows)}{note}.", "",
+             f"| attention | N | {columns[0]} | speed-up vs softmax | {columns[1]} | memory vs softmax |",
              "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["target"], r["length"])):
         if r.get("status") != "ok":
@@ -570,29 +570,27 @@ def model_table(rows: list[dict[str, Any]], reference: str = SDPA) -> str:
             continue
         base = ref.get(r["length"])
         mem = r["peak_memory_bytes"] / base["peak_memory_bytes"] if base and base["peak_memory_bytes"] else None
-        lines.append(f"| {r['target']} | {r['length']} | {1 / r['forward_backward_s']:.2f} | "
-                     f"{_fmt(_speedup(r, reference), '.2f')} | {r['peak_memory_bytes'] / 2**20:.0f} | {_fmt(mem, '.2f')} |")
+        time_cell, memory_cell = cells(r)
+        lines.append(f"| {r['target']} | {r['length']} | {time_cell} | {_fmt(_speedup(r, reference), '.2f')} | "
+                     f"{memory_cell} | {_fmt(mem, '.2f')} |")
     return "\n".join(lines)
+
+
+def model_table(rows: list[dict[str, Any]], reference: str = SDPA) -> str:
+    """Markdown table of the model-level benchmark (SKTformer Table 4 layout): training steps per
+    second and peak memory per length, with ratios to the softmax model."""
+    return _table_against_reference(
+        rows, reference, "", ("train steps/s", "peak MiB"),
+        lambda r: (f"{1 / r['forward_backward_s']:.2f}", f"{r['peak_memory_bytes'] / 2**20:.0f}"))
 
 
 def per_sequence_table(rows: list[dict[str, Any]], reference: str = SDPA) -> str:
     """Markdown table of FSAT Figure 3's figures: training time and peak memory per sequence (a
-    training step's, divided by the batch) against N, with ratios to the softmax model (its
-    time measured in the same process, its memory in its own row)."""
-    ref = {r["length"]: r for r in rows if r["target"] == reference and r.get("status") == "ok"}
-    lines = [f"Times: median, {clock_of(rows)}; one training step divided by its batch.", "",
-             "| attention | N | train ms / sequence | speed-up vs softmax | peak MiB / sequence | memory vs softmax |",
-             "|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["target"], r["length"])):
-        if r.get("status") != "ok":
-            lines.append(f"| {r['target']} | {r['length']} | {r.get('status')} | | | |")
-            continue
-        base = ref.get(r["length"])
-        mem = r["peak_memory_bytes"] / base["peak_memory_bytes"] if base and base["peak_memory_bytes"] else None
-        lines.append(f"| {r['target']} | {r['length']} | {1000 * r['forward_backward_s'] / r['batch']:.1f} | "
-                     f"{_fmt(_speedup(r, reference), '.2f')} | {r['peak_memory_bytes'] / 2**20 / r['batch']:.1f} | "
-                     f"{_fmt(mem, '.2f')} |")
-    return "\n".join(lines)
+    training step's, divided by the batch) against N, with ratios to the softmax model."""
+    return _table_against_reference(
+        rows, reference, "; one training step divided by its batch", ("train ms / sequence", "peak MiB / sequence"),
+        lambda r: (f"{1000 * r['forward_backward_s'] / r['batch']:.1f}",
+                   f"{r['peak_memory_bytes'] / 2**20 / r['batch']:.1f}"))
 
 
 def growth(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
