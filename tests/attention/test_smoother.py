@@ -318,6 +318,17 @@ def test_fused_stem_reduced_precision_stays_close_to_float32():
         assert (a - r).norm() / r.norm() < 6e-2  # through the BatchNorm over 2 x 64 values per position
 
 
+def test_tiled_dropout_draws_are_those_of_one_rand_call(monkeypatch):
+    import longattn.attention.smoother as smoother_module
+
+    monkeypatch.setattr(smoother_module, "STEM_TILE", 7)  # several tiles, one of them partial
+    for shape in [(3, 40, 5), (2, 23, 2, 4)]:
+        torch.manual_seed(1)
+        keep = smoother_module.draw_keep(shape, 0.3, torch.device("cpu"))
+        torch.manual_seed(1)
+        assert keep.dtype == torch.bool and torch.equal(keep, torch.rand(shape) >= 0.3)
+
+
 def test_precision_must_be_known():
     with pytest.raises(AttentionError, match="precision"):
         Smoother(DIM, 10, precision="fp8")

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from longattn.attention.base import AttentionError, check_attention_mask, compute_dtype
 
-__all__ = ["Smoother", "MaskedBatchNorm"]
+__all__ = ["Smoother", "MaskedBatchNorm", "draw_keep"]
 
 _ACTIVATIONS = {"relu": F.relu, "elu": F.elu, "gelu": F.gelu}
 _FFT_NORMS = ("backward", "ortho", "forward")
@@ -82,6 +82,19 @@ class _MaskedBatchNormTrain(torch.autograd.Function):
 # Positions per tile of the fused stem: temporaries are [B, tile, dim] (a few MiB), so long
 # sequences never allocate whole-sequence scratch buffers beyond the ones saved for backward.
 STEM_TILE = 4096
+
+
+def draw_keep(shape: tuple[int, ...], p: float, device: torch.device) -> Tensor:
+    """Bool dropout mask of ``shape`` ([B, N, ...]): an entry is kept when a float32 uniform draw is
+    >= p, the distribution of ``nn.Dropout(p)``. Drawn per batch element and per tile of STEM_TILE
+    positions, in memory order, so no float tensor of the whole shape exists; on CPU the
+    generator fills tensors in memory order, so these are the draws of ``torch.rand(shape) >= p``."""
+    keep = torch.empty(shape, dtype=torch.bool, device=device)
+    for b in range(shape[0]):
+        for start in range(0, shape[1], STEM_TILE):
+            stop = min(start + STEM_TILE, shape[1])
+            torch.ge(torch.rand((stop - start, *shape[2:]), device=device), p, out=keep[b, start:stop])
+    return keep
 
 
 class _FusedReluStem(torch.autograd.Function):
@@ -498,7 +511,7 @@ class Smoother(nn.Module):
     def _fused_stem(self, smoothed: Tensor | None, x: Tensor, real: Tensor | None) -> Tensor:
         p = self.dropout.p
         # the same draws as _dropout_and_zero_padding, kept as one bool per entry
-        keep = torch.rand(x.shape, device=x.device) >= p if p > 0 else None
+        keep = draw_keep(x.shape, p, x.device) if p > 0 else None
         norm, n = self.stem_norm, x.shape[1]
         gemm_dtype = torch.bfloat16 if self.precision == "bf16" else x.dtype
         out, mean, var = _FusedReluStem.apply(
