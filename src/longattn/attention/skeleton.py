@@ -742,7 +742,9 @@ class SkeletonAttention(AttentionBase):
         self.register_buffer("column_indices", columns)
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None, layer_state: dict | None = None) -> Tensor:
-        if isinstance(attention_mask, Tensor) and attention_mask.dtype == torch.bool and bool(attention_mask.all()):
+        if (isinstance(x, Tensor) and isinstance(attention_mask, Tensor) and attention_mask.dtype == torch.bool
+                and attention_mask.shape == x.shape[:2] and attention_mask.device == x.device
+                and bool(attention_mask.all())):
             # every token real: the same numbers without the two whole-sequence masking copies
             attention_mask = None
         return super().forward(x, attention_mask, layer_state)
