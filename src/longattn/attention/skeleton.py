@@ -38,7 +38,7 @@ from longattn.attention.base import (
     register_attention,
     split_heads,
 )
-from longattn.attention.smoother import PRECISIONS, Smoother, draw_keep
+from longattn.attention.smoother import PRECISIONS, Smoother, draw_keep, mask_factor
 
 __all__ = ["SkeletonAttention", "skeleton_attention", "skeleton_attention_reference", "draw_skeleton_indices"]
 
@@ -272,7 +272,7 @@ class _GramAndRows(torch.autograd.Function):
         gram, total = s.new_zeros(batch, dim, dim), s.new_zeros(batch, dim)
         for start in range(0, length, CORE_TILE):
             tile = s[:, start:start + CORE_TILE]
-            real = tile if mask is None else tile * mask[:, start:start + CORE_TILE, None]
+            real = tile if mask is None else tile * mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
             gram.baddbmm_(tile.transpose(1, 2), real)
             total += real.sum(1)
         ctx.save_for_backward(s, *(() if mask is None else (mask,)), *(() if rows is None else (rows,)))
@@ -293,7 +293,7 @@ class _GramAndRows(torch.autograd.Function):
         for start in range(0, s.shape[1], CORE_TILE):
             out = torch.baddbmm(shift, s[:, start:start + CORE_TILE], symmetric, out=grad_s[:, start:start + CORE_TILE])
             if mask is not None:
-                out *= mask[:, start:start + CORE_TILE, None]
+                out *= mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
         if grad_rows is not None:
             grad_s.index_add_(1, rows, grad_rows)
         return grad_s, None, None
@@ -349,6 +349,8 @@ class _CoreTiles:
                  column_norm, weight_out, bias_out, mask, row_valid, row_keep, config) -> None:
         self.heads, self.fill_invalid, self.keep_scale, self.eps, gemm_dtype = config
         self.s, self.mask, self.row_valid, self.row_keep = s, mask, row_valid, row_keep
+        if row_valid is not None:
+            self.row_valid_factor = row_valid[:, None, :, None].to(s.dtype)  # [B, 1, s1, 1]
         self.gemm_dtype = gemm_dtype
         gemm = lambda w: None if w is None else w.to(gemm_dtype)  # noqa: E731
         self.weight_q, self.weight_v, self.weight_out = weight_q, weight_v, weight_out
@@ -385,12 +387,12 @@ class _CoreTiles:
                 valid = self.row_valid[:, None, :, None]
                 scores.masked_fill_(~valid, torch.finfo(scores.dtype).min)
                 self.soft = torch.softmax(scores, dim=2)
-                weights = self.soft * valid
+                weights = self.soft * self.row_valid_factor
             else:
                 self.soft = weights = torch.softmax(scores, dim=2)
             if self.row_keep is not None:
                 keep = self.row_keep[:, start:start + CORE_TILE].permute(0, 2, 3, 1)  # [B, H, s1, T]
-                weights = weights * keep * self.keep_scale
+                weights = weights * mask_factor(keep, weights.dtype) * self.keep_scale
             self.row_weights = weights.reshape(batch, -1, length)  # [B, H*s1, T]
             self.row_out = self.row_weights.transpose(1, 2) @ self.row_values  # V_1: [B, T, H*Dh]
             row_half, self.row_mean, self.row_rstd = torch.native_layer_norm(self.row_out, [dim], *self.row_norm,
@@ -399,7 +401,7 @@ class _CoreTiles:
         if self.columns:
             sampled = self._linear(s, self.gemm_v, self.bias_v)  # V P2: [B, T, H*s2]
             if self.mask is not None:
-                sampled *= self.mask[:, start:start + CORE_TILE, None]
+                sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
             self.column_values = sampled
             self.column_out = sampled @ self.column_mix  # V_2: [B, T, H*Dh]
             column_half, self.column_mean, self.column_rstd = torch.native_layer_norm(
@@ -429,13 +431,13 @@ class _CoreTiles:
             grad_weights = (self.row_values @ grad_row_out.transpose(1, 2)).view(batch, self.heads, -1, length)
             if self.row_keep is not None:
                 keep = self.row_keep[:, start:start + CORE_TILE].permute(0, 2, 3, 1)
-                grad_weights = grad_weights * keep * self.keep_scale
+                grad_weights = grad_weights * mask_factor(keep, grad_weights.dtype) * self.keep_scale
             if self.fill_invalid:
-                grad_weights = grad_weights * self.row_valid[:, None, :, None]
+                grad_weights = grad_weights * self.row_valid_factor
             soft = self.soft
             grad_scores = soft * (grad_weights - (soft * grad_weights).sum(2, keepdim=True))
             if self.fill_invalid:  # masked_fill passes no gradient to the filled scores
-                grad_scores = grad_scores * self.row_valid[:, None, :, None]
+                grad_scores = grad_scores * self.row_valid_factor
             grad_scores = grad_scores.view(batch, -1, length)  # [B, H*s1, T]
             self._accumulate("row_keys", grad_scores @ self.query)
             grad_query = grad_scores.transpose(1, 2) @ self.row_keys  # [B, T, H*Dh]
@@ -452,7 +454,7 @@ class _CoreTiles:
             self._accumulate("column_mix", self.column_values.transpose(1, 2) @ grad_column_out)
             grad_sampled = grad_column_out @ self.column_mix.transpose(1, 2)  # [B, T, H*s2]
             if self.mask is not None:
-                grad_sampled *= self.mask[:, start:start + CORE_TILE, None]
+                grad_sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
             self._accumulate("weight_v", flat(grad_sampled).t() @ flat(s))
             if self.bias_v is not None:
                 self._accumulate("bias_v", grad_sampled.sum((0, 1)))

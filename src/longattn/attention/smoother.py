@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from longattn.attention.base import AttentionError, check_attention_mask, compute_dtype
 
-__all__ = ["Smoother", "MaskedBatchNorm", "draw_keep"]
+__all__ = ["Smoother", "MaskedBatchNorm", "draw_keep", "mask_factor"]
 
 _ACTIVATIONS = {"relu": F.relu, "elu": F.elu, "gelu": F.gelu}
 _FFT_NORMS = ("backward", "ortho", "forward")
@@ -84,6 +84,13 @@ class _MaskedBatchNormTrain(torch.autograd.Function):
 STEM_TILE = 4096
 
 
+def mask_factor(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask as 0/1 in ``dtype``, converted through its bytes: on CPU a bool -> float
+    conversion (or a masked_fill, or a product with a bool tensor) takes a slow path, about 10x a
+    uint8 -> float conversion; used on finite values only (0 * NaN would stay NaN)."""
+    return mask.view(torch.uint8).to(dtype)
+
+
 def draw_keep(shape: tuple[int, ...], p: float, device: torch.device) -> Tensor:
     """Bool dropout mask of ``shape`` ([B, N, ...]): an entry is kept when a float32 uniform draw is
     >= p, the distribution of ``nn.Dropout(p)``. Drawn per batch element and per tile of STEM_TILE
@@ -129,7 +136,7 @@ class _FusedReluStem(torch.autograd.Function):
         for start in range(0, length, STEM_TILE):
             stop = min(start + STEM_TILE, length)
             h = _stem_conv_tile(gemm_inputs, taps, conv_bias, start, stop, x.dtype)  # [B, T, dim]
-            w = None if valid is None else valid[:, start:stop, None].to(x.dtype)
+            w = None if valid is None else mask_factor(valid[:, start:stop, None], x.dtype)
             if w is None:
                 count[start:stop] = batch * dim
                 tile_mean = h.sum((0, 2)) / count[start:stop]
@@ -149,7 +156,7 @@ class _FusedReluStem(torch.autograd.Function):
             if valid is not None:
                 tile_passes &= valid[:, start:stop, None]
             factor = 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0
-            torch.mul(y.masked_fill_(~tile_passes, 0), factor, out=out[:, start:stop])
+            torch.mul(y.mul_(mask_factor(tile_passes, y.dtype)), factor, out=out[:, start:stop])
         ctx.save_for_backward(*inputs, conv_weight, bn_weight, centred, passes, rstd, count,
                               *(() if valid is None else (valid,)),
                               *(() if spectrum is None else (spectrum, frequency_weight)))
@@ -171,9 +178,9 @@ class _FusedReluStem(torch.autograd.Function):
         taps = _stem_taps(conv_weight, n_inputs, gemm_dtype, transpose=False)  # [k][input] -> W [dim, dim_in]
         gemm_inputs = [t.to(gemm_dtype) for t in inputs]
         grad_dtype = torch.float32 if gemm_dtype != centred.dtype else centred.dtype
-        grad_inputs = [torch.zeros(t.shape, dtype=grad_dtype, device=t.device) for t in inputs]
+        grad_inputs = [torch.zeros(inputs[-1].shape, dtype=grad_dtype, device=centred.device)]
         if n_inputs == 2:  # the gradient of X^smooth channel-first: its FFT then runs along contiguous rows
-            grad_inputs[0] = centred.new_zeros(batch, dim, length, dtype=grad_dtype).transpose(1, 2)
+            grad_inputs.insert(0, centred.new_zeros(batch, dim, length, dtype=grad_dtype).transpose(1, 2))
         grad_taps = [[torch.zeros(w.shape[::-1], dtype=grad_inputs[0].dtype, device=w.device) for w in row]
                      for row in taps]  # dW_j^T accumulators
         grad_conv_bias = centred.new_zeros(centred.shape[-1])
@@ -181,7 +188,7 @@ class _FusedReluStem(torch.autograd.Function):
         for start in range(0, length, STEM_TILE):
             stop = min(start + STEM_TILE, length)
             tile_centred, tile_rstd, tile_count = centred[:, start:stop], rstd[start:stop], count[start:stop]
-            grad_y = grad_out[:, start:stop].masked_fill(~passes[:, start:stop], 0)
+            grad_y = grad_out[:, start:stop] * mask_factor(passes[:, start:stop], grad_out.dtype)
             if factor != 1.0:
                 grad_y *= factor
             # masked BatchNorm backward (see _MaskedBatchNormTrain)
@@ -194,7 +201,7 @@ class _FusedReluStem(torch.autograd.Function):
             b = -scale * tile_rstd.square() * sum_grad_centred / tile_count
             correction = torch.addcmul(a[None, :, None], tile_centred, b[None, :, None])
             if valid is not None:
-                correction *= valid[:, start:stop, None]
+                correction *= mask_factor(valid[:, start:stop, None], correction.dtype)
             grad_h = torch.addcmul(correction, grad_y, scale[None, :, None])
             grad_conv_bias += grad_h.sum((0, 1))
             _stem_conv_tile_backward(grad_h.to(gemm_dtype), gemm_inputs, taps, grad_inputs, grad_taps, start, stop)
@@ -204,7 +211,7 @@ class _FusedReluStem(torch.autograd.Function):
         if n_inputs == 2:
             grad_smoothed = grad_inputs[0].transpose(1, 2)  # [B, dim, N], contiguous
             if valid is not None:  # X^smooth was zeroed there
-                grad_smoothed *= valid[:, None, :]
+                grad_smoothed *= mask_factor(valid[:, None, :], grad_smoothed.dtype)
             grad_frequency_weight = _fourier_backward(grad_smoothed, grad_x, spectrum, frequency_weight, *fourier)
         return (grad_x.to(inputs[-1].dtype), grad_frequency_weight, grad_conv_weight.to(conv_weight.dtype),
                 grad_conv_bias, grad_bn_weight, grad_bn_bias, None, None, None, None, None, None)
@@ -248,7 +255,7 @@ def _fourier_forward(x: Tensor, frequency_weight: Tensor, valid: Tensor | None, 
         product = (block_weight * spectrum[:, :, first:first + spanned, None]).view(batch, -1, columns)
         smoothed[:, :, start:start + columns] = torch.fft.irfft(product, n=max_len, dim=1, norm=norm)[:, :length]
     if valid is not None:
-        smoothed.masked_fill_(~valid[..., None], 0)
+        smoothed *= mask_factor(valid[..., None], smoothed.dtype)
     return smoothed, spectrum
 
 
