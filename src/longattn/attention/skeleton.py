@@ -764,7 +764,8 @@ class SkeletonAttention(AttentionBase):
             attention_mask = None  # every token real: the same numbers without any mask pass
         if self.smoother is not None:
             x = self.smoother(x, attention_mask)
-        if self.fused and x.dtype in (torch.float32, torch.float64):
+        # the tiled core needs the layer's own projections (a transformers model lends its own, see longattn.hf)
+        if self.fused and x.dtype in (torch.float32, torch.float64) and isinstance(self.proj, QKVProjection):
             return self._fused_core(x, attention_mask)
         proj, length = self.proj, x.shape[1]
         gemm_dtype = torch.bfloat16 if self.precision == "bf16" and x.dtype == torch.float32 else None
