@@ -372,8 +372,9 @@ class _CoreTiles:
     def _accumulate(self, name: str, value: Tensor) -> None:
         self.grads[name] = value if name not in self.grads else self.grads[name].add_(value)
 
-    def forward(self, start: int) -> "_CoreTiles":
-        """Compute the tile at ``start``; the intermediates stay on self for backward."""
+    def forward(self, start: int, project: bool = True) -> "_CoreTiles":
+        """Compute the tile at ``start`` (without the output projection unless ``project``); the
+        intermediates stay on self for backward."""
         s = self.s[:, start:start + CORE_TILE]
         batch, length, dim = s.shape
         self.tile_s, self.start = s, start
@@ -408,12 +409,12 @@ class _CoreTiles:
                 self.column_out, [dim], *self.column_norm, self.eps)
             mixed = column_half if mixed is None else mixed.add_(column_half)
         self.mixed = mixed
-        self.output = self._linear(mixed, self.gemm_out, self.bias_out)
+        self.output = self._linear(mixed, self.gemm_out, self.bias_out) if project else None
         return self
 
     def backward(self, start: int, grad_out: Tensor) -> Tensor:
         """The gradient of the tile's input s; parameter gradients accumulate on self."""
-        self.forward(start)
+        self.forward(start, project=False)
         s, dtype = self.tile_s, self.s.dtype
         batch, length, dim = s.shape
         flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
