@@ -10,7 +10,8 @@ seeded stratified holdout). ``data.fold=null`` trains on the whole training set 
 ``longattn crossval`` (:mod:`longattn.experiment.crossval`) runs every fold and reports mean ± std.
 
 Presets (``configs/doccls/``): ``paper`` (Table 2), ``cpu`` (minutes on a CPU core per fold on R8),
-``cpu_reduced`` (the cpu preset on shorter documents and fewer of them, for IMDb and the long sets).
+``cpu_reduced`` (the cpu schedule at half the width, on shorter documents and fewer of them, for IMDb and
+the long sets).
 The models are the seven of Table 4 (:mod:`longattn.models.doc_classifier`); the default is
 ``singularformer``.
 """
