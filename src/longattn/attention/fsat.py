@@ -18,10 +18,8 @@ The dense ablation FAT (softmax attention with K, V from C) lives in ``fat.py``.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,10 +51,10 @@ __all__ = [
 FEATURE_MAPS = ("dense", "conv")
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "elu": F.elu, "tanh": torch.tanh, "silu": F.silu}
 TRAIN_INDICES = ("union", "predicted", "random")
-# Elements of one [B, H, keys, E, Dh] per-edge block (2 MB in float32) and of one block of
-# the pooled cross's spectra (complex: 8 MB in complex64).
+# Elements of one [B, H, keys, E, Dh] per-edge block (2 MB in float32) and FFT points of one
+# block of features of the pooled cross (B * n_fft * features: a 2 MB complex64 half-spectrum).
 _EDGE_BLOCK_ELEMENTS = 1 << 19
-_FFT_BLOCK_ELEMENTS = 1 << 20
+_FFT_BLOCK_ELEMENTS = 1 << 19
 
 
 # ----------------------------------------------------------------------------- pooled cross (eqs. 2-4)
@@ -72,7 +70,7 @@ def pooled_hidden_state_cross(f1x: Tensor, f2x: Tensor) -> Tensor:
     if f1x.shape != f2x.shape or f1x.dim() != 3:
         raise AttentionError(f"f1x and f2x must both be [B, L, D], got {list(f1x.shape)}, {list(f2x.shape)}")
     n_fft, work, features = _fft_plan(f1x)
-    # feature blocks are independent: no spectrum above ~8 MB exists
+    # feature blocks are independent: no spectrum above ~2 MB exists
     blocks = [_cross_block(part1, part2, n_fft)
               for part1, part2 in zip(f1x.to(work).split(features, dim=2), f2x.to(work).split(features, dim=2))]
     return torch.cat(blocks, dim=2).to(f1x.dtype)
@@ -100,82 +98,122 @@ def _pairs(pooled: Tensor) -> Tensor:
     return F.pad(pooled, (0, 0, 0, 1)).view(b, (rows + 1) // 2, 2, d).sum(2)
 
 
-def _central_token_cross(f1x: Tensor, f2x: Tensor) -> Tensor:
-    """C1 + C2 - f1(X) * f2(X) of eq. 4 [B, L, D] (before its LayerNorm), the pooled crosses of eq. 3
-    by FFT, one block of features at a time: no [B, 2L-1, D] cross and no spectrum above ~8 MB."""
-    n_fft, work, features = _fft_plan(f1x)
-    merged = torch.empty(f1x.shape, dtype=work, device=f1x.device)
-    for start in range(0, f1x.shape[2], features):
-        cols = slice(start, start + features)
-        part1, part2 = f1x[..., cols].to(work), f2x[..., cols].to(work)
-        merged[..., cols] = _pairs(_cross_block(part1, part2, n_fft)) - part1 * part2
-    return merged.to(f1x.dtype)
+class _PooledCross(torch.autograd.Function):
+    """X -> C = LN(C1 + C2 - f1(X) * f2(X)) of eqs. 1-4, one block of features at a time, forward and
+    backward; kept for backward: X, C and the LayerNorm's per-token mean and 1/std.
 
-
-def _central_token_cross_backward(grad: Tensor, f1x: Tensor, f2x: Tensor) -> tuple[Tensor, Tensor]:
-    """Gradients of :func:`_central_token_cross` with respect to f1(X) and f2(X), one block of
-    features at a time.
-
-    By eq. 2, d c_k / d f1(x_i) = f2(x_{k-i}), so the gradient of f1(x_i) is the cross-correlation
-    sum_j g_{i+j} f2(x_j) of the pooled gradient g with f2(X) (and the same with f1(X) for f2(X)):
-    an FFT product with the conjugate spectrum, exact because i + j <= 2L-2 < n_fft never wraps.
-    Pooled row k gets the gradient of token k // 2 (the pairs of eq. 4); the self-cross gives -g f2.
-    """
-    length = f1x.shape[1]
-    n_fft, work, features = _fft_plan(f1x)
-    grad_f1, grad_f2 = (torch.empty(f1x.shape, dtype=work, device=f1x.device) for _ in range(2))
-    for start in range(0, f1x.shape[2], features):
-        cols = slice(start, start + features)
-        part1, part2, g = f1x[..., cols].to(work), f2x[..., cols].to(work), grad[..., cols].to(work)
-        pooled_grad = torch.fft.rfft(g.repeat_interleave(2, dim=1)[:, : 2 * length - 1], n=n_fft, dim=1)
-        for grad_f, other in ((grad_f1, part2), (grad_f2, part1)):
-            spec = torch.fft.rfft(other, n=n_fft, dim=1).conj_physical_().mul_(pooled_grad)
-            grad_f[..., cols] = torch.fft.irfft(spec, n=n_fft, dim=1)[:, :length] - g * other
-    return grad_f1.to(f1x.dtype), grad_f2.to(f1x.dtype)
-
-
-class _CentralTokenCross(torch.autograd.Function):
-    """X -> C1 + C2 - f1(X) * f2(X) of eqs. 1-4 (before the LayerNorm), keeping only X for backward.
-
-    Why a function: through autograd, f1(X) and f2(X) ([B, L, D] each) stayed alive until backward
-    (for the self-cross and the FFT blocks). Here backward recomputes them from X, differentiates
-    eqs. 2-4 by hand (:func:`_central_token_cross_backward`), then runs each feature map's own
-    backward on a recomputation of that map alone. ``maps`` are the two masked feature maps,
-    ``params`` their parameters (also passed flat after ``x``, so that autograd routes their gradients).
+    Why a function: through autograd, f1(X), f2(X), their merged cross and its LayerNorm input
+    ([B, L, D] each) stayed alive until backward. The last layer of each feature map is dense (eq. 1),
+    so a block of its output features needs only the matching rows of W: every [B, L, D] tensor but
+    C (and the conv variant's depth-wise output) exists one block of features at a time. Backward
+    recomputes each block and differentiates by hand: the LayerNorm (its per-token sums come from C,
+    since gamma * x_hat = C - beta), then eqs. 2-4: d c_k / d f1(x_i) = f2(x_{k-i}), so the gradient
+    of f1(x_i) is the cross-correlation sum_j g_{i+j} f2(x_j) of the pooled gradient with f2(X) (and
+    the same with f1(X) for f2(X)), an FFT product with the conjugate spectrum, exact because
+    i + j <= 2L-2 < n_fft never wraps; pooled row k gets the gradient of token k // 2 (the pairs of
+    eq. 4), and the self-cross gives -g f2. The activations' backward runs on each block through
+    autograd, the dense layers' by hand.
     """
 
     @staticmethod
-    def forward(ctx, maps: tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]],  # type: ignore[override]
-                params: tuple[tuple[Tensor, ...], tuple[Tensor, ...]], x: Tensor, *flat_params: Tensor) -> Tensor:
-        ctx.maps, ctx.params = maps, params
-        ctx.autocast = _autocast_state(x.device)
-        ctx.save_for_backward(x)
-        return _central_token_cross(maps[0](x), maps[1](x))
+    def forward(ctx, cross: PooledHiddenStateCross, keep: Tensor | None, x: Tensor,  # type: ignore[override]
+                *params: Tensor) -> Tensor:
+        maps, norm = (cross.f1, cross.f2), cross.norm
+        n_fft, work, features = _fft_plan(x)
+        mixed = [f.mix(x) for f in maps]
+        merged = torch.empty(x.shape, dtype=work, device=x.device)
+        for cols in _feature_blocks(x.shape[2], features):
+            part1, part2 = (_masked(f.activation(_dense_rows(f, m, cols)), keep).to(work) for f, m in zip(maps, mixed))
+            merged[..., cols] = _pairs(_cross_block(part1, part2, n_fft)) - part1 * part2
+        c, mean, rstd = torch.native_layer_norm(merged, norm.normalized_shape, norm.weight.to(work),
+                                                norm.bias.to(work), norm.eps)
+        c = c.to(norm.weight.dtype)
+        ctx.cross, ctx.keep, ctx.autocast = cross, keep, _autocast_state(x.device)
+        ctx.save_for_backward(x, c, mean, rstd)
+        return c
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        (x,) = ctx.saved_tensors
+        x, c, mean, rstd = ctx.saved_tensors
+        cross: PooledHiddenStateCross = ctx.cross
+        maps, norm, keep = (cross.f1, cross.f2), cross.norm, ctx.keep
+        length, dim = x.shape[1:]
+        n_fft, work, features = _fft_plan(x)
+        grads = {name: torch.zeros_like(p) for name, p in cross.named_parameters()}
         leaf = x.detach().requires_grad_(ctx.needs_input_grad[2])
-        flat_params = [p for group in ctx.params for p in group]
-        grad_x, grad_params = None, [None] * len(flat_params)
-        first = 0
         with _restored_autocast(ctx.autocast):
-            grad_maps = _central_token_cross_backward(grad, ctx.maps[0](x), ctx.maps[1](x))
-            for feature_map, params, grad_map in zip(ctx.maps, ctx.params, grad_maps):
-                picked = [i for i in range(first, first + len(params)) if ctx.needs_input_grad[3 + i]]
-                first += len(params)
-                inputs = ([leaf] if leaf.requires_grad else []) + [flat_params[i] for i in picked]
-                if not inputs:
-                    continue
-                with torch.enable_grad():
-                    mapped = feature_map(leaf)
-                got = list(torch.autograd.grad(mapped, inputs, grad_map, allow_unused=True))
-                if leaf.requires_grad:
-                    grad_x = got[0] if grad_x is None else grad_x + got[0]
-                for i, g in zip(picked, got[leaf.requires_grad:]):
-                    grad_params[i] = g
-        return (None, None, grad_x, *grad_params)
+            with torch.enable_grad():
+                mixed = [f.mix(leaf) for f in maps]  # the conv variant's depth-wise part; X itself otherwise
+            # one gradient buffer per distinct input of the dense layers (X serves both in the dense variant)
+            grad_mixed = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) for m in mixed[: 1 + (mixed[1] is not mixed[0])]]
+            grad_mixed += grad_mixed[:1] if mixed[1] is mixed[0] else []
+            g = grad.to(work)
+            gamma, beta = norm.weight.to(work), norm.bias.to(work)
+            # the LayerNorm's per-token means of g * gamma and of g * gamma * x_hat = g * (C - beta)
+            mean_grad = (g @ gamma / dim).unsqueeze(-1)
+            mean_grad_xhat = sum(torch.einsum("bld,bld->bl", g[..., cols], c[..., cols].to(work) - beta[cols])
+                                 for cols in _feature_blocks(dim, features)).unsqueeze(-1) / dim
+            norm_terms = (g, gamma, mean, rstd, mean_grad, mean_grad_xhat)
+            for cols in _feature_blocks(dim, features):
+                _pooled_cross_block_backward(cross, keep, mixed, grad_mixed, grads, norm_terms, cols, n_fft)
+            # the depth-wise part (conv variant) and X
+            grad_x = None
+            for name, f, m, grad_m in zip(("f1", "f2"), maps, mixed, grad_mixed):
+                if m is not leaf:
+                    depthwise = [(f"{name}.depthwise.{n}", p) for n, p in f.depthwise.named_parameters()]
+                    got = torch.autograd.grad(m, [leaf] * leaf.requires_grad + [p for _, p in depthwise], grad_m)
+                    for (key, _), grad_p in zip(depthwise, got[leaf.requires_grad:]):
+                        grads[key] = grad_p
+                    grad_m = got[0]
+                if leaf.requires_grad and grad_m is not grad_x:
+                    grad_x = grad_m if grad_x is None else grad_x + grad_m
+        return (None, None, grad_x, *(grads[name] for name, _ in cross.named_parameters()))
+
+
+def _pooled_cross_block_backward(cross: PooledHiddenStateCross, keep: Tensor | None, mixed: list[Tensor],
+                                 grad_mixed: list[Tensor], grads: dict[str, Tensor], norm_terms: tuple[Tensor, ...],
+                                 cols: slice, n_fft: int) -> None:
+    """:class:`_PooledCross`'s backward for the output features ``cols``: the block is recomputed,
+    then differentiated through the LayerNorm, eqs. 4, 3 and 1 in turn; adds into ``grad_mixed``
+    (the dense layers' inputs) and ``grads`` (the parameters')."""
+    g, gamma, mean, rstd, mean_grad, mean_grad_xhat = norm_terms
+    length = mixed[0].shape[1]
+    maps = (cross.f1, cross.f2)
+    pre = [_dense_rows(f, m.detach(), cols) for f, m in zip(maps, mixed)]
+    part1, part2 = (_masked(f.activation(p), keep).to(g.dtype) for f, p in zip(maps, pre))
+    spec1, spec2 = torch.fft.rfft(part1, n=n_fft, dim=1), torch.fft.rfft(part2, n=n_fft, dim=1)
+    merged = _pairs(torch.fft.irfft(spec1 * spec2, n=n_fft, dim=1)[:, : 2 * length - 1]) - part1 * part2
+    x_hat = merged.sub_(mean).mul_(rstd)
+    grads["norm.weight"][cols] = torch.einsum("bld,bld->d", g[..., cols], x_hat)
+    grads["norm.bias"][cols] = g[..., cols].sum((0, 1))
+    grad_merged = x_hat.mul_(-mean_grad_xhat).add_(g[..., cols] * gamma[cols]).sub_(mean_grad).mul_(rstd)
+    pooled_grad = torch.fft.rfft(grad_merged.repeat_interleave(2, dim=1)[:, : 2 * length - 1], n=n_fft, dim=1)
+    for name, f, m, p, other, other_spec, grad_m in (("f1", maps[0], mixed[0], pre[0], part2, spec2, grad_mixed[0]),
+                                                     ("f2", maps[1], mixed[1], pre[1], part1, spec1, grad_mixed[1])):
+        correlation = torch.fft.irfft(other_spec.conj_physical_().mul_(pooled_grad), n=n_fft, dim=1)[:, :length]
+        grad_part = correlation - grad_merged * other
+        del correlation
+        with torch.enable_grad():
+            p = p.detach().requires_grad_()
+            (grad_pre,) = torch.autograd.grad(_masked(f.activation(p), keep), p, grad_part.to(p.dtype))
+        grad_m += grad_pre @ f.linear.weight[cols]
+        grads[f"{name}.linear.weight"][cols] = grad_pre.flatten(0, 1).T @ m.detach().flatten(0, 1)
+        grads[f"{name}.linear.bias"][cols] = grad_pre.sum((0, 1))
+
+
+def _feature_blocks(dim: int, features: int) -> list[slice]:
+    return [slice(start, min(start + features, dim)) for start in range(0, dim, features)]
+
+
+def _dense_rows(feature_map: FeatureMap, mixed: Tensor, cols: slice) -> Tensor:
+    """The output features ``cols`` of a feature map's dense layer (eq. 1), before its activation."""
+    return F.linear(mixed, feature_map.linear.weight[cols], feature_map.linear.bias[cols])
+
+
+def _masked(features: Tensor, keep: Tensor | None) -> Tensor:
+    """Feature-mapped tokens, zero at padded tokens: they take part in no cross (eq. 2)."""
+    return features if keep is None else features * keep
 
 
 def pooled_hidden_state_cross_reference(f1x: Tensor, f2x: Tensor) -> Tensor:
@@ -224,10 +262,12 @@ class FeatureMap(nn.Module):
             self.depthwise = nn.Conv1d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
         self.linear = nn.Linear(dim, dim)  # the dense layer, or the point-wise conv of the conv variant
 
+    def mix(self, x: Tensor) -> Tensor:
+        """What comes before the dense layer: the depth-wise convolution (conv variant), else x itself."""
+        return self.depthwise(x.transpose(1, 2)).transpose(1, 2) if self.kind == "conv" else x
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.kind == "conv":
-            x = self.depthwise(x.transpose(1, 2)).transpose(1, 2)
-        return self.activation(self.linear(x))
+        return self.activation(self.linear(self.mix(x)))
 
 
 class PooledHiddenStateCross(nn.Module):
@@ -254,15 +294,7 @@ class PooledHiddenStateCross(nn.Module):
         keep = None if attention_mask is None else attention_mask[..., None].to(x.dtype)
         if keep is not None and not input_masked:
             x = x * keep  # the conv variant must not see padded tokens' values
-        maps = (functools.partial(_masked_feature, self.f1, keep=keep), functools.partial(_masked_feature, self.f2, keep=keep))
-        params = (tuple(self.f1.parameters()), tuple(self.f2.parameters()))
-        return self.norm(_CentralTokenCross.apply(maps, params, x, *params[0], *params[1]))
-
-
-def _masked_feature(feature_map: FeatureMap, x: Tensor, keep: Tensor | None) -> Tensor:
-    """f(x), zero at padded tokens: they take part in no cross (eq. 2)."""
-    fx = feature_map(x)
-    return fx if keep is None else fx * keep
+        return _PooledCross.apply(self, keep, x, *self.parameters())
 
 
 # ----------------------------------------------------------------------------- sparse attention (eqs. 7-10)
