@@ -145,9 +145,11 @@ class _PooledCross(torch.autograd.Function):
         with _restored_autocast(ctx.autocast):
             with torch.enable_grad():
                 mixed = [f.mix(leaf) for f in maps]  # the conv variant's depth-wise part; X itself otherwise
-            # one gradient buffer per distinct input of the dense layers (X serves both in the dense variant)
-            grad_mixed = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) for m in mixed[: 1 + (mixed[1] is not mixed[0])]]
-            grad_mixed += grad_mixed[:1] if mixed[1] is mixed[0] else []
+            # the gradients of the dense layers' inputs: one buffer in the dense variant, where X feeds both
+            if mixed[1] is mixed[0]:
+                grad_mixed = [torch.zeros_like(x)] * 2
+            else:
+                grad_mixed = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) for m in mixed]
             g = grad.to(work)
             gamma, beta = norm.weight.to(work), norm.bias.to(work)
             # the LayerNorm's per-token means of g * gamma and of g * gamma * x_hat = g * (C - beta)
@@ -161,11 +163,12 @@ class _PooledCross(torch.autograd.Function):
             grad_x = None
             for name, f, m, grad_m in zip(("f1", "f2"), maps, mixed, grad_mixed):
                 if m is not leaf:
-                    depthwise = [(f"{name}.depthwise.{n}", p) for n, p in f.depthwise.named_parameters()]
-                    got = torch.autograd.grad(m, [leaf] * leaf.requires_grad + [p for _, p in depthwise], grad_m)
+                    depthwise = [(f"{name}.depthwise.{n}", p) for n, p in f.depthwise.named_parameters() if p.requires_grad]
+                    wanted = [leaf] * leaf.requires_grad + [p for _, p in depthwise]
+                    got = torch.autograd.grad(m, wanted, grad_m) if wanted else ()
                     for (key, _), grad_p in zip(depthwise, got[leaf.requires_grad:]):
                         grads[key] = grad_p
-                    grad_m = got[0]
+                    grad_m = got[0] if leaf.requires_grad else None
                 if leaf.requires_grad and grad_m is not grad_x:
                     grad_x = grad_m if grad_x is None else grad_x + grad_m
         return (None, None, grad_x, *(grads[name] for name, _ in cross.named_parameters()))
@@ -421,6 +424,7 @@ class _KeyValues:
         return split_heads(F.linear(inputs[0][:, rows], inputs[1 + 2 * which], inputs[2 + 2 * which]), self.heads)
 
     def needs_grad(self, needs: tuple[bool, ...], which: int) -> bool:
+        """Whether the keys' (``which`` = 0) or values' (1) inputs need a gradient (``needs``: one per input)."""
         return needs[which] if self.heads is None else needs[0] or needs[1 + 2 * which] or needs[2 + 2 * which]
 
     def add_grad(self, grads: list[Tensor | None], inputs: tuple[Tensor | None, ...], which: int, rows: slice,
@@ -494,17 +498,17 @@ class _SparseAttention(torch.autograd.Function):
         needs = ctx.needs_input_grad[6:]
         grads = [torch.zeros_like(t) if need else None for t, need in zip(inputs, needs)]
         blocks = _edge_blocks(target, flat_query.shape[-1])
-        grad_prob = torch.empty_like(prob)
+        grad_weight = torch.empty_like(prob)  # of the edge weights p * s
         with _restored_autocast(ctx.autocast):
             for rows in blocks:
                 received = _gather(grad, target[:, :, rows])  # the gradient at each edge's query
                 value = layout.block(inputs, 1, rows)
-                grad_prob[:, :, rows] = torch.einsum("bhjed,bhjd->bhje", received, value)  # of the edge weight
+                grad_weight[:, :, rows] = torch.einsum("bhjed,bhjd->bhje", received, value)
                 if layout.needs_grad(needs, 1):
                     weight = prob[:, :, rows] * confidence[:, :, rows]
                     layout.add_grad(grads, inputs, 1, rows, torch.einsum("bhje,bhjed->bhjd", weight, received))
-            grad_confidence = grad_prob * prob if ctx.needs_input_grad[3] else None
-            grad_score = grad_prob.mul_(confidence)  # the weight is p * s
+            grad_confidence = grad_weight * prob if ctx.needs_input_grad[3] else None
+            grad_score = grad_weight.mul_(confidence)  # dL/dp for now, dL/dscore after the next two lines
             rows_of_edges = target.view(-1)
             total = torch.zeros_like(flat_query[:, 0]).index_add_(0, rows_of_edges, (prob * grad_score).view(-1))
             grad_score.sub_(total[rows_of_edges].view_as(prob)).mul_(prob).mul_(ctx.scale)
