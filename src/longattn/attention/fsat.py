@@ -147,7 +147,7 @@ class _PooledCross(torch.autograd.Function):
                 mixed = [f.mix(leaf) for f in maps]  # the conv variant's depth-wise part; X itself otherwise
             # the gradients of the dense layers' inputs: one buffer in the dense variant, where X feeds both
             if mixed[1] is mixed[0]:
-                grad_mixed = [torch.zeros_like(x)] * 2
+                grad_mixed = [torch.zeros(x.shape, dtype=x.dtype, device=x.device)] * 2
             else:
                 grad_mixed = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) for m in mixed]
             g = grad.to(work)
@@ -200,7 +200,8 @@ def _pooled_cross_block_backward(cross: PooledHiddenStateCross, keep: Tensor | N
         with torch.enable_grad():
             p = p.detach().requires_grad_()
             (grad_pre,) = torch.autograd.grad(_masked(f.activation(p), keep), p, grad_part.to(p.dtype))
-        grad_m += grad_pre @ f.linear.weight[cols]
+        # in place, no [B, L, D] temporary per block (in-place ops are outside autocast: one dtype)
+        grad_m.view(-1, grad_m.shape[-1]).addmm_(grad_pre.flatten(0, 1).to(grad_m.dtype), f.linear.weight[cols].to(grad_m.dtype))
         grads[f"{name}.linear.weight"][cols] = grad_pre.flatten(0, 1).T @ m.detach().flatten(0, 1)
         grads[f"{name}.linear.bias"][cols] = grad_pre.sum((0, 1))
 
