@@ -508,6 +508,7 @@ class _SparseAttention(torch.autograd.Function):
                 if layout.needs_grad(needs, 1):
                     weight = prob[:, :, rows] * confidence[:, :, rows]
                     layout.add_grad(grads, inputs, 1, rows, torch.einsum("bhje,bhjed->bhjd", weight, received))
+                del received  # before the next block's: one [B, H, keys, E, Dh] block at a time
             grad_confidence = grad_weight * prob if ctx.needs_input_grad[3] else None
             grad_score = grad_weight.mul_(confidence)  # dL/dp for now, dL/dscore after the next two lines
             rows_of_edges = target.view(-1)
