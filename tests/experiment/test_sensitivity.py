@@ -28,3 +28,14 @@ def test_cli_trains_the_grid_and_writes_json_table_and_plot(tmp_path):
     table = (tmp_path / "lr_batch.md").read_text()
     assert "| 1e-05 " in table and "batch 4" in table
     assert (tmp_path / "lr_batch.png").stat().st_size > 0
+
+
+def test_paper_analyses_take_their_default_seeds_from_the_grid():
+    import argparse
+
+    from longattn.commands._bench_papers import _seeds
+    from longattn.experiment.grid import DEMO_SEEDS, PAPER_SEEDS
+
+    assert _seeds(argparse.Namespace(seeds=None, preset="demo")) == list(range(DEMO_SEEDS))
+    assert _seeds(argparse.Namespace(seeds=None, preset="paper")) == list(range(PAPER_SEEDS))
+    assert _seeds(argparse.Namespace(seeds="4,7", preset="paper")) == [4, 7]

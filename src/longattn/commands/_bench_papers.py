@@ -23,6 +23,7 @@ from longattn.bench.speed import MODEL_DEFAULTS
 from longattn.bench.targets import SDPA
 from longattn.commands.bench import _int_list, _options, _write
 from longattn.experiment.analyses import register_analysis
+from longattn.experiment.grid import default_seeds
 
 # FSAT Table 2 / Figure 3: FSAT and the baselines of its efficiency comparison
 FSAT_BASELINES = ("softmax", "local", "linformer", "reformer", "sinkhorn", "synthesizer", "bigbird", "linear", "performer")
@@ -94,6 +95,11 @@ def _data_dirs(pairs: list[str], tasks: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def _seeds(args: argparse.Namespace) -> list[int]:
+    """--seeds if given, else the number of seeds the project uses for the preset (one place: grid.default_seeds)."""
+    return _int_list(args.seeds) if args.seeds else default_seeds(args.preset)
+
+
 def _incoherence(args: argparse.Namespace) -> int:
     from longattn.experiment import incoherence
 
@@ -102,7 +108,7 @@ def _incoherence(args: argparse.Namespace) -> int:
     for task in tasks:
         overrides[task] = [*overrides.get(task, []), *args.set]
     ranks = tuple(_int_list(args.ranks))
-    seeds = _int_list(args.seeds)
+    seeds = _seeds(args)
     out = Path(args.out)
     rows, examples = incoherence.run_incoherence(tasks, seeds, out, ranks=ranks, steps=args.steps, preset=args.preset,
                                                  overrides=overrides, layer=args.layer)
@@ -121,7 +127,8 @@ def _incoherence_arguments(parser: argparse.ArgumentParser) -> None:
     from longattn.experiment import incoherence
 
     parser.add_argument("--tasks", default=",".join(incoherence.PAPER_TASKS), help="comma list of LRA tasks")
-    parser.add_argument("--seeds", default="0,1,2", help="comma list; one training run each")
+    parser.add_argument("--seeds", default=None,
+                        help="comma list; one training run each (default: the preset's, experiment.grid.default_seeds)")
     parser.add_argument("--steps", type=int, default=incoherence.PAPER_STEPS, help="training steps before measuring")
     parser.add_argument("--ranks", default=",".join(map(str, incoherence.PAPER_RANKS)), help="comma list")
     parser.add_argument("--layer", type=int, default=0, help="which skeleton layer's Smoother (0: the first)")
@@ -171,7 +178,7 @@ def _lr_batch(args: argparse.Namespace) -> int:
 
     learning_rates = [float(x) for x in args.lrs.split(",") if x]
     batches = _int_list(args.batches)
-    seeds = _int_list(args.seeds)
+    seeds = _seeds(args)
     out = Path(args.out)
     rows = run_sensitivity(args.task, args.attention, learning_rates, batches, seeds, out / "runs", preset=args.preset,
                            overrides=args.set, resume=args.resume)
@@ -189,7 +196,8 @@ def _lr_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default="skein")
     parser.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in PAPER_LEARNING_RATES), help="comma list")
     parser.add_argument("--batches", default=",".join(map(str, PAPER_BATCHES)), help="comma list")
-    parser.add_argument("--seeds", default="0,1,2", help="comma list")
+    parser.add_argument("--seeds", default=None,
+                        help="comma list (default: the preset's, experiment.grid.default_seeds)")
     parser.add_argument("--preset", default="demo")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     parser.add_argument("--resume", action="store_true", help="reuse finished runs under --out")
