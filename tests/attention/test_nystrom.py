@@ -6,7 +6,7 @@ from longattn import attention
 from longattn.attention import AttentionError
 from longattn.attention.nystrom import iterative_pinv, nystrom_attention, nystrom_attention_reference
 from longattn.attention.softmax import softmax_attention_reference
-from longattn.testing import random_qkv
+from longattn.testing import LargestTensorRecorder, random_qkv
 
 
 @pytest.mark.parametrize("use_conv", [True, False])
@@ -119,3 +119,26 @@ def test_padding_to_any_length_keeps_the_landmarks(front):
         torch.testing.assert_close(out[:, :, front:front + 37], alone)
         ref = nystrom_attention_reference(*padded, mask, num_landmarks=8)
         torch.testing.assert_close(ref[:, :, front:front + 37], alone)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_fewer_tokens_than_landmarks_builds_no_landmark_sized_matrix(padded):
+    # A 20-token sentence with the default 256 landmarks: every token is its own landmark and the
+    # other 236 are empty, so nothing of m x m = 256 x 256 may be built (forward or backward) and
+    # the output is that of 20 landmarks. (MiniLM converted to nystrom once spent seconds per
+    # sentence on 256 x 256 pseudo-inverses.)
+    n, m = 20, 256
+    q, k, v = random_qkv(2, 2, n, 8)
+    mask = None
+    if padded:
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, 13:] = False
+    conv = torch.randn(2, 1, 33, 1, dtype=torch.float64, requires_grad=True)
+    with LargestTensorRecorder() as recorder:
+        out = nystrom_attention(q, k, v, mask, num_landmarks=m, conv_weight=conv)
+        out.sum().backward()
+    assert recorder.max_numel < m * m, (recorder.max_shape, recorder.max_op)
+    few = nystrom_attention(q, k, v, mask, num_landmarks=n, conv_weight=conv)
+    torch.testing.assert_close(out, few)
+    ref = nystrom_attention_reference(q, k, v, mask, num_landmarks=m, conv_weight=conv)
+    torch.testing.assert_close(out, ref)

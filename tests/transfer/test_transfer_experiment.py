@@ -13,6 +13,7 @@ from longattn.config import write_yaml
 from longattn.experiment.config import resolve_config
 from longattn.experiment.run import run
 from longattn.experiment.transfer import PAPER_TABLE3, load_spec
+from longattn.tasks import get_task
 from longattn.train.checkpoint import load_checkpoint
 
 GLUE_FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "glue_data"
@@ -112,6 +113,20 @@ def test_table3_grid_end_to_end(corpus, tmp_path):
                  "--tasks", "sst2", "--glue-dir", str(GLUE_FIXTURES), "--out", str(again)]) == 0
     rows = json.loads((again / "results.json").read_text())["best"]
     assert [(r["mechanism"], r["task"]) for r in rows] == [("fnet", "sst2")]
+
+
+def test_glue_batches_are_padded_to_their_longest_example():
+    # SST-2 sentences average 13 WordPieces: padding every batch to data.max_len=128 would cost several
+    # times the compute of padding to the longest sentence of the batch.
+    config = resolve_config("glue_mrpc", "cpu", None, [f"data.data_dir={GLUE_FIXTURES}"], attention="softmax")
+    data = get_task("glue_mrpc").build_data(config)
+    items = [data.train[i] for i in range(len(data.train))]
+    lengths = [len(item["input_ids"]) for item in items]
+    assert len(set(lengths)) > 1 and max(lengths) < config.data.max_len == 128
+    for batch_items in (items, items[1:2]):
+        batch = data.collate(batch_items)
+        assert batch["input_ids"].shape[1] == max(len(item["input_ids"]) for item in batch_items)
+        assert batch["attention_mask"].sum(1).tolist() == [len(item["input_ids"]) for item in batch_items]
 
 
 def test_pretrain_command_and_errors(corpus, tmp_path, capsys):

@@ -11,7 +11,8 @@ The pseudo-inverse ^+ is the iterative Moore-Penrose approximation (eq. 16)::
 run for ``pinv_iterations`` (6) steps, and the output adds a depth-wise convolution of V along the
 sequence (the "skip connection of V", Section 4, kernel 33), switchable with ``conv_kernel=None``.
 
-Any length: the sequence is padded at the end to a multiple of m internally. With padding, the
+Any length: the sequence is padded at the end to a multiple of m internally; a sequence of n <= m
+tokens uses n landmarks (one per token, the same output: the others would be empty). With padding, the
 segments are taken over each sequence's real tokens (L of them: segments of ceil(L / m) real tokens,
 wherever the padding sits), so a sequence has the same landmarks alone or padded to any length; a
 segment with no real token is no landmark at all (its row and column of the m x m kernel are replaced by those of the identity, which keeps the
@@ -161,7 +162,11 @@ def nystrom_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     real = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
 
-    m = num_landmarks
+    # With no more tokens than landmarks every real token is its own landmark (segments of one), and
+    # the other landmarks are empty: identity blocks of a block-diagonal pseudo-inverse that no query
+    # reads. Dropping them gives the same output without the m x m pseudo-inverse of eq. 16 (m = 256
+    # by default: 6 x 4 products of 256 x 256 per head for a 25-token sentence).
+    m = min(num_landmarks, n)
     if attention_mask is None:
         pad = (-n) % m
         segment = (n + pad) // m
