@@ -105,16 +105,17 @@ def draw_keep(shape: tuple[int, ...], p: float, device: torch.device) -> Tensor:
 
 
 class _FusedReluStem(torch.autograd.Function):
-    """Convolution stem -> masked BatchNorm over positions (training) -> ReLU -> dropout ->
-    zero padding, tile by tile along the sequence, with a hand-written backward.
+    """The Smoother in training: Fourier convolution (eq. 4-5, when ``frequency_weight`` is given;
+    see _fourier_forward) -> convolution stem -> masked BatchNorm over positions -> ReLU -> dropout
+    -> zero padding, the stem tile by tile along the sequence, with a hand-written backward.
 
-    The same numbers as ``stem_conv`` -> ``MaskedBatchNorm`` -> ReLU -> ``_dropout_and_zero_padding``
-    (tested in float64, forward and every gradient): the Conv1d is k token-major GEMMs per input
-    (tap j adds ``input[n + j - k//2] @ W_j^T`` to output row n), so neither the concatenated
+    The same numbers as ``_fourier_smooth`` -> ``stem_conv`` -> ``MaskedBatchNorm`` -> ReLU ->
+    ``_dropout_and_zero_padding`` (tested in float64, forward and every gradient): the Conv1d is k
+    token-major GEMMs per input (tap j adds ``input[n + j - k//2] @ W_j^T`` to output row n), so neither the concatenated
     channel-first input nor a channel-first output or gradient is ever formed; the BatchNorm
     statistics of a position only involve that position, so every step is local to a tile. Saved
-    for backward: the inputs (held by the caller anyway), the centred conv output and one bool
-    mask [B, N, dim] for ReLU, dropout and padding together.
+    for backward: x, X^smooth and the segments' spectrum, the centred conv output and one bool mask
+    [B, N, dim] for ReLU, dropout and padding together.
     """
 
     @staticmethod
