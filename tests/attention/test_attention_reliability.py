@@ -100,6 +100,9 @@ def _direct_call(name, layer, x, mask):
         options = {"random_idx": layer.random_idx(-(-x.shape[1] // layer.block_size)), "block_size": layer.block_size}
     elif name in ("local", "longformer"):  # their module forms project inside the chunks
         options = {}
+    elif name == "fsat":  # its module form projects K and V inside the edge blocks
+        b, n = x.shape[:2]
+        options = {"dominant_index": torch.rand(b, HEADS, n, layer.num_dominant, dtype=x.dtype) * n}
     else:
         raise AssertionError(f"{name}: add the arguments of its functional form to this test")
     return (q, k, v, mask), options

@@ -177,6 +177,49 @@ def module_parts(layer, x, mask):
     return q, k, v, torch.sigmoid(logits) * n
 
 
+def module_reference(layer, x, mask, random_index):
+    """The module from the plain references: eqs. 1-4 with all L^2 crosses, eq. 6's projections,
+    eq. 9, and the sparse attention with explicit N x N matrices."""
+    keep = torch.ones_like(x[..., :1]) if mask is None else mask[..., None].to(x.dtype)
+    xm = x * keep
+    f1x, f2x = layer.cross.f1(xm) * keep, layer.cross.f2(xm) * keep
+    norm = layer.cross.norm
+    c = F.layer_norm(central_token_symmetry_merge_reference(f1x, f2x), norm.normalized_shape, norm.weight, norm.bias)
+    b, n, _ = x.shape
+    q = split_heads(layer.to_q(xm), HEADS)
+    k, v = split_heads(layer.to_k(c), HEADS), split_heads(layer.to_v(c), HEADS)
+    logits = layer.to_index(c).view(b, n, HEADS, layer.num_dominant).transpose(1, 2)
+    out = fsat_sparse_attention_reference(
+        q, k, v, mask, dominant_index=torch.sigmoid(logits) * n, random_index=random_index,
+        use_predicted=not (layer.training and layer.train_indices == "random"),
+        truncate_gradient=layer.truncate_gradient,
+    )
+    return layer.to_out(merge_heads(out)) * keep
+
+
+@pytest.mark.parametrize("n", [1, 7, 37, 100])
+@pytest.mark.parametrize("feature_map", ["dense", "conv"])
+@pytest.mark.parametrize("training,masked,truncate", [(True, True, True), (False, True, True), (True, False, False)])
+def test_module_matches_the_plain_references_with_every_gradient(n, feature_map, training, masked, truncate):
+    """The fast module (the cross's own backward, K and V projected inside the edge blocks, the
+    softmax over in-edges in one function) against autograd through the plain references: output,
+    input gradient and every parameter's gradient, float64."""
+    layer = build(feature_map=feature_map, truncate_gradient=truncate).train(training)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(2, n, DIM, dtype=torch.float64, generator=g, requires_grad=True)
+    mask = torch.rand(2, n, generator=g) > 0.3 if masked else None
+    torch.manual_seed(7)
+    out = layer(x, mask)
+    torch.manual_seed(7)
+    random_index = torch.randint(0, n, (2, HEADS, n, layer.num_random)) if training else None  # the module's draw
+    expected = module_reference(layer, x, mask, random_index)
+    torch.testing.assert_close(out, expected)
+    weights = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    inputs = [x, *layer.parameters()]
+    for got, want in zip(torch.autograd.grad(out, inputs, weights), torch.autograd.grad(expected, inputs, weights)):
+        torch.testing.assert_close(got, want)
+
+
 def test_eval_uses_only_predicted_indices_and_is_deterministic():
     layer = build().eval()
     x = torch.randn(2, 57, DIM, dtype=torch.float64)

@@ -187,6 +187,47 @@ def test_imdb_through_the_shared_reader(tmp_path):
     assert len(textcls.build_textcls("imdb", "test", tmp_path)) == 2
 
 
+def test_imdb_archive_is_read_once_per_build_of_the_splits(tmp_path, monkeypatch):
+    import io
+
+    from longattn.data import text
+    from longattn.data.common import read_once
+    from longattn.experiment.config import resolve_config
+    from longattn.tasks import get_task
+
+    archive = tmp_path / "aclImdb_fixture.tar.gz"
+
+    def write_archive(word: str) -> None:
+        with tarfile.open(archive, "w:gz") as tar:
+            for subset in ("train", "test"):
+                for label in ("pos", "neg"):
+                    for i in range(5):
+                        data = f"{word} {label} review {i}".encode()
+                        info = tarfile.TarInfo(f"aclImdb/{subset}/{label}/{i}_5.txt")
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+
+    passes = []
+    real_iter = text.iter_tar_files
+    monkeypatch.setattr(text, "iter_tar_files", lambda path: (passes.append(path), real_iter(path))[1])
+    write_archive("first")
+    with read_once():
+        splits = {split: textcls.build_textcls("imdb", split, tmp_path, fold=1) for split in ("train", "val", "test")}
+        again = textcls.build_textcls("imdb", "train", tmp_path, fold=1)
+    assert len(passes) == 1  # train, val and test (and a second train) from one pass over the archive
+    assert [len(splits[s]) for s in ("train", "val", "test")] == [8, 2, 10]
+    assert again.tokens[0].tolist() == splits["train"].tokens[0].tolist()
+    assert "first" in splits["test"].vocabulary
+
+    config = resolve_config("imdb", overrides=[f"data.data_dir={tmp_path}", "data.num_folds=2"])
+    get_task("imdb").build_data(config)  # the task builds its three splits in one block
+    assert len(passes) == 2
+
+    write_archive("second")  # outside a block every build reads again: a changed file is never stale
+    assert "second" in textcls.build_textcls("imdb", "train", tmp_path, fold=1).vocabulary
+    assert len(passes) == 3
+
+
 def test_mimic3_multilabel(tmp_path):
     train = textcls.build_textcls("mimic3_50", "train", FIXTURES / "mimic3")
     assert train.multilabel and train.classes == ["038.9", "401.9", "414.01", "428.0", "584.9"]

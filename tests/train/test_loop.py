@@ -382,8 +382,9 @@ def test_group_by_length_batches_similar_lengths(tmp_path):
     lengths = torch.randint(1, 200, (300,), generator=g).tolist()
     settings = loop_settings(max_steps=1, batch_size=8, progress=False, select_metric="mse", select_mode="min")
     grouped_settings = {**settings, "train": dataclasses.replace(settings["train"], group_by_length=True)}
+    windowed_settings = {**settings, "train": dataclasses.replace(grouped_settings["train"], length_window=4)}
     padded = {}
-    for name, chosen in (("plain", settings), ("grouped", grouped_settings)):
+    for name, chosen in (("plain", settings), ("grouped", grouped_settings), ("windowed", windowed_settings)):
         dataset = torch.utils.data.Subset(_Lengthy(lengths), list(range(10, 300)))
         trainer = Trainer(Regressor(), dataset, None, None, list, regression_step, {"mse": mse}, **chosen,
                           out_dir=tmp_path / name)
@@ -394,6 +395,8 @@ def test_group_by_length_batches_similar_lengths(tmp_path):
         padded[name] = sum(max(lengths[10 + i] for i in b) * len(b) for b in epochs[0])
         trainer.release()
     assert padded["grouped"] < 0.7 * padded["plain"]
+    # windows of 4 batches pad more than windows of 50 (the default), but much less than random batches
+    assert padded["grouped"] < padded["windowed"] < 0.9 * padded["plain"]
     with pytest.raises(ValueError, match="group_by_length needs a training set with lengths"):
         Trainer(Regressor(), [1, 2], None, None, list, regression_step, {"mse": mse}, **grouped_settings,
                 out_dir=tmp_path / "none")

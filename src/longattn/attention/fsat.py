@@ -19,12 +19,12 @@ The dense ablation FAT (softmax attention with K, V from C) lives in ``fat.py``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
-from torch.utils.checkpoint import checkpoint
 
 from longattn.attention.base import (
     AttentionBase,
@@ -51,10 +51,10 @@ __all__ = [
 FEATURE_MAPS = ("dense", "conv")
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "elu": F.elu, "tanh": torch.tanh, "silu": F.silu}
 TRAIN_INDICES = ("union", "predicted", "random")
-# Elements of one [B, H, keys, E, Dh] per-edge block (2 MB in float32) and of one block of
-# the pooled cross's spectra (complex: 8 MB in complex64).
+# Elements of one [B, H, keys, E, Dh] per-edge block (2 MB in float32) and FFT points of one
+# block of features of the pooled cross (B * n_fft * features: a 2 MB complex64 half-spectrum).
 _EDGE_BLOCK_ELEMENTS = 1 << 19
-_FFT_BLOCK_ELEMENTS = 1 << 20
+_FFT_BLOCK_ELEMENTS = 1 << 19
 
 
 # ----------------------------------------------------------------------------- pooled cross (eqs. 2-4)
@@ -69,23 +69,20 @@ def pooled_hidden_state_cross(f1x: Tensor, f2x: Tensor) -> Tensor:
     """
     if f1x.shape != f2x.shape or f1x.dim() != 3:
         raise AttentionError(f"f1x and f2x must both be [B, L, D], got {list(f1x.shape)}, {list(f2x.shape)}")
-    return _in_feature_blocks(_cross_block, f1x, f2x)
+    n_fft, work, features = _fft_plan(f1x)
+    # feature blocks are independent: no spectrum above ~2 MB exists
+    blocks = [_cross_block(part1, part2, n_fft)
+              for part1, part2 in zip(f1x.to(work).split(features, dim=2), f2x.to(work).split(features, dim=2))]
+    return torch.cat(blocks, dim=2).to(f1x.dtype)
 
 
-def _in_feature_blocks(block_fn, f1x: Tensor, f2x: Tensor) -> Tensor:
-    """``block_fn(part1, part2, n_fft)`` over blocks of features (they are independent), so that no
-    spectrum above ~8 MB exists (cache friendly, and below the allocator's mmap threshold: linear
-    growth in L); under autograd each block is recomputed in its own backward, so no block's
-    spectra are kept either."""
-    length = f1x.shape[1]
+def _fft_plan(f1x: Tensor) -> tuple[int, torch.dtype, int]:
+    """(n_fft, the dtype the FFT runs in, features per block) for feature maps [B, L, D]."""
+    batch, length = f1x.shape[:2]
     n_fft = 1 << (2 * length - 2).bit_length()  # smallest power of two >= 2L-1
     # torch.fft has no bf16 kernels and half needs care: cross in float32, return in the input dtype.
     work = torch.promote_types(f1x.dtype, torch.float32)
-    features = max(1, _FFT_BLOCK_ELEMENTS // (f1x.shape[0] * n_fft))
-    recompute = torch.is_grad_enabled() and (f1x.requires_grad or f2x.requires_grad)
-    blocks = [checkpoint(block_fn, part1, part2, n_fft, use_reentrant=False) if recompute else block_fn(part1, part2, n_fft)
-              for part1, part2 in zip(f1x.to(work).split(features, dim=2), f2x.to(work).split(features, dim=2))]
-    return torch.cat(blocks, dim=2).to(f1x.dtype)
+    return n_fft, work, max(1, _FFT_BLOCK_ELEMENTS // (batch * n_fft))
 
 
 def _cross_block(part1: Tensor, part2: Tensor, n_fft: int) -> Tensor:
@@ -95,15 +92,132 @@ def _cross_block(part1: Tensor, part2: Tensor, n_fft: int) -> Tensor:
     return torch.fft.irfft(spec, n=n_fft, dim=1)[:, : 2 * part1.shape[1] - 1]
 
 
-def _paired_cross_block(part1: Tensor, part2: Tensor, n_fft: int) -> Tensor:
-    """c_{2t} + c_{2t+1} of eq. 4 for a block of features: [B, L, d] x 2 -> [B, L, d]."""
-    return _pairs(_cross_block(part1, part2, n_fft))
-
-
 def _pairs(pooled: Tensor) -> Tensor:
     """[B, 2L-1, D] -> [B, L, D]: rows 2t and 2t+1 summed (one zero row appended for the odd rows)."""
     b, rows, d = pooled.shape
     return F.pad(pooled, (0, 0, 0, 1)).view(b, (rows + 1) // 2, 2, d).sum(2)
+
+
+class _PooledCross(torch.autograd.Function):
+    """X -> C = LN(C1 + C2 - f1(X) * f2(X)) of eqs. 1-4, one block of features at a time, forward and
+    backward; kept for backward: X, C and the LayerNorm's per-token mean and 1/std.
+
+    Why a function: through autograd, f1(X), f2(X), their merged cross and its LayerNorm input
+    ([B, L, D] each) stayed alive until backward. The last layer of each feature map is dense (eq. 1),
+    so a block of its output features needs only the matching rows of W: every [B, L, D] tensor but
+    C (and the conv variant's depth-wise output) exists one block of features at a time. Backward
+    recomputes each block and differentiates by hand: the LayerNorm (its per-token sums come from C,
+    since gamma * x_hat = C - beta), then eqs. 2-4: d c_k / d f1(x_i) = f2(x_{k-i}), so the gradient
+    of f1(x_i) is the cross-correlation sum_j g_{i+j} f2(x_j) of the pooled gradient with f2(X) (and
+    the same with f1(X) for f2(X)), an FFT product with the conjugate spectrum, exact because
+    i + j <= 2L-2 < n_fft never wraps; pooled row k gets the gradient of token k // 2 (the pairs of
+    eq. 4), and the self-cross gives -g f2. The activations' backward runs on each block through
+    autograd, the dense layers' by hand.
+    """
+
+    @staticmethod
+    def forward(ctx, cross: PooledHiddenStateCross, keep: Tensor | None, x: Tensor,  # type: ignore[override]
+                *params: Tensor) -> Tensor:
+        maps, norm = (cross.f1, cross.f2), cross.norm
+        n_fft, work, features = _fft_plan(x)
+        mixed = [f.mix(x) for f in maps]
+        merged = torch.empty(x.shape, dtype=work, device=x.device)
+        for cols in _feature_blocks(x.shape[2], features):
+            part1, part2 = (_masked(f.activation(_dense_rows(f, m, cols)), keep).to(work) for f, m in zip(maps, mixed))
+            merged[..., cols] = _pairs(_cross_block(part1, part2, n_fft)) - part1 * part2
+        c, mean, rstd = torch.native_layer_norm(merged, norm.normalized_shape, norm.weight.to(work),
+                                                norm.bias.to(work), norm.eps)
+        c = c.to(norm.weight.dtype)
+        ctx.cross, ctx.keep, ctx.autocast = cross, keep, _autocast_state(x.device)
+        ctx.save_for_backward(x, c, mean, rstd)
+        return c
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, c, mean, rstd = ctx.saved_tensors
+        cross: PooledHiddenStateCross = ctx.cross
+        maps, norm, keep = (cross.f1, cross.f2), cross.norm, ctx.keep
+        length, dim = x.shape[1:]
+        n_fft, work, features = _fft_plan(x)
+        grads = {name: torch.zeros_like(p) for name, p in cross.named_parameters()}
+        leaf = x.detach().requires_grad_(ctx.needs_input_grad[2])
+        with _restored_autocast(ctx.autocast):
+            with torch.enable_grad():
+                mixed = [f.mix(leaf) for f in maps]  # the conv variant's depth-wise part; X itself otherwise
+            # the gradients of the dense layers' inputs: one buffer in the dense variant, where X feeds both
+            if mixed[1] is mixed[0]:
+                grad_mixed = [torch.zeros(x.shape, dtype=x.dtype, device=x.device)] * 2
+            else:
+                grad_mixed = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) for m in mixed]
+            g = grad.to(work)
+            gamma, beta = norm.weight.to(work), norm.bias.to(work)
+            # the LayerNorm's per-token means of g * gamma and of g * gamma * x_hat = g * (C - beta)
+            mean_grad = (g @ gamma / dim).unsqueeze(-1)
+            mean_grad_xhat = sum(torch.einsum("bld,bld->bl", g[..., cols], c[..., cols].to(work) - beta[cols])
+                                 for cols in _feature_blocks(dim, features)).unsqueeze(-1) / dim
+            norm_terms = (g, gamma, mean, rstd, mean_grad, mean_grad_xhat)
+            for cols in _feature_blocks(dim, features):
+                _pooled_cross_block_backward(cross, keep, mixed, grad_mixed, grads, norm_terms, cols, n_fft)
+            # the depth-wise part (conv variant) and X
+            grad_x = None
+            for name, f, m, grad_m in zip(("f1", "f2"), maps, mixed, grad_mixed):
+                if m is not leaf:
+                    depthwise = [(f"{name}.depthwise.{n}", p) for n, p in f.depthwise.named_parameters() if p.requires_grad]
+                    wanted = [leaf] * leaf.requires_grad + [p for _, p in depthwise]
+                    got = torch.autograd.grad(m, wanted, grad_m) if wanted else ()
+                    for (key, _), grad_p in zip(depthwise, got[leaf.requires_grad:]):
+                        grads[key] = grad_p
+                    grad_m = got[0] if leaf.requires_grad else None
+                if leaf.requires_grad and grad_m is not grad_x:
+                    grad_x = grad_m if grad_x is None else grad_x + grad_m
+        return (None, None, grad_x, *(grads[name] for name, _ in cross.named_parameters()))
+
+
+def _pooled_cross_block_backward(cross: PooledHiddenStateCross, keep: Tensor | None, mixed: list[Tensor],
+                                 grad_mixed: list[Tensor], grads: dict[str, Tensor], norm_terms: tuple[Tensor, ...],
+                                 cols: slice, n_fft: int) -> None:
+    """:class:`_PooledCross`'s backward for the output features ``cols``: the block is recomputed,
+    then differentiated through the LayerNorm, eqs. 4, 3 and 1 in turn; adds into ``grad_mixed``
+    (the dense layers' inputs) and ``grads`` (the parameters')."""
+    g, gamma, mean, rstd, mean_grad, mean_grad_xhat = norm_terms
+    length = mixed[0].shape[1]
+    maps = (cross.f1, cross.f2)
+    pre = [_dense_rows(f, m.detach(), cols) for f, m in zip(maps, mixed)]
+    part1, part2 = (_masked(f.activation(p), keep).to(g.dtype) for f, p in zip(maps, pre))
+    spec1, spec2 = torch.fft.rfft(part1, n=n_fft, dim=1), torch.fft.rfft(part2, n=n_fft, dim=1)
+    merged = _pairs(torch.fft.irfft(spec1 * spec2, n=n_fft, dim=1)[:, : 2 * length - 1]) - part1 * part2
+    x_hat = merged.sub_(mean).mul_(rstd)
+    grads["norm.weight"][cols] = torch.einsum("bld,bld->d", g[..., cols], x_hat)
+    grads["norm.bias"][cols] = g[..., cols].sum((0, 1))
+    grad_merged = x_hat.mul_(-mean_grad_xhat).add_(g[..., cols] * gamma[cols]).sub_(mean_grad).mul_(rstd)
+    pooled_grad = torch.fft.rfft(grad_merged.repeat_interleave(2, dim=1)[:, : 2 * length - 1], n=n_fft, dim=1)
+    for name, f, m, p, other, other_spec, grad_m in (("f1", maps[0], mixed[0], pre[0], part2, spec2, grad_mixed[0]),
+                                                     ("f2", maps[1], mixed[1], pre[1], part1, spec1, grad_mixed[1])):
+        correlation = torch.fft.irfft(other_spec.conj_physical_().mul_(pooled_grad), n=n_fft, dim=1)[:, :length]
+        grad_part = correlation - grad_merged * other
+        del correlation
+        with torch.enable_grad():
+            p = p.detach().requires_grad_()
+            (grad_pre,) = torch.autograd.grad(_masked(f.activation(p), keep), p, grad_part.to(p.dtype))
+        # in place, no [B, L, D] temporary per block (in-place ops are outside autocast: one dtype)
+        grad_m.view(-1, grad_m.shape[-1]).addmm_(grad_pre.flatten(0, 1).to(grad_m.dtype), f.linear.weight[cols].to(grad_m.dtype))
+        grads[f"{name}.linear.weight"][cols] = grad_pre.flatten(0, 1).T @ m.detach().flatten(0, 1)
+        grads[f"{name}.linear.bias"][cols] = grad_pre.sum((0, 1))
+
+
+def _feature_blocks(dim: int, features: int) -> list[slice]:
+    return [slice(start, min(start + features, dim)) for start in range(0, dim, features)]
+
+
+def _dense_rows(feature_map: FeatureMap, mixed: Tensor, cols: slice) -> Tensor:
+    """The output features ``cols`` of a feature map's dense layer (eq. 1), before its activation."""
+    return F.linear(mixed, feature_map.linear.weight[cols], feature_map.linear.bias[cols])
+
+
+def _masked(features: Tensor, keep: Tensor | None) -> Tensor:
+    """Feature-mapped tokens, zero at padded tokens: they take part in no cross (eq. 2)."""
+    return features if keep is None else features * keep
 
 
 def pooled_hidden_state_cross_reference(f1x: Tensor, f2x: Tensor) -> Tensor:
@@ -152,10 +266,12 @@ class FeatureMap(nn.Module):
             self.depthwise = nn.Conv1d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
         self.linear = nn.Linear(dim, dim)  # the dense layer, or the point-wise conv of the conv variant
 
+    def mix(self, x: Tensor) -> Tensor:
+        """What comes before the dense layer: the depth-wise convolution (conv variant), else x itself."""
+        return self.depthwise(x.transpose(1, 2)).transpose(1, 2) if self.kind == "conv" else x
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.kind == "conv":
-            x = self.depthwise(x.transpose(1, 2)).transpose(1, 2)
-        return self.activation(self.linear(x))
+        return self.activation(self.linear(self.mix(x)))
 
 
 class PooledHiddenStateCross(nn.Module):
@@ -182,22 +298,20 @@ class PooledHiddenStateCross(nn.Module):
         keep = None if attention_mask is None else attention_mask[..., None].to(x.dtype)
         if keep is not None and not input_masked:
             x = x * keep  # the conv variant must not see padded tokens' values
-        # each feature map is recomputed in backward: its pre-activation is not kept
-        recompute = torch.is_grad_enabled()
-        f1x, f2x = (checkpoint(_masked_feature, f, x, keep, use_reentrant=False) if recompute else _masked_feature(f, x, keep)
-                    for f in (self.f1, self.f2))
-        # central_token_symmetry_merge(pooled_hidden_state_cross(f1x, f2x), f1x, f2x), with the pairs of
-        # eq. 4 summed inside each feature block: no [B, 2L-1, D] cross is kept
-        return self.norm(_in_feature_blocks(_paired_cross_block, f1x, f2x) - f1x * f2x)
-
-
-def _masked_feature(feature_map: FeatureMap, x: Tensor, keep: Tensor | None) -> Tensor:
-    """f(x), zero at padded tokens: they take part in no cross (eq. 2)."""
-    fx = feature_map(x)
-    return fx if keep is None else fx * keep
+        return _PooledCross.apply(self, keep, x, *self.parameters())
 
 
 # ----------------------------------------------------------------------------- sparse attention (eqs. 7-10)
+
+
+def _autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
+    return device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+def _restored_autocast(state: tuple[str, bool, torch.dtype]) -> torch.autocast:
+    """Autocast as it was in a function's forward, for its backward (which runs outside it)."""
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
 
 
 class _TruncateGradient(torch.autograd.Function):
@@ -212,10 +326,29 @@ class _TruncateGradient(torch.autograd.Function):
         return grad.clamp(max=0.0)
 
 
-def _gaussian_confidence(index: Tensor, centre: Tensor, sigma2: float, normalize: bool) -> Tensor:
-    # eqs. 8 / 10: the Gaussian density rho(I | I_bar, sigma^2); ``normalize=False`` drops 1/sqrt(2 pi sigma^2).
-    conf = torch.exp(-(index.to(centre.dtype) - centre).square() / (2.0 * sigma2))
-    return conf / math.sqrt(2.0 * math.pi * sigma2) if normalize else conf
+class _GaussianConfidence(torch.autograd.Function):
+    """s = rho(I | I_bar, sigma^2) of eqs. 8 / 10 for every edge: the Gaussian density at the edge's
+    query position I around the predicted centre I_bar (``normalize=False`` drops 1/sqrt(2 pi sigma^2));
+    differentiable in the centre only (I is an integer position).
+
+    Why a function: autograd kept two [B, H, N, E] tensors for it (I - I_bar and the exponential);
+    here only the derivative ds / dI_bar = s (I - I_bar) / sigma^2 is kept."""
+
+    @staticmethod
+    def forward(ctx, index: Tensor, centre: Tensor, sigma2: float, normalize: bool) -> Tensor:  # type: ignore[override]
+        offset = index.to(centre.dtype) - centre
+        conf = torch.exp(-offset.square() / (2.0 * sigma2))
+        if normalize:
+            conf = conf / math.sqrt(2.0 * math.pi * sigma2)
+        if ctx.needs_input_grad[1]:
+            ctx.save_for_backward(offset.mul_(conf).div_(sigma2))
+        return conf
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[None, Tensor, None, None]:  # type: ignore[override]
+        (slope,) = ctx.saved_tensors
+        return None, grad * slope, None, None
 
 
 def _edges(
@@ -263,76 +396,132 @@ def _check_sparse_inputs(query: Tensor, key: Tensor, dominant_index: Tensor, ran
             )
 
 
-def _edge_blocks(target: Tensor, dh: int) -> int:
-    """Keys per block of per-edge work: no [B, H, N, E, Dh] tensor exists at once (small blocks
+def _edge_blocks(target: Tensor, dh: int) -> list[slice]:
+    """Blocks of keys for the per-edge work: no [B, H, N, E, Dh] tensor exists at once (small blocks
     stay cache-resident and below the allocator's mmap threshold, so the cost grows linearly)."""
-    b, h, _, e = target.shape
-    return max(1, _EDGE_BLOCK_ELEMENTS // (b * h * e * dh))
+    b, h, n, e = target.shape
+    keys = max(1, _EDGE_BLOCK_ELEMENTS // (b * h * e * dh))
+    return [slice(start, min(start + keys, n)) for start in range(0, n, keys)]
 
 
-class _EdgeScores(torch.autograd.Function):
-    """scores[b, h, j, e] = query[target[b, h, j, e]] . key[b, h, j] (``query`` flattened to rows),
-    key block by key block, forward and backward; keeps only its inputs for backward (autograd
-    through the blocks kept every block's gathered queries, and its backward made a full-size
-    query gradient per block)."""
+def _gather(rows: Tensor, target: Tensor) -> Tensor:
+    """The rows ([R, Dh]) at every edge's ``target`` row: [*target.shape, Dh]."""
+    return rows.index_select(0, target.flatten()).view(*target.shape, rows.shape[-1])
+
+
+@dataclass(frozen=True)
+class _KeyValues:
+    """Where a key block's K and V [B, H, keys, Dh] come from: the functional form's K and V
+    (``inputs`` = (K, V), ``heads`` None), or in the module form the block's rows of the cross C
+    [B, N, D] projected inside the block (eq. 6; ``inputs`` = (C, W_K, b_K, W_V, b_V)), so that
+    full-length K and V and their gradients never exist."""
+
+    heads: int | None = None
+
+    def block(self, inputs: tuple[Tensor | None, ...], which: int, rows: slice) -> Tensor:
+        """The keys (``which`` = 0) or values (1) of the key block ``rows``."""
+        if self.heads is None:
+            return inputs[which][:, :, rows]
+        return split_heads(F.linear(inputs[0][:, rows], inputs[1 + 2 * which], inputs[2 + 2 * which]), self.heads)
+
+    def needs_grad(self, needs: tuple[bool, ...], which: int) -> bool:
+        """Whether the keys' (``which`` = 0) or values' (1) inputs need a gradient (``needs``: one per input)."""
+        return needs[which] if self.heads is None else needs[0] or needs[1 + 2 * which] or needs[2 + 2 * which]
+
+    def add_grad(self, grads: list[Tensor | None], inputs: tuple[Tensor | None, ...], which: int, rows: slice,
+                 grad_block: Tensor) -> None:
+        """Add the gradient of a block's keys or values into ``grads`` (one per input, None if not needed)."""
+        if self.heads is None:
+            if grads[which] is not None:
+                grads[which][:, :, rows] += grad_block
+            return
+        grad_rows = merge_heads(grad_block)  # [B, keys, D]
+        weight, bias = 1 + 2 * which, 2 + 2 * which
+        if grads[0] is not None:
+            grads[0][:, rows] += grad_rows @ inputs[weight]
+        if grads[weight] is not None:
+            grads[weight] += grad_rows.flatten(0, 1).T @ inputs[0][:, rows].flatten(0, 1)
+        if grads[bias] is not None:
+            grads[bias] += grad_rows.sum((0, 1))
+
+
+def _edge_softmax(scores: Tensor, target: Tensor, keep: Tensor) -> Tensor:
+    """Softmax of the edge scores [B, H, N, E] over each query's kept in-edges (its out-neighbour keys
+    N_i of eq. 7), in place; dropped edges get probability 0."""
+    flat, rows = scores.view(-1), target.view(-1)
+    # mask before exp: a dropped edge may out-score its query's kept ones; exp(-inf) = 0 drops it
+    flat.masked_fill_(~keep.view(-1), float("-inf"))
+    # softmax is shift invariant: subtract each query's max (0 for a query without edges)
+    row_max = flat.new_full((target.shape[0] * target.shape[1] * target.shape[2],), float("-inf"))
+    row_max = row_max.scatter_reduce_(0, rows, flat, "amax").nan_to_num_(0.0, neginf=0.0)
+    flat.sub_(row_max[rows]).exp_()
+    denom = torch.zeros_like(row_max).index_add_(0, rows, flat)
+    return scores.div_(denom[rows].clamp_min_(torch.finfo(scores.dtype).tiny).view_as(scores))
+
+
+class _SparseAttention(torch.autograd.Function):
+    """Eq. 7 over every edge: out_i = sum_{j in N_i} softmax_{N_i}(q_i . k_j * scale) s_{i->j} v_j,
+    key block by key block (no [B, H, N, E, Dh] tensor at once), forward and backward.
+
+    Why one function: through autograd, the softmax over each query's in-edges kept a dozen
+    [B, H, N, E] tensors (scores, masks, exponentials, the per-edge gathers of maxima and sums), and
+    in the module form K and V [B, H, N, Dh] stayed alive with full-size gradients. Here only the
+    inputs and the edges' probabilities are kept; keys and values come block by block from
+    :class:`_KeyValues`, again in backward, and the softmax's backward is written out:
+    dL/dscore = p (dL/dp - sum over the query's edges of p dL/dp).
+
+    ``flat_query`` [B*N*H, Dh]: token-major query rows; ``confidence`` s [B, H, N, E]; ``target``
+    [B, H, N, E]: the row of each edge's query; ``keep``: its bool mask (False: invalid, padded or a
+    repeat). Returns the [B*N*H, Dh] output rows.
+    """
 
     @staticmethod
-    def forward(ctx, flat_query: Tensor, key: Tensor, target: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(flat_query, key, target)
-        rows, dh = _edge_blocks(target, key.shape[-1]), key.shape[-1]
-        return torch.cat([torch.einsum("bhjed,bhjd->bhje", flat_query.index_select(0, t.flatten()).view(*t.shape, dh), k)
-                          for t, k in zip(target.split(rows, dim=2), key.split(rows, dim=2))], dim=2)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
-        flat_query, key, target = ctx.saved_tensors
-        rows, dh = _edge_blocks(target, key.shape[-1]), key.shape[-1]
-        grad_query = torch.zeros_like(flat_query) if ctx.needs_input_grad[0] else None
-        grad_key = torch.empty_like(key) if ctx.needs_input_grad[1] else None
-        start = 0
-        for t, k, g in zip(target.split(rows, dim=2), key.split(rows, dim=2), grad.split(rows, dim=2)):
-            if grad_key is not None:
-                gathered = flat_query.index_select(0, t.flatten()).view(*t.shape, dh)
-                grad_key[:, :, start:start + t.shape[2]] = torch.einsum("bhje,bhjed->bhjd", g, gathered)
-            if grad_query is not None:
-                grad_query.index_add_(0, t.flatten(), (g.unsqueeze(-1) * k.unsqueeze(3)).reshape(-1, dh))
-            start += t.shape[2]
-        return grad_query, grad_key, None
-
-
-class _EdgeSums(torch.autograd.Function):
-    """out[target[b, h, j, e]] += weight[b, h, j, e] * value[b, h, j] over all edges ([B*H*N, Dh]
-    rows), key block by key block, forward and backward; keeps only its inputs for backward."""
-
-    @staticmethod
-    def forward(ctx, weight: Tensor, value: Tensor, target: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(weight, value, target)
-        b, h, n, dh = value.shape
-        rows = _edge_blocks(target, dh)
-        out = value.new_zeros(b * h * n, dh)
-        for t, w, v in zip(target.split(rows, dim=2), weight.split(rows, dim=2), value.split(rows, dim=2)):
-            out.index_add_(0, t.flatten(), (w.unsqueeze(-1) * v.unsqueeze(3)).reshape(-1, dh))
+    def forward(ctx, layout: _KeyValues, scale: float, flat_query: Tensor, confidence: Tensor,  # type: ignore[override]
+                target: Tensor, keep: Tensor, *inputs: Tensor | None) -> Tensor:
+        blocks = _edge_blocks(target, flat_query.shape[-1])
+        scores = torch.cat([torch.einsum("bhjed,bhjd->bhje", _gather(flat_query, target[:, :, rows]), layout.block(inputs, 0, rows))
+                            for rows in blocks], dim=2)
+        prob = _edge_softmax(scores.mul_(scale), target, keep)
+        out = flat_query.new_zeros(flat_query.shape)
+        for rows in blocks:
+            value = layout.block(inputs, 1, rows)
+            weight = prob[:, :, rows] * confidence[:, :, rows]  # Psi(.) * s of eq. 7
+            out.index_add_(0, target[:, :, rows].flatten(), (weight.unsqueeze(-1) * value.unsqueeze(3)).flatten(0, 3))
+        ctx.layout, ctx.scale, ctx.autocast = layout, scale, _autocast_state(flat_query.device)
+        ctx.save_for_backward(flat_query, confidence, target, prob, *inputs)
         return out
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
-        weight, value, target = ctx.saved_tensors
-        dh = value.shape[-1]
-        rows = _edge_blocks(target, dh)
-        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[0] else None
-        grad_value = torch.empty_like(value) if ctx.needs_input_grad[1] else None
-        start = 0
-        for t, w, v in zip(target.split(rows, dim=2), weight.split(rows, dim=2), value.split(rows, dim=2)):
-            received = grad.index_select(0, t.flatten()).view(*t.shape, dh)  # the gradient at each edge's query
-            stop = start + t.shape[2]
-            if grad_weight is not None:
-                grad_weight[:, :, start:stop] = torch.einsum("bhjed,bhjd->bhje", received, v)
-            if grad_value is not None:
-                grad_value[:, :, start:stop] = torch.einsum("bhje,bhjed->bhjd", w, received)
-            start = stop
-        return grad_weight, grad_value, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        flat_query, confidence, target, prob, *inputs = ctx.saved_tensors
+        layout: _KeyValues = ctx.layout
+        needs = ctx.needs_input_grad[6:]
+        grads = [torch.zeros_like(t) if need else None for t, need in zip(inputs, needs)]
+        blocks = _edge_blocks(target, flat_query.shape[-1])
+        grad_weight = torch.empty_like(prob)  # of the edge weights p * s
+        with _restored_autocast(ctx.autocast):
+            for rows in blocks:
+                received = _gather(grad, target[:, :, rows])  # the gradient at each edge's query
+                value = layout.block(inputs, 1, rows)
+                grad_weight[:, :, rows] = torch.einsum("bhjed,bhjd->bhje", received, value)
+                if layout.needs_grad(needs, 1):
+                    weight = prob[:, :, rows] * confidence[:, :, rows]
+                    layout.add_grad(grads, inputs, 1, rows, torch.einsum("bhje,bhjed->bhjd", weight, received))
+                del received  # before the next block's: one [B, H, keys, E, Dh] block at a time
+            grad_confidence = grad_weight * prob if ctx.needs_input_grad[3] else None
+            grad_score = grad_weight.mul_(confidence)  # dL/dp for now, dL/dscore after the next two lines
+            rows_of_edges = target.view(-1)
+            total = torch.zeros_like(flat_query[:, 0]).index_add_(0, rows_of_edges, (prob * grad_score).view(-1))
+            grad_score.sub_(total[rows_of_edges].view_as(prob)).mul_(prob).mul_(ctx.scale)
+            grad_query = torch.zeros_like(flat_query) if ctx.needs_input_grad[2] else None
+            for rows in blocks:
+                key, g, edges = layout.block(inputs, 0, rows), grad_score[:, :, rows], target[:, :, rows]
+                if layout.needs_grad(needs, 0):
+                    layout.add_grad(grads, inputs, 0, rows, torch.einsum("bhje,bhjed->bhjd", g, _gather(flat_query, edges)))
+                if grad_query is not None:
+                    grad_query.index_add_(0, edges.flatten(), (g.unsqueeze(-1) * key.unsqueeze(3)).flatten(0, 3))
+        return None, None, grad_query, grad_confidence, None, None, *grads
 
 
 def _repeated_edges(index: Tensor, valid: Tensor, n: int) -> Tensor:
@@ -382,15 +571,38 @@ def fsat_sparse_attention(
     """
     check_qkv(query, key, value, attention_mask)
     _check_sparse_inputs(query, key, dominant_index, random_index)
-    b, h, n, dh = key.shape
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    return _predictable_sparse_attention(
+        query, _KeyValues(), (key, value), attention_mask, dominant_index, random_index, use_predicted=use_predicted,
+        lmax=lmax, sigma2=sigma2, normalize_confidence=normalize_confidence, truncate_gradient=truncate_gradient,
+        scale=scale,
+    )
+
+
+def _predictable_sparse_attention(
+    query: Tensor,
+    layout: _KeyValues,
+    key_values: tuple[Tensor | None, ...],
+    attention_mask: Tensor | None,
+    dominant_index: Tensor,
+    random_index: Tensor | None,
+    *,
+    use_predicted: bool,
+    lmax: int | None,
+    sigma2: float | None,
+    normalize_confidence: bool,
+    truncate_gradient: bool,
+    scale: float | None,
+) -> Tensor:
+    """:func:`fsat_sparse_attention` with its keys and values from ``layout`` and ``key_values``
+    (see :class:`_KeyValues`): the edges, their confidence and eq. 7. Returns [B, H, N, Dh]."""
+    b, h, n, dh = query.shape
+    scale = 1.0 / math.sqrt(dh) if scale is None else scale
     lmax = n if lmax is None else lmax
     sigma2 = float(lmax) if sigma2 is None else float(sigma2)
     if lmax < 1 or not sigma2 > 0:
         raise AttentionError(f"fsat needs lmax >= 1 and sigma2 > 0, got lmax={lmax}, sigma2={sigma2}")
 
     index, centre = _edges(dominant_index, random_index, use_predicted, lmax)  # [B, H, N(key), E]
-    e = index.shape[-1]
     valid = (index >= 0) & (index < n)
     index = index.clamp(0, n - 1)
     if attention_mask is not None:
@@ -398,7 +610,7 @@ def fsat_sparse_attention(
         valid = valid & real.gather(2, index.flatten(2)).view_as(index) & attention_mask[:, None, :, None]
     keep = valid & ~_repeated_edges(index, valid, n)
 
-    confidence = _gaussian_confidence(index, centre, sigma2, normalize_confidence)
+    confidence = _GaussianConfidence.apply(index, centre, sigma2, normalize_confidence)
     if truncate_gradient:
         confidence = _TruncateGradient.apply(confidence)
 
@@ -408,21 +620,8 @@ def fsat_sparse_attention(
                + torch.arange(h, device=index.device).view(1, h, 1, 1))
     target = index * h + offsets  # query row of each edge, [B, H, N(key), E]
     flat_query = query.transpose(1, 2).reshape(b * n * h, dh)
-    scores = _EdgeScores.apply(flat_query, key, target) * scale  # q_{I_je} . k_j
-    target = target.flatten()
-
-    # Softmax over each query's in-edges (its out-neighbour keys N_i of eq. 7).
-    # softmax is shift invariant: the per-query max needs no gradient
-    masked = scores.detach().masked_fill(~keep, float("-inf")).flatten()
-    row_max = scores.new_full((b * h * n,), float("-inf")).scatter_reduce(0, target, masked, "amax")
-    row_max = row_max.nan_to_num(0.0, neginf=0.0)  # queries without edges
-    # mask before exp: a dropped edge may out-score its query's kept ones (inf * 0 = NaN in backward)
-    weight = torch.exp((scores.flatten() - row_max[target]).masked_fill(~keep.flatten(), float("-inf")))
-    denom = scores.new_zeros(b * h * n).index_add(0, target, weight)
-    prob = weight / denom[target].clamp_min(torch.finfo(scores.dtype).tiny)
-
-    edge_weight = prob.view(b, h, n, e) * confidence  # Psi(.) * s of eq. 7
-    return _EdgeSums.apply(edge_weight, value, target.view(b, h, n, e)).view(b, n, h, dh).transpose(1, 2)
+    out = _SparseAttention.apply(layout, scale, flat_query, confidence, target, keep, *key_values)
+    return out.view(b, n, h, dh).transpose(1, 2)
 
 
 @padding_safe
@@ -557,8 +756,6 @@ class FSATAttention(AttentionBase):
         b, n, _ = x.shape
         c = self.cross(x, attention_mask, input_masked=True)  # eqs. 1-4
         q = split_heads(self.to_q(x), self.heads)
-        k = split_heads(self.to_k(c), self.heads)
-        v = split_heads(self.to_v(c), self.heads)
         lmax = n if self.lmax is None else self.lmax
         logits = self.to_index(c).view(b, n, self.heads, self.num_dominant).transpose(1, 2)
         dominant_index = torch.sigmoid(logits) * lmax  # eq. 9
@@ -566,10 +763,10 @@ class FSATAttention(AttentionBase):
         random_index = (
             torch.randint(0, n, (b, self.heads, n, self.num_random), device=x.device) if explore else None
         )  # I_r ~ U[0, N-1], training only (section 4.2.3)
-        out = fsat_sparse_attention(
-            q, k, v, attention_mask,
-            dominant_index=dominant_index,
-            random_index=random_index,
+        # K and V (eq. 6) are projected from C inside the key blocks of the sparse attention
+        key_values = (c, self.to_k.weight, self.to_k.bias, self.to_v.weight, self.to_v.bias)
+        out = _predictable_sparse_attention(
+            q, _KeyValues(self.heads), key_values, attention_mask, dominant_index, random_index,
             use_predicted=not (self.training and self.train_indices == "random"),
             lmax=lmax,
             sigma2=self.sigma2,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import tarfile
 import zlib
 from collections import Counter
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +25,42 @@ class DatasetError(ValueError):
 # What reading a damaged archive raises: tarfile's own errors, a truncated stream (EOFError), a bad
 # gzip header or CRC (gzip.BadGzipFile, an OSError), corrupted deflate data (zlib.error).
 ARCHIVE_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
+
+
+_READ_ONCE: ContextVar[dict[tuple, Any] | None] = ContextVar("longattn_read_once", default=None)
+Reader = TypeVar("Reader", bound=Callable[..., Any])
+
+
+@contextmanager
+def read_once() -> Iterator[None]:
+    """Inside the block, a function marked :func:`once_per_block` reads its files once per set of arguments and
+    hands the same result to later calls (the splits of one dataset built together all read its training
+    files, and IMDb's train and test reviews share one archive). Outside any block every call reads
+    again, so a file changed between two builds is never served stale. Nested blocks share the outer one's reads."""
+    if _READ_ONCE.get() is not None:
+        yield
+        return
+    token = _READ_ONCE.set({})
+    try:
+        yield
+    finally:
+        _READ_ONCE.reset(token)
+
+
+def once_per_block(reader: Reader) -> Reader:
+    """Mark a reader (hashable arguments, a result its callers never modify) as read once per :func:`read_once` block."""
+
+    @functools.wraps(reader)
+    def read(*args: Any) -> Any:
+        reads = _READ_ONCE.get()
+        if reads is None:
+            return reader(*args)
+        key = (reader.__module__, reader.__qualname__, args)
+        if key not in reads:
+            reads[key] = reader(*args)
+        return reads[key]
+
+    return read  # type: ignore[return-value]
 
 
 def check_tar_complete(tar: tarfile.TarFile, path: str | Path) -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import DatasetError, SequenceDataset, check_count, check_split, encode_bytes, holdout_split, iter_tar_files
+from .common import (DatasetError, SequenceDataset, check_count, check_split, encode_bytes, holdout_split, iter_tar_files,
+                     once_per_block)
 from .download import ARCHIVES, verify_known_archive
 
 VOCAB_SIZE = 257
@@ -35,13 +36,19 @@ def _archive_in(folder: Path) -> Path | None:
 
 
 def _read_archive(path: Path, subset: str) -> list[tuple[int, int, bytes]]:
+    return list(_archive_rows(path)[subset])  # a copy: read_imdb sorts it
+
+
+@once_per_block
+def _archive_rows(path: Path) -> dict[str, list[tuple[int, int, bytes]]]:
+    """(label, id, bytes) of every review in the archive by subset, both subsets in one pass."""
     if path.name == ARCHIVES["imdb"].filename:
         verify_known_archive(path, ARCHIVES["imdb"])
-    rows = []
+    rows: dict[str, list[tuple[int, int, bytes]]] = {"train": [], "test": []}
     for name, content in iter_tar_files(path):
         match = _MEMBER.search(name)
-        if match is not None and match.group(1) == subset:
-            rows.append((LABELS[match.group(2)], int(match.group(3)), content))
+        if match is not None:
+            rows[match.group(1)].append((LABELS[match.group(2)], int(match.group(3)), content))
     return rows
 
 

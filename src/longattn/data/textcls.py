@@ -48,6 +48,7 @@ from .common import (
     check_split,
     holdout_test,
     iter_tar_files,
+    once_per_block,
     pad_sequences,
     stratified_folds,
 )
@@ -352,6 +353,7 @@ class TextClsDataset(Dataset):
         return int(lengths.max()) if len(lengths) else 0
 
 
+@once_per_block  # the train, val and test splits of one build all need the training documents
 def _subset_corpus(spec: TextClsSpec, data_dir: Path, subset: str, skip_empty: bool) -> Corpus:
     corpus = spec.reader(data_dir, subset)
     if not len(corpus):

@@ -23,13 +23,14 @@ The spread is the sample standard deviation over folds (the paper does not say w
 from __future__ import annotations
 
 import json
-import statistics
+import math
 from pathlib import Path
 from typing import Any
 
 from longattn.config import ConfigError
 from longattn.experiment.grid import Cell, markdown_table, run_cells
 from longattn.experiment.results import now, write_results
+from longattn.experiment.stats import summarize as summarize_values
 from longattn.models.doc_classifier import TABLE4_MODELS
 from longattn.models.registry import model_names
 from longattn.tasks.base import get_task
@@ -142,9 +143,9 @@ def summarize(cells: list[Cell], folders: dict[int, Path], datasets: list[str], 
                 "peak_memory_mb": result.get("peak_memory_mb"),
             })
     for entry in entries.values():
-        tests = [f["test"] for f in entry["folds"] if f["test"] is not None]
-        entry["test_mean"] = statistics.mean(tests) if tests else None
-        entry["test_std"] = statistics.stdev(tests) if len(tests) > 1 else None
+        spread = summarize_values([f["test"] for f in entry["folds"] if f["test"] is not None])
+        entry["test_mean"] = None if math.isnan(spread.mean) else spread.mean
+        entry["test_std"] = None if math.isnan(spread.std) else spread.std
         paper = PAPER_TABLE4.get(entry["model"], {}).get(entry["dataset"])
         entry["paper"] = {"mean": paper[0], "std": paper[1]} if paper else None
     return {"protocol": f"{folds}-fold cross-validation on the training set (fold seed from data.fold_seed); "

@@ -10,7 +10,8 @@ seeded stratified holdout). ``data.fold=null`` trains on the whole training set 
 ``longattn crossval`` (:mod:`longattn.experiment.crossval`) runs every fold and reports mean ± std.
 
 Presets (``configs/doccls/``): ``paper`` (Table 2), ``cpu`` (minutes on a CPU core per fold on R8),
-``cpu_reduced`` (the cpu preset on shorter documents and fewer of them, for IMDb and the long sets).
+``cpu_reduced`` (the cpu schedule at half the width, on shorter documents and fewer of them, for IMDb and
+the long sets).
 The models are the seven of Table 4 (:mod:`longattn.models.doc_classifier`); the default is
 ``singularformer``.
 """
@@ -28,6 +29,7 @@ from torch.utils.data import Dataset, Subset
 
 from longattn import metrics
 from longattn.config import option
+from longattn.data.common import read_once
 from longattn.data.image import (CIFAR100_PATCH_DIM, CIFAR100_TOKENS, build_cifar10_patches, build_cifar100,
                                  collate_patches)
 from longattn.data.textcls import build_textcls, collate_textcls, get_textcls
@@ -84,9 +86,10 @@ class DocClassificationTask(ClassificationTask):
         return config.data.fold is not None or get_textcls(self.dataset).official_dev
 
     def build_data(self, config: Any) -> TaskData:
-        train = self.split(config, "train")
-        val = self.split(config, "val") if self.has_validation(config) else None
-        test = self.split(config, "test")
+        with read_once():  # every split reads the training documents (vocabulary, folds): from disk once
+            train = self.split(config, "train")
+            val = self.split(config, "val") if self.has_validation(config) else None
+            test = self.split(config, "test")
         base = _base(train)
         info = {"num_classes": base.num_classes, "vocab_size": getattr(base, "vocab_size", 0),
                 "input_dim": getattr(base, "patch_dim", None)}

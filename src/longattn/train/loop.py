@@ -415,11 +415,11 @@ class Trainer:
         return hashlib.sha256(order.encode()).hexdigest()[:16]
 
     def _grouped_by_length(self, order: list[int], epoch: int) -> list[int]:
-        """``order`` with each window of 50 batches sorted by example length, longest first (the
-        shuffled order picks which examples share a window, so batches still differ every epoch)."""
+        """``order`` with each window of ``length_window`` batches sorted by example length, longest first
+        (the shuffled order picks which examples share a window, so batches still differ every epoch)."""
         if self._lengths is None:
             raise ValueError("train.group_by_length needs a training set with lengths() (or a Subset of one)")
-        window = 50 * self.settings.batch_size
+        window = self.settings.length_window * self.settings.batch_size
         grouped = []
         for start in range(0, len(order), window):
             chunk = order[start : start + window]

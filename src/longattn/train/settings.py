@@ -49,8 +49,10 @@ class TrainConfig:
     eval_every_epoch: bool = option(False, help="validate after every epoch instead (eval_every is then ignored)")
     drop_last: bool = option(False, help="drop each epoch's incomplete last training batch")
     group_by_length: bool = option(False, help="batch examples of similar length (less padding): each window of "
-                                   "50 shuffled batches is sorted by length, then the batches are shuffled; "
-                                   "needs a training set with lengths()")
+                                   "length_window shuffled batches is sorted by length, then the batches are "
+                                   "shuffled; needs a training set with lengths()")
+    length_window: int = option(50, ge=1, help="batches per window sorted by length (group_by_length): larger "
+                                "windows pad less, smaller ones keep each batch closer to a random sample")
     max_steps_per_epoch: int | None = option(None, ge=1, help="cap each epoch (quick runs); null: full epochs")
     checkpoint_every: int | None = option(None, ge=1, help="null: at every validation")
     patience: int | None = option(None, ge=1, help="validations without improvement before stopping; null: never")
