@@ -241,7 +241,7 @@ def _fourier_blocks(batch: int, max_len: int, dim: int, segments: int, itemsize:
 
 
 def _fourier_forward(x: Tensor, frequency_weight: Tensor, valid: Tensor | None, max_len: int, segments: int,
-                     norm: str) -> tuple[Tensor, Tensor]:
+                     norm: str) -> tuple[Tensor, Tensor, Tensor]:
     """X^smooth of eq. (5) from x (zero at padded tokens), by column blocks; the same numbers as
     ``Smoother._fourier_smooth``. Returns it, zeroed at padded positions, and (kept for backward) the
     segments' spectrum [B, r, F] and the complex frequency weights [dim, F], both channel-first."""
@@ -272,8 +272,8 @@ def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor,
                       max_len: int, segments: int, norm: str) -> Tensor:
     """Backward of _fourier_forward: adds the gradient of x into ``grad_x`` and returns that of the
     frequency weights. ``grad_smoothed`` is channel-first [B, dim, N], ``spectrum_t`` and ``weight_t``
-    as _fourier_forward returns them. The adjoint of irfft is an rfft
-    with irfft's scaling whose bins with a mirror image count twice (as torch's own derivative)."""
+    as _fourier_forward returns them. The adjoint of irfft is an rfft with irfft's scaling whose bins
+    with a mirror image count twice (as torch's own derivative)."""
     batch, dim, length = grad_smoothed.shape
     width = dim // segments
     mirrored = slice(1, max_len - spectrum_t.shape[-1] + 1)  # bins 1 .. ceil(max_len / 2) - 1
