@@ -294,19 +294,28 @@ def test_mu_incoherence_extremes_and_invariances():
         mu_incoherence(x[None], 4)
 
 
-@pytest.mark.parametrize("length,padded", [(45, True), (64, False), (37, False)])
-def test_fused_smoother_path_is_exact_in_the_full_layer(length, padded, monkeypatch):
-    """The layer with the fused stem against the module-by-module one: float64, every dropout on,
-    several stem tiles, padding holding NaN; output and the gradient of x and of every parameter."""
+@pytest.mark.parametrize("length,padded,extra", [
+    (45, True, {}), (64, False, {}), (37, False, {"bias": False}), (45, True, {"row_attention": False}),
+    (45, True, {"column_attention": False}), (45, True, {"mask_padded_samples": False}),
+    (50, True, {"column_scale": "valid"}), (33, False, {"smoother": False}),
+])
+def test_fused_smoother_path_is_exact_in_the_full_layer(length, padded, extra, monkeypatch):
+    """The layer with the fused stem and the tiled core against the module-by-module one: float64,
+    every dropout on, several stem and core tiles, padding holding NaN; output and the gradient of
+    x and of every parameter."""
+    import longattn.attention.skeleton as skeleton_module
     import longattn.attention.smoother as smoother_module
 
     monkeypatch.setattr(smoother_module, "STEM_TILE", 16)
+    monkeypatch.setattr(skeleton_module, "CORE_TILE", 16)
     torch.manual_seed(5)
-    options = dict(dim=32, heads=2, max_len=64, dropout=0.2, smoother_dropout=0.3)
+    options = dict(dim=32, heads=2, max_len=64, dropout=0.2, smoother_dropout=0.3, **extra)
     fused = attention.build("skeleton", **options).double().train()
     plain = attention.build("skeleton", **options).double().train()
     plain.load_state_dict(fused.state_dict())
-    plain.smoother.fused = False
+    plain.fused = False
+    if plain.smoother is not None:
+        plain.smoother.fused = False
     x = torch.randn(2, length, 32, dtype=torch.float64, requires_grad=True)
     mask = None
     if padded:
@@ -325,6 +334,16 @@ def test_fused_smoother_path_is_exact_in_the_full_layer(length, padded, monkeypa
     torch.testing.assert_close(out_fused, out_plain)
     for name, a, r in zip(["x"] + [n for n, _ in fused.named_parameters()], grads_fused, grads_plain):
         torch.testing.assert_close(a, r, msg=lambda m: f"{name}: {m}")
+
+
+def test_fused_core_in_eval_mode_and_float32_matches_the_module_path():
+    torch.manual_seed(9)
+    fused = attention.build("skeleton", dim=32, heads=2, max_len=300).eval()
+    plain = attention.build("skeleton", dim=32, heads=2, max_len=300).eval()
+    plain.load_state_dict(fused.state_dict())
+    plain.fused = False
+    x = torch.randn(3, 300, 32)
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-4, atol=1e-5)
 
 
 def test_reduced_precision_layer_stays_close_to_float32():

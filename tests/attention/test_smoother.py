@@ -262,20 +262,27 @@ def test_bfloat16_input_runs_its_fft_in_float32():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("fourier", [True, False])
+@pytest.mark.parametrize("fourier,max_len,fft_norm,block_bytes", [
+    (True, 41, "backward", 1 << 30), (False, 41, "backward", 1 << 30), (True, 41, "ortho", 41 * 8 * 3 * 4),
+    (True, 40, "forward", 40 * 3 * 2 * 8), (True, 42, "backward", 1),
+])
 @pytest.mark.parametrize("kernel_size,n,padded", [(3, 37, True), (5, 29, False), (3, 40, False), (1, 33, True)])
-def test_fused_stem_is_the_module_by_module_stem(monkeypatch, fourier, kernel_size, n, padded):
-    """The fused tile-by-tile stem against the module path, float64, dropout on, several tiles:
-    outputs, every gradient and the running statistics."""
+def test_fused_stem_is_the_module_by_module_stem(monkeypatch, fourier, max_len, fft_norm, block_bytes, kernel_size, n,
+                                                 padded):
+    """The fused tile-by-tile stem (and Fourier convolution by column blocks: whole, spanning
+    segments, inside one) against the module path, float64, dropout on, several tiles, odd and even
+    FFT lengths: outputs, every gradient and the running statistics."""
     import longattn.attention.smoother as smoother_module
 
     monkeypatch.setattr(smoother_module, "STEM_TILE", 8)  # several tiles, one of them partial
+    monkeypatch.setattr(smoother_module, "FOURIER_BLOCK_BYTES", block_bytes)
     torch.manual_seed(3)
-    fused = Smoother(DIM, 41, kernel_size=kernel_size, fourier=fourier, dropout=0.3).double().train()
+    options = dict(kernel_size=kernel_size, fourier=fourier, dropout=0.3, fft_norm=fft_norm)
+    fused = Smoother(DIM, max_len, **options).double().train()
     with torch.no_grad():
         fused.stem_norm.weight.uniform_(0.5, 1.5)
         fused.stem_norm.bias.uniform_(-0.5, 0.5)
-    plain = smoother_module.Smoother(DIM, 41, kernel_size=kernel_size, fourier=fourier, dropout=0.3).double().train()
+    plain = smoother_module.Smoother(DIM, max_len, **options).double().train()
     plain.load_state_dict(fused.state_dict())
     plain.fused = False
     x = torch.randn(3, n, DIM, dtype=torch.float64, requires_grad=True)
@@ -316,6 +323,17 @@ def test_fused_stem_reduced_precision_stays_close_to_float32():
                                for o, m in ((out_full, full), (out_reduced, reduced)))
     for a, r in zip(grad_reduced, grad_full):
         assert (a - r).norm() / r.norm() < 6e-2  # through the BatchNorm over 2 x 64 values per position
+
+
+def test_tiled_dropout_draws_are_those_of_one_rand_call(monkeypatch):
+    import longattn.attention.smoother as smoother_module
+
+    monkeypatch.setattr(smoother_module, "STEM_TILE", 7)  # several tiles, one of them partial
+    for shape in [(3, 40, 5), (2, 23, 2, 4)]:
+        torch.manual_seed(1)
+        keep = smoother_module.draw_keep(shape, 0.3, torch.device("cpu"))
+        torch.manual_seed(1)
+        assert keep.dtype == torch.bool and torch.equal(keep, torch.rand(shape) >= 0.3)
 
 
 def test_precision_must_be_known():

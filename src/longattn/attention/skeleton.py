@@ -38,7 +38,7 @@ from longattn.attention.base import (
     register_attention,
     split_heads,
 )
-from longattn.attention.smoother import PRECISIONS, Smoother
+from longattn.attention.smoother import PRECISIONS, Smoother, draw_keep, mask_factor
 
 __all__ = ["SkeletonAttention", "skeleton_attention", "skeleton_attention_reference", "draw_skeleton_indices"]
 
@@ -242,6 +242,241 @@ class _SampledProjections(torch.autograd.Function):
                 None, None, None)
 
 
+# Tokens per tile of the fused core (_SkeletonCore): its temporaries are [B, tile, dim] and a few
+# [B, H*s, tile] blocks, small enough to stay in cache, and a whole sequence never has more than its
+# input, output and gradient at full length.
+CORE_TILE = 2048
+
+
+def _head_blocks(full: Tensor, heads: int) -> Tensor:
+    """The diagonal blocks of [B, H*P, H*Q] (the per-head products of a _block_diagonal product) as [B, H, P, Q]."""
+    batch, rows, cols = full.shape
+    return full.view(batch, heads, rows // heads, heads, cols // heads).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
+
+
+class _GramAndRows(torch.autograd.Function):
+    """What the column branch needs from the whole sequence, and the sampled token rows.
+
+    The column scores Q^T (K P2) over the real tokens (Section 3.1) are a linear image of the Gram
+    matrix of the layer input s: with Q = s W_q^T + b_q, K P2 = s W_k[P2]^T + b_k[P2] and m = 1 at
+    real tokens, sum_n m_n Q_n^T (K P2)_n = W_q G W_k[P2]^T + W_q sigma b_k[P2]^T + b_q sigma^T
+    W_k[P2]^T + c b_q b_k[P2]^T with G = s^T diag(m) s, sigma = s^T m, c = sum m. This function
+    returns G [B, dim, dim] and sigma [B, dim] (tile by tile: neither Q nor K P2 exists at full
+    length), plus s[:, rows]; its backward adds ds = m (s (dG + dG^T) + dsigma) and the rows'
+    gradient into one buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, s, mask, rows):  # type: ignore[override]
+        batch, length, dim = s.shape
+        gram, total = s.new_zeros(batch, dim, dim), s.new_zeros(batch, dim)
+        for start in range(0, length, CORE_TILE):
+            tile = s[:, start:start + CORE_TILE]
+            real = tile if mask is None else tile * mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
+            gram.baddbmm_(tile.transpose(1, 2), real)
+            total += real.sum(1)
+        ctx.save_for_backward(s, *(() if mask is None else (mask,)), *(() if rows is None else (rows,)))
+        ctx.flags = (mask is not None, rows is not None)
+        return gram, total, None if rows is None else s[:, rows]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_gram, grad_total, grad_rows):  # type: ignore[override]
+        masked, has_rows = ctx.flags
+        s, *rest = ctx.saved_tensors
+        mask = rest[0] if masked else None
+        rows = rest[-1] if has_rows else None
+        batch, _, dim = s.shape
+        symmetric = s.new_zeros(batch, dim, dim) if grad_gram is None else grad_gram + grad_gram.transpose(1, 2)
+        shift = s.new_zeros(batch, 1, dim) if grad_total is None else grad_total[:, None, :]
+        grad_s = torch.empty_like(s)
+        for start in range(0, s.shape[1], CORE_TILE):
+            out = torch.baddbmm(shift, s[:, start:start + CORE_TILE], symmetric, out=grad_s[:, start:start + CORE_TILE])
+            if mask is not None:
+                out *= mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
+        if grad_rows is not None:
+            grad_s.index_add_(1, rows, grad_rows)
+        return grad_s, None, None
+
+
+class _SkeletonCore(torch.autograd.Function):
+    """Both branches, their LayerNorms and the output projection, tile by tile along the sequence,
+    given what they need from the whole sequence: the column weights softmax(P2^T K^T Q / sqrt(n))
+    (after dropout) [B, H, Dh, s2] and the sampled rows' keys (temperature folded in) and values
+    [B, H, s1, Dh]. Per tile of the input s: Q, the row scores, their softmax over the s1 samples and
+    dropout, V_1, V P2 and V_2, LN_1(V_1)/2 + LN_2(V_2)/2 and the output projection; the same numbers
+    as ``_SampledProjections`` -> ``_skeleton_from_samples`` -> ``to_out`` (tested in float64).
+    Saved for backward: s, the parameters, the small sampled blocks and the row dropout as one bool
+    [B, N, H, s1]; backward recomputes each tile (a few GEMMs of [tile, dim]) instead of keeping a
+    dozen [B, N, dim] activations, and writes the gradient of s tile by tile into one buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values, row_norm_weight,
+                row_norm_bias, column_norm_weight, column_norm_bias, weight_out, bias_out, mask, row_valid, row_keep,
+                config):  # type: ignore[override]
+        out = torch.empty_like(s)
+        tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
+                           (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
+                           bias_out, mask, row_valid, row_keep, config)
+        for start in range(0, s.shape[1], CORE_TILE):
+            out[:, start:start + CORE_TILE] = tiles.forward(start).output
+        ctx.save_for_backward(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
+                              row_norm_weight, row_norm_bias, column_norm_weight, column_norm_bias, weight_out,
+                              bias_out, mask, row_valid, row_keep)
+        ctx.config = config
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # type: ignore[override]
+        (s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values, row_norm_weight, row_norm_bias,
+         column_norm_weight, column_norm_bias, weight_out, bias_out, mask, row_valid, row_keep) = ctx.saved_tensors
+        tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
+                           (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
+                           bias_out, mask, row_valid, row_keep, ctx.config)
+        grad_s = torch.empty_like(s)
+        for start in range(0, s.shape[1], CORE_TILE):
+            grad_s[:, start:start + CORE_TILE] = tiles.backward(start, grad_out[:, start:start + CORE_TILE])
+        return (grad_s, *tiles.parameter_grads(), None, None, None, None)
+
+
+class _CoreTiles:
+    """One tile of _SkeletonCore forward (keeping what its backward needs) and its backward, which
+    accumulates the gradients of the parameters and of the sampled blocks across tiles."""
+
+    def __init__(self, s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values, row_norm,
+                 column_norm, weight_out, bias_out, mask, row_valid, row_keep, config) -> None:
+        self.heads, self.fill_invalid, self.keep_scale, self.eps, gemm_dtype = config
+        self.s, self.mask, self.row_valid, self.row_keep = s, mask, row_valid, row_keep
+        if row_valid is not None:
+            self.row_valid_factor = row_valid[:, None, :, None].to(s.dtype)  # [B, 1, s1, 1]
+        self.gemm_dtype = gemm_dtype
+        gemm = lambda w: None if w is None else w.to(gemm_dtype)  # noqa: E731
+        self.weight_q, self.weight_v, self.weight_out = weight_q, weight_v, weight_out
+        self.bias_q, self.bias_v, self.bias_out = bias_q, bias_v, bias_out
+        self.gemm_q, self.gemm_v, self.gemm_out = gemm(weight_q), gemm(weight_v), gemm(weight_out)
+        self.row_norm, self.column_norm = row_norm, column_norm
+        self.rows = row_keys is not None
+        self.columns = column_weights is not None
+        if self.rows:
+            self.row_keys, self.row_values = _block_diagonal(row_keys), _block_diagonal(row_values)  # [B, H*s1, H*Dh]
+        if self.columns:
+            self.column_mix = _block_diagonal(column_weights.transpose(-1, -2))  # [B, H*s2, H*Dh]
+        self.grads: dict[str, Tensor] = {}
+
+    def _linear(self, x: Tensor, gemm_weight: Tensor, bias: Tensor | None) -> Tensor:
+        out = F.linear(x.to(self.gemm_dtype), gemm_weight).to(x.dtype)
+        return out if bias is None else out.add_(bias)
+
+    def _accumulate(self, name: str, value: Tensor) -> None:
+        self.grads[name] = value if name not in self.grads else self.grads[name].add_(value)
+
+    def forward(self, start: int, project: bool = True) -> "_CoreTiles":
+        """Compute the tile at ``start`` (without the output projection unless ``project``); the
+        intermediates stay on self for backward."""
+        s = self.s[:, start:start + CORE_TILE]
+        batch, length, dim = s.shape
+        self.tile_s, self.start = s, start
+        mixed = None
+        if self.rows:
+            heads = self.heads
+            self.query = self._linear(s, self.gemm_q, self.bias_q)
+            # sample-major scores [B, H, s1, T]: the softmax over the samples runs along a contiguous axis
+            scores = (self.row_keys @ self.query.transpose(1, 2)).view(batch, heads, -1, length)
+            if self.fill_invalid:
+                valid = self.row_valid[:, None, :, None]
+                scores.masked_fill_(~valid, torch.finfo(scores.dtype).min)
+                self.soft = torch.softmax(scores, dim=2)
+                weights = self.soft * self.row_valid_factor
+            else:
+                self.soft = weights = torch.softmax(scores, dim=2)
+            if self.row_keep is not None:
+                keep = self.row_keep[:, start:start + CORE_TILE].permute(0, 2, 3, 1)  # [B, H, s1, T]
+                weights = weights * mask_factor(keep, weights.dtype) * self.keep_scale
+            self.row_weights = weights.reshape(batch, -1, length)  # [B, H*s1, T]
+            self.row_out = self.row_weights.transpose(1, 2) @ self.row_values  # V_1: [B, T, H*Dh]
+            row_half, self.row_mean, self.row_rstd = torch.native_layer_norm(self.row_out, [dim], *self.row_norm,
+                                                                             self.eps)
+            mixed = row_half
+        if self.columns:
+            sampled = self._linear(s, self.gemm_v, self.bias_v)  # V P2: [B, T, H*s2]
+            if self.mask is not None:
+                sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
+            self.column_values = sampled
+            self.column_out = sampled @ self.column_mix  # V_2: [B, T, H*Dh]
+            column_half, self.column_mean, self.column_rstd = torch.native_layer_norm(
+                self.column_out, [dim], *self.column_norm, self.eps)
+            mixed = column_half if mixed is None else mixed.add_(column_half)
+        self.mixed = mixed
+        self.output = self._linear(mixed, self.gemm_out, self.bias_out) if project else None
+        return self
+
+    def backward(self, start: int, grad_out: Tensor) -> Tensor:
+        """The gradient of the tile's input s; parameter gradients accumulate on self."""
+        self.forward(start, project=False)
+        s, dtype = self.tile_s, self.s.dtype
+        batch, length, dim = s.shape
+        flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        self._accumulate("weight_out", flat(grad_out).t() @ flat(self.mixed))
+        if self.bias_out is not None:
+            self._accumulate("bias_out", grad_out.sum((0, 1)))
+        grad_mixed = (grad_out.to(self.gemm_dtype) @ self.gemm_out).to(dtype)
+        grad_s = None
+        if self.rows:
+            grad_row_out, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
+                grad_mixed, self.row_out, [dim], self.row_mean, self.row_rstd, *self.row_norm, [True, True, True])
+            self._accumulate("row_norm_weight", grad_norm_weight)
+            self._accumulate("row_norm_bias", grad_norm_bias)
+            self._accumulate("row_values", self.row_weights @ grad_row_out)  # [B, H*s1, H*Dh]
+            grad_weights = (self.row_values @ grad_row_out.transpose(1, 2)).view(batch, self.heads, -1, length)
+            if self.row_keep is not None:
+                keep = self.row_keep[:, start:start + CORE_TILE].permute(0, 2, 3, 1)
+                grad_weights = grad_weights * mask_factor(keep, grad_weights.dtype) * self.keep_scale
+            if self.fill_invalid:
+                grad_weights = grad_weights * self.row_valid_factor
+            soft = self.soft
+            grad_scores = soft * (grad_weights - (soft * grad_weights).sum(2, keepdim=True))
+            if self.fill_invalid:  # masked_fill passes no gradient to the filled scores
+                grad_scores = grad_scores * self.row_valid_factor
+            grad_scores = grad_scores.view(batch, -1, length)  # [B, H*s1, T]
+            self._accumulate("row_keys", grad_scores @ self.query)
+            grad_query = grad_scores.transpose(1, 2) @ self.row_keys  # [B, T, H*Dh]
+            self._accumulate("weight_q", flat(grad_query).t() @ flat(s))
+            if self.bias_q is not None:
+                self._accumulate("bias_q", grad_query.sum((0, 1)))
+            grad_s = (grad_query.to(self.gemm_dtype) @ self.gemm_q).to(dtype)
+        if self.columns:
+            grad_column_out, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
+                grad_mixed, self.column_out, [dim], self.column_mean, self.column_rstd, *self.column_norm,
+                [True, True, True])
+            self._accumulate("column_norm_weight", grad_norm_weight)
+            self._accumulate("column_norm_bias", grad_norm_bias)
+            self._accumulate("column_mix", self.column_values.transpose(1, 2) @ grad_column_out)
+            grad_sampled = grad_column_out @ self.column_mix.transpose(1, 2)  # [B, T, H*s2]
+            if self.mask is not None:
+                grad_sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
+            self._accumulate("weight_v", flat(grad_sampled).t() @ flat(s))
+            if self.bias_v is not None:
+                self._accumulate("bias_v", grad_sampled.sum((0, 1)))
+            part = (grad_sampled.to(self.gemm_dtype) @ self.gemm_v).to(dtype)
+            grad_s = part if grad_s is None else grad_s.add_(part)
+        return grad_s
+
+    def parameter_grads(self) -> tuple[Tensor | None, ...]:
+        """Gradients in the order of _SkeletonCore's inputs after s (None for what is absent)."""
+        g = self.grads.get
+        column_weights = None
+        if self.columns:
+            column_weights = _head_blocks(g("column_mix"), self.heads).transpose(-1, -2)
+        row_keys = row_values = None
+        if self.rows:
+            row_keys, row_values = _head_blocks(g("row_keys"), self.heads), _head_blocks(g("row_values"), self.heads)
+        return (g("weight_q"), g("bias_q"), g("weight_v"), g("bias_v"), column_weights, row_keys, row_values,
+                g("row_norm_weight"), g("row_norm_bias"), g("column_norm_weight"), g("column_norm_bias"),
+                g("weight_out"), g("bias_out"))
+
+
 def _linear(linear: nn.Linear, x: Tensor, gemm_dtype: torch.dtype | None) -> Tensor:
     """``linear(x)``; with ``gemm_dtype`` the product takes factors of that dtype (the GEMM
     accumulates in float32) and the bias is added in x's dtype."""
@@ -300,9 +535,9 @@ def _skeleton_from_samples(
         else:
             weights = torch.softmax(scores, dim=2)
         if dropout_p > 0:
-            # the draws F.dropout makes on the token-major [B, N, H, s1] layout, applied here
-            noise = weights.new_empty(batch, length, heads, s1).bernoulli_(1 - dropout_p).div_(1 - dropout_p)
-            weights = weights * noise.permute(0, 2, 3, 1)
+            # dropout drawn on the token-major [B, N, H, s1] layout (as _SkeletonCore draws it), applied here
+            keep = draw_keep((batch, length, heads, s1), dropout_p, weights.device)
+            weights = weights * keep.permute(0, 2, 3, 1) * (1.0 / (1.0 - dropout_p))
         # V_1 = weights P1 V: [B, N, H*s1] (a transposed view) @ [B, H*s1, H*Dh] -> [B, N, H*Dh]
         row_out = weights.view(batch, heads * s1, length).transpose(1, 2) @ _block_diagonal(row_values)
         out = _half_layer_norm(row_out, row_norm, norm_eps)
@@ -481,6 +716,8 @@ class SkeletonAttention(AttentionBase):
         if precision not in PRECISIONS:
             raise AttentionError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.precision = precision
+        # the tiled core (_fused_core) for float32/float64; tests switch it off to compare
+        self.fused = True
         # with both smoother parts ablated the Smoother is the identity: leave it out
         self.smoother = (
             Smoother(
@@ -507,6 +744,14 @@ class SkeletonAttention(AttentionBase):
         self.register_buffer("row_indices", rows)
         self.register_buffer("column_indices", columns)
 
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None, layer_state: dict | None = None) -> Tensor:
+        if (isinstance(x, Tensor) and isinstance(attention_mask, Tensor) and attention_mask.dtype == torch.bool
+                and attention_mask.shape == x.shape[:2] and attention_mask.device == x.device
+                and bool(attention_mask.all())):
+            # every token real: the same numbers without the two whole-sequence masking copies
+            attention_mask = None
+        return super().forward(x, attention_mask, layer_state)
+
     def resample(self) -> None:
         """Redraw the stored sample indices (global RNG)."""
         rows, columns = draw_skeleton_indices(self.max_len, self.head_dim, self.s1, self.s2, self.row_indices.device)
@@ -520,6 +765,9 @@ class SkeletonAttention(AttentionBase):
             attention_mask = None  # every token real: the same numbers without any mask pass
         if self.smoother is not None:
             x = self.smoother(x, attention_mask)
+        # the tiled core needs the layer's own projections (a transformers model lends its own, see longattn.hf)
+        if self.fused and x.dtype in (torch.float32, torch.float64) and isinstance(self.proj, QKVProjection):
+            return self._fused_core(x, attention_mask)
         proj, length = self.proj, x.shape[1]
         gemm_dtype = torch.bfloat16 if self.precision == "bf16" and x.dtype == torch.float32 else None
         # The branches read K and V only at the s1 sampled tokens and at the s2 sampled feature
@@ -547,14 +795,7 @@ class SkeletonAttention(AttentionBase):
         """The two branches on the sampled keys/values with this layer's settings. ``sum_over_tokens``
         completes sums over the sequence (identity here; an all-reduce over the shards of a
         sequence-parallel layer, which also passes its ``extra`` arguments)."""
-        if self.column_scale == "max_len":
-            column_scale: float | Tensor = 1.0 / math.sqrt(self.max_len)
-        elif self.column_scale == "valid":
-            real = x.new_full((x.shape[0],), x.shape[1]) if attention_mask is None else attention_mask.sum(-1)
-            real = real.to(x.dtype)
-            column_scale = (real if sum_over_tokens is None else sum_over_tokens(real)).clamp_min(1).rsqrt()
-        else:
-            column_scale = float(self.column_scale)
+        column_scale = self._column_temperature(x, attention_mask, sum_over_tokens)
         if sum_over_tokens is not None:
             extra["sum_over_tokens"] = sum_over_tokens
         return _skeleton_from_samples(
@@ -572,6 +813,63 @@ class SkeletonAttention(AttentionBase):
             row_norm=None if self.row_norm is None else (self.row_norm.weight, self.row_norm.bias),
             column_norm=None if self.column_norm is None else (self.column_norm.weight, self.column_norm.bias),
             **extra,
+        )
+
+    def _column_temperature(self, x: Tensor, attention_mask: Tensor | None,
+                            sum_over_tokens: Callable[[Tensor], Tensor] | None = None) -> float | Tensor:
+        if self.column_scale == "max_len":
+            return 1.0 / math.sqrt(self.max_len)
+        if self.column_scale == "valid":
+            real = x.new_full((x.shape[0],), x.shape[1]) if attention_mask is None else attention_mask.sum(-1)
+            real = real.to(x.dtype)
+            return (real if sum_over_tokens is None else sum_over_tokens(real)).clamp_min(1).rsqrt()
+        return float(self.column_scale)
+
+    def _fused_core(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """Projections, both branches and the output projection with only x, the output and their
+        gradients at full length: the whole-sequence parts (the column scores, from the Gram matrix
+        of x, and the sampled rows) in _GramAndRows, everything else tile by tile in _SkeletonCore.
+        The same numbers, and the same dropout draws, as the module path below it in ``attend``."""
+        proj, heads, (batch, length, _) = self.proj, self.heads, x.shape
+        gemm_dtype = torch.bfloat16 if self.precision == "bf16" and x.dtype == torch.float32 else x.dtype
+        dropout = self.dropout if self.training else 0.0
+        rows = self.row_indices.clamp(max=length - 1) if self.row_attention else None
+        gram, total, sampled = _GramAndRows.apply(x, attention_mask, rows)
+        row_keys = row_values = row_valid = row_keep = None
+        fill_invalid = False
+        if self.row_attention:
+            row_valid = _row_sample_validity(self.row_indices, attention_mask, batch, length)
+            fill_invalid = self.mask_padded_samples and not bool(row_valid.all())
+            sample_valid = row_valid[:, None, :, None].to(x.dtype)
+            scale = 1.0 / math.sqrt(self.head_dim) if self.row_scale is None else self.row_scale
+            row_keys = split_heads(proj.to_k(sampled), heads) * sample_valid * scale  # P1 K / sqrt(Dh): [B, H, s1, Dh]
+            row_values = split_heads(proj.to_v(sampled), heads) * sample_valid
+            if dropout > 0:  # drawn before the column dropout, as in _skeleton_from_samples
+                row_keep = draw_keep((batch, length, heads, row_keys.shape[2]), dropout, x.device)
+        column_weights = weight_v = bias_v = None
+        if self.column_attention:
+            head_offsets = torch.arange(heads, device=x.device)[:, None] * self.head_dim
+            features = (head_offsets + self.column_indices).flatten()  # h*Dh + the P2 columns
+            weight_q, bias_q = proj.to_q.weight, proj.to_q.bias
+            weight_k, bias_k = proj.to_k.weight[features], None if proj.to_k.bias is None else proj.to_k.bias[features]
+            weight_v, bias_v = proj.to_v.weight[features], None if proj.to_v.bias is None else proj.to_v.bias[features]
+            # sum over real tokens of Q^T K P2 (see _GramAndRows), [B, H*Dh, H*s2]
+            pairs = weight_q @ gram @ weight_k.t()
+            if bias_q is not None:
+                count = x.new_full((batch,), length) if attention_mask is None else attention_mask.sum(-1).to(x.dtype)
+                pairs = (pairs + (total @ weight_q.t())[:, :, None] * bias_k + bias_q[:, None] * (total @ weight_k.t())[:, None, :]
+                         + count[:, None, None] * torch.outer(bias_q, bias_k))
+            scores = _head_blocks(pairs, heads) * _column_scale_tensor(
+                self._column_temperature(x, attention_mask), length, x)  # [B, H, Dh, s2]
+            column_weights = torch.softmax(scores, dim=-1)  # over the s2 samples
+            column_weights = F.dropout(column_weights, dropout) if dropout > 0 else column_weights
+        norms = [(None, None) if n is None else (n.weight * 0.5, n.bias * 0.5)  # the 1/2 of eq. (2)
+                 for n in (self.row_norm, self.column_norm)]
+        config = (heads, fill_invalid, 1.0 / (1.0 - dropout) if dropout > 0 else 1.0, 1e-5, gemm_dtype)
+        return _SkeletonCore.apply(
+            x, proj.to_q.weight if self.row_attention else None, proj.to_q.bias if self.row_attention else None,
+            weight_v, bias_v, column_weights, row_keys, row_values, *norms[0], *norms[1], proj.to_out.weight,
+            proj.to_out.bias, attention_mask, row_valid, row_keep, config,
         )
 
     def extra_repr(self) -> str:

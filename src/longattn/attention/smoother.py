@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from longattn.attention.base import AttentionError, check_attention_mask, compute_dtype
 
-__all__ = ["Smoother", "MaskedBatchNorm"]
+__all__ = ["Smoother", "MaskedBatchNorm", "draw_keep", "mask_factor"]
 
 _ACTIVATIONS = {"relu": F.relu, "elu": F.elu, "gelu": F.gelu}
 _FFT_NORMS = ("backward", "ortho", "forward")
@@ -84,23 +84,49 @@ class _MaskedBatchNormTrain(torch.autograd.Function):
 STEM_TILE = 4096
 
 
-class _FusedReluStem(torch.autograd.Function):
-    """Convolution stem -> masked BatchNorm over positions (training) -> ReLU -> dropout ->
-    zero padding, tile by tile along the sequence, with a hand-written backward.
+def mask_factor(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask as 0/1 in ``dtype``, converted through its bytes: on CPU a bool -> float
+    conversion (or a masked_fill, or a product with a bool tensor) takes a slow path, about 10x a
+    uint8 -> float conversion; used on finite values only (0 * NaN would stay NaN)."""
+    return mask.view(torch.uint8).to(dtype)
 
-    The same numbers as ``stem_conv`` -> ``MaskedBatchNorm`` -> ReLU -> ``_dropout_and_zero_padding``
-    (tested in float64, forward and every gradient): the Conv1d is k token-major GEMMs per input
-    (tap j adds ``input[n + j - k//2] @ W_j^T`` to output row n), so neither the concatenated
+
+def draw_keep(shape: tuple[int, ...], p: float, device: torch.device) -> Tensor:
+    """Bool dropout mask of ``shape`` ([B, N, ...]): an entry is kept when a float32 uniform draw is
+    >= p, the distribution of ``nn.Dropout(p)``. Drawn per batch element and per tile of STEM_TILE
+    positions, in memory order, so no float tensor of the whole shape exists; on CPU the
+    generator fills tensors in memory order, so these are the draws of ``torch.rand(shape) >= p``."""
+    keep = torch.empty(shape, dtype=torch.bool, device=device)
+    for b in range(shape[0]):
+        for start in range(0, shape[1], STEM_TILE):
+            stop = min(start + STEM_TILE, shape[1])
+            torch.ge(torch.rand((stop - start, *shape[2:]), device=device), p, out=keep[b, start:stop])
+    return keep
+
+
+class _FusedReluStem(torch.autograd.Function):
+    """The Smoother in training: Fourier convolution (eq. 4-5, when ``frequency_weight`` is given;
+    see _fourier_forward) -> convolution stem -> masked BatchNorm over positions -> ReLU -> dropout
+    -> zero padding, the stem tile by tile along the sequence, with a hand-written backward.
+
+    The same numbers as ``_fourier_smooth`` -> ``stem_conv`` -> ``MaskedBatchNorm`` -> ReLU ->
+    ``_dropout_and_zero_padding`` (tested in float64, forward and every gradient): the Conv1d is k
+    token-major GEMMs per input (tap j adds ``input[n + j - k//2] @ W_j^T`` to output row n), so neither the concatenated
     channel-first input nor a channel-first output or gradient is ever formed; the BatchNorm
     statistics of a position only involve that position, so every step is local to a tile. Saved
-    for backward: the inputs (held by the caller anyway), the centred conv output and one bool
-    mask [B, N, dim] for ReLU, dropout and padding together.
+    for backward: x, X^smooth and the segments' spectrum, the centred conv output and one bool mask
+    [B, N, dim] for ReLU, dropout and padding together.
     """
 
     @staticmethod
-    def forward(ctx, smoothed, x, conv_weight, conv_bias, bn_weight, bn_bias, valid, dropout_keep, dropout_p,
-                eps, gemm_dtype):  # type: ignore[override]
-        inputs = [t for t in (smoothed, x) if t is not None]
+    def forward(ctx, x, frequency_weight, conv_weight, conv_bias, bn_weight, bn_bias, valid, dropout_keep, dropout_p,
+                eps, gemm_dtype, fourier):  # type: ignore[override]
+        spectrum = None
+        if frequency_weight is not None:  # X^smooth of eq. (5), zero at padded positions
+            smoothed, spectrum = _fourier_forward(x, frequency_weight, valid, *fourier)
+            inputs = [smoothed, x]
+        else:
+            inputs = [x]
         batch, length, dim = x.shape
         taps = _stem_taps(conv_weight, len(inputs), gemm_dtype)  # [k][input] -> W^T [dim_in, dim]
         gemm_inputs = [t.to(gemm_dtype) for t in inputs]
@@ -111,7 +137,7 @@ class _FusedReluStem(torch.autograd.Function):
         for start in range(0, length, STEM_TILE):
             stop = min(start + STEM_TILE, length)
             h = _stem_conv_tile(gemm_inputs, taps, conv_bias, start, stop, x.dtype)  # [B, T, dim]
-            w = None if valid is None else valid[:, start:stop, None].to(x.dtype)
+            w = None if valid is None else mask_factor(valid[:, start:stop, None], x.dtype)
             if w is None:
                 count[start:stop] = batch * dim
                 tile_mean = h.sum((0, 2)) / count[start:stop]
@@ -131,26 +157,31 @@ class _FusedReluStem(torch.autograd.Function):
             if valid is not None:
                 tile_passes &= valid[:, start:stop, None]
             factor = 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0
-            torch.mul(y.masked_fill_(~tile_passes, 0), factor, out=out[:, start:stop])
+            torch.mul(y.mul_(mask_factor(tile_passes, y.dtype)), factor, out=out[:, start:stop])
         ctx.save_for_backward(*inputs, conv_weight, bn_weight, centred, passes, rstd, count,
-                              *(() if valid is None else (valid,)))
+                              *(() if valid is None else (valid,)),
+                              *(() if spectrum is None else (spectrum, frequency_weight)))
         ctx.config = (len(inputs), valid is not None, 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0,
-                      gemm_dtype)
+                      gemm_dtype, fourier)
         ctx.mark_non_differentiable(mean, var)
         return out, mean, var
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_mean, _grad_var):  # type: ignore[override]
-        n_inputs, masked, factor, gemm_dtype = ctx.config
+        n_inputs, masked, factor, gemm_dtype, fourier = ctx.config
         saved = ctx.saved_tensors
         inputs, (conv_weight, bn_weight, centred, passes, rstd, count) = saved[:n_inputs], saved[n_inputs:n_inputs + 6]
-        valid = saved[-1] if masked else None
-        length = centred.shape[1]
+        rest = saved[n_inputs + 6:]
+        valid = rest[0] if masked else None
+        spectrum, frequency_weight = rest[-2:] if n_inputs == 2 else (None, None)
+        batch, length, dim = centred.shape
         taps = _stem_taps(conv_weight, n_inputs, gemm_dtype, transpose=False)  # [k][input] -> W [dim, dim_in]
         gemm_inputs = [t.to(gemm_dtype) for t in inputs]
-        grad_inputs = [torch.zeros(t.shape, dtype=torch.float32 if gemm_dtype != t.dtype else t.dtype,
-                                   device=t.device) for t in inputs]
+        grad_dtype = torch.float32 if gemm_dtype != centred.dtype else centred.dtype
+        grad_inputs = [torch.zeros(inputs[-1].shape, dtype=grad_dtype, device=centred.device)]
+        if n_inputs == 2:  # the gradient of X^smooth channel-first: its FFT then runs along contiguous rows
+            grad_inputs.insert(0, centred.new_zeros(batch, dim, length, dtype=grad_dtype).transpose(1, 2))
         grad_taps = [[torch.zeros(w.shape[::-1], dtype=grad_inputs[0].dtype, device=w.device) for w in row]
                      for row in taps]  # dW_j^T accumulators
         grad_conv_bias = centred.new_zeros(centred.shape[-1])
@@ -158,7 +189,7 @@ class _FusedReluStem(torch.autograd.Function):
         for start in range(0, length, STEM_TILE):
             stop = min(start + STEM_TILE, length)
             tile_centred, tile_rstd, tile_count = centred[:, start:stop], rstd[start:stop], count[start:stop]
-            grad_y = grad_out[:, start:stop].masked_fill(~passes[:, start:stop], 0)
+            grad_y = grad_out[:, start:stop] * mask_factor(passes[:, start:stop], grad_out.dtype)
             if factor != 1.0:
                 grad_y *= factor
             # masked BatchNorm backward (see _MaskedBatchNormTrain)
@@ -171,15 +202,92 @@ class _FusedReluStem(torch.autograd.Function):
             b = -scale * tile_rstd.square() * sum_grad_centred / tile_count
             correction = torch.addcmul(a[None, :, None], tile_centred, b[None, :, None])
             if valid is not None:
-                correction *= valid[:, start:stop, None]
+                correction *= mask_factor(valid[:, start:stop, None], correction.dtype)
             grad_h = torch.addcmul(correction, grad_y, scale[None, :, None])
             grad_conv_bias += grad_h.sum((0, 1))
             _stem_conv_tile_backward(grad_h.to(gemm_dtype), gemm_inputs, taps, grad_inputs, grad_taps, start, stop)
         grad_conv_weight = torch.stack([torch.cat([g.t() for g in row], dim=1) for row in grad_taps], dim=-1)
-        grads = [g.to(t.dtype) for g, t in zip(grad_inputs, inputs)]
-        grad_smoothed, grad_x = (None, grads[0]) if n_inputs == 1 else grads
-        return (grad_smoothed, grad_x, grad_conv_weight.to(conv_weight.dtype), grad_conv_bias, grad_bn_weight,
-                grad_bn_bias, None, None, None, None, None)
+        grad_x = grad_inputs[-1]
+        grad_frequency_weight = None
+        if n_inputs == 2:
+            grad_smoothed = grad_inputs[0].transpose(1, 2)  # [B, dim, N], contiguous
+            if valid is not None:  # X^smooth was zeroed there
+                grad_smoothed *= mask_factor(valid[:, None, :], grad_smoothed.dtype)
+            grad_frequency_weight = _fourier_backward(grad_smoothed, grad_x, spectrum, frequency_weight, *fourier)
+        return (grad_x.to(inputs[-1].dtype), grad_frequency_weight, grad_conv_weight.to(conv_weight.dtype),
+                grad_conv_bias, grad_bn_weight, grad_bn_bias, None, None, None, None, None, None)
+
+
+# One block of the Fourier convolution's feature columns (its spectrum and transform) holds at most
+# this many bytes: below glibc's largest mmap threshold (32 MiB), so at long lengths the blocks are
+# recycled from the heap instead of being mapped and faulted in afresh, and they stay near the cache.
+FOURIER_BLOCK_BYTES = 16 << 20
+# norm of torch.fft's forward transform whose scaling is that of the inverse transform under ``norm``
+# (the adjoint of irfft is an rfft with irfft's scaling, and the other way round)
+_ADJOINT_NORM = {"backward": "forward", "forward": "backward", "ortho": "ortho"}
+
+
+def _fourier_blocks(batch: int, max_len: int, dim: int, segments: int, itemsize: int) -> list[tuple[int, int, int]]:
+    """(first column, columns, segments spanned) of the column blocks: each lies inside one segment or
+    covers whole segments, and holds about FOURIER_BLOCK_BYTES."""
+    width = dim // segments
+    budget = max(1, FOURIER_BLOCK_BYTES // (batch * max_len * itemsize))
+    if budget >= width:
+        spanned = max(k for k in range(1, segments + 1) if segments % k == 0 and k * width <= budget)
+        columns = spanned * width
+    else:
+        columns = max(c for c in range(1, width + 1) if width % c == 0 and c <= budget)
+    return [(start, columns, max(1, columns // width)) for start in range(0, dim, columns)]
+
+
+def _fourier_forward(x: Tensor, frequency_weight: Tensor, valid: Tensor | None, max_len: int, segments: int,
+                     norm: str) -> tuple[Tensor, Tensor]:
+    """X^smooth of eq. (5) from x (zero at padded tokens), by column blocks; the same numbers as
+    ``Smoother._fourier_smooth``. Returns it, zeroed at padded positions, and the segments' spectrum
+    [B, F, r] (kept for backward)."""
+    batch, length, dim = x.shape
+    width = dim // segments
+    spectrum = torch.fft.rfft(x.reshape(batch, length, segments, width).mean(-1), n=max_len, dim=1, norm=norm)
+    weight = torch.view_as_complex(frequency_weight)  # [F, dim]
+    smoothed = torch.empty_like(x)
+    for start, columns, spanned in _fourier_blocks(batch, max_len, dim, segments, x.element_size()):
+        first = start // width
+        block_weight = weight[:, start:start + columns].view(-1, spanned, columns // spanned)
+        product = (block_weight * spectrum[:, :, first:first + spanned, None]).view(batch, -1, columns)
+        smoothed[:, :, start:start + columns] = torch.fft.irfft(product, n=max_len, dim=1, norm=norm)[:, :length]
+    if valid is not None:
+        smoothed *= mask_factor(valid[..., None], smoothed.dtype)
+    return smoothed, spectrum
+
+
+def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum: Tensor, frequency_weight: Tensor,
+                      max_len: int, segments: int, norm: str) -> Tensor:
+    """Backward of _fourier_forward: adds the gradient of x into ``grad_x`` and returns that of the
+    frequency weights. ``grad_smoothed`` is channel-first [B, dim, N]. The adjoint of irfft is an rfft
+    with irfft's scaling whose bins with a mirror image count twice (as torch's own derivative)."""
+    batch, dim, length = grad_smoothed.shape
+    width = dim // segments
+    mirrored = slice(1, max_len - spectrum.shape[1] + 1)  # bins 1 .. ceil(max_len / 2) - 1
+    weight = torch.view_as_complex(frequency_weight)  # [F, dim]
+    spectrum_t = spectrum.transpose(1, 2)  # [B, r, F]
+    grad_weight = torch.empty_like(weight)
+    grad_spectrum = spectrum_t.new_zeros(spectrum_t.shape)
+    for start, columns, spanned in _fourier_blocks(batch, max_len, dim, segments, grad_x.element_size()):
+        first = start // width
+        grad_product = torch.fft.rfft(grad_smoothed[:, start:start + columns], n=max_len, dim=-1,
+                                      norm=_ADJOINT_NORM[norm])  # [B, c, F]
+        grad_product[..., mirrored] *= 2
+        grad_product = grad_product.view(batch, spanned, columns // spanned, -1)
+        block_spectrum = spectrum_t[:, first:first + spanned, None, :]
+        grad_weight[:, start:start + columns] = (grad_product * block_spectrum.conj()).sum(0).view(columns, -1).t()
+        block_weight = weight[:, start:start + columns].t().view(spanned, columns // spanned, -1)
+        grad_spectrum[:, first:first + spanned] += (grad_product * block_weight.conj()).sum(2)
+    # adjoint of the rfft of the zero-padded segment means: the real part of the inverse c2c of the
+    # one-sided spectrum, i.e. an irfft with the rfft's scaling once the mirrored bins are halved
+    grad_spectrum[..., mirrored] /= 2
+    grad_means = torch.fft.irfft(grad_spectrum, n=max_len, dim=-1, norm=_ADJOINT_NORM[norm])[..., :length]
+    grad_x.view(batch, length, segments, width).add_(grad_means.transpose(1, 2)[..., None], alpha=1.0 / width)
+    return torch.view_as_real(grad_weight)
 
 
 def _stem_taps(conv_weight: Tensor, n_inputs: int, dtype: torch.dtype, transpose: bool = True) -> list[list[Tensor]]:
@@ -461,6 +569,8 @@ class Smoother(nn.Module):
         real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         if real is not None:  # padded contents (even NaN) never enter the FFT or the stem
             x = x.masked_fill(~real[..., None], 0)
+        if self.uses_fused_stem(x):
+            return self._fused_stem(x, real)
         smoothed = None
         if self.fourier:
             # zero X^smooth at padded positions too: the stem's kernel must not read the
@@ -468,8 +578,6 @@ class Smoother(nn.Module):
             smoothed = self._fourier_smooth(x)
             if real is not None:
                 smoothed = smoothed.masked_fill(~real[..., None], 0)
-        if self.uses_fused_stem(x):
-            return self._fused_stem(smoothed, x, real)
         keep = x.new_ones(x.shape[:2]) if real is None else real.to(x.dtype)
         if smoothed is not None and not self.conv_stem:
             return self._dropout_and_zero_padding(smoothed, keep.unsqueeze(-1))
@@ -495,15 +603,16 @@ class Smoother(nn.Module):
         h = _ACTIVATIONS[self.activation](h)
         return self._dropout_and_zero_padding(h, keep.unsqueeze(-1))
 
-    def _fused_stem(self, smoothed: Tensor | None, x: Tensor, real: Tensor | None) -> Tensor:
+    def _fused_stem(self, x: Tensor, real: Tensor | None) -> Tensor:
         p = self.dropout.p
         # the same draws as _dropout_and_zero_padding, kept as one bool per entry
-        keep = torch.rand(x.shape, device=x.device) >= p if p > 0 else None
+        keep = draw_keep(x.shape, p, x.device) if p > 0 else None
         norm, n = self.stem_norm, x.shape[1]
         gemm_dtype = torch.bfloat16 if self.precision == "bf16" else x.dtype
         out, mean, var = _FusedReluStem.apply(
-            smoothed, x, self.stem_conv.weight, self.stem_conv.bias, norm.weight[:n], norm.bias[:n], real, keep, p,
-            norm.eps, gemm_dtype,
+            x, self.frequency_weight if self.fourier else None, self.stem_conv.weight, self.stem_conv.bias,
+            norm.weight[:n], norm.bias[:n], real, keep, p, norm.eps, gemm_dtype,
+            (self.max_len, self.segments, self.fft_norm),
         )
         count = x.new_full((n,), x.shape[0] * self.dim) if real is None else real.sum(0).to(x.dtype) * self.dim
         norm.update_running_statistics(mean, var, count, norm.running_mean[:n], norm.running_var[:n])
