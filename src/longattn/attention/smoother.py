@@ -123,7 +123,7 @@ class _FusedReluStem(torch.autograd.Function):
                 eps, gemm_dtype, fourier):  # type: ignore[override]
         spectrum = None
         if frequency_weight is not None:  # X^smooth of eq. (5), zero at padded positions
-            smoothed, spectrum = _fourier_forward(x, frequency_weight, valid, *fourier)
+            smoothed, spectrum, weight = _fourier_forward(x, frequency_weight, valid, *fourier)
             inputs = [smoothed, x]
         else:
             inputs = [x]
@@ -160,7 +160,7 @@ class _FusedReluStem(torch.autograd.Function):
             torch.mul(y.mul_(mask_factor(tile_passes, y.dtype)), factor, out=out[:, start:stop])
         ctx.save_for_backward(*inputs, conv_weight, bn_weight, centred, passes, rstd, count,
                               *(() if valid is None else (valid,)),
-                              *(() if spectrum is None else (spectrum, frequency_weight)))
+                              *(() if spectrum is None else (spectrum, weight)))
         ctx.config = (len(inputs), valid is not None, 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0,
                       gemm_dtype, fourier)
         ctx.mark_non_differentiable(mean, var)
@@ -174,7 +174,7 @@ class _FusedReluStem(torch.autograd.Function):
         inputs, (conv_weight, bn_weight, centred, passes, rstd, count) = saved[:n_inputs], saved[n_inputs:n_inputs + 6]
         rest = saved[n_inputs + 6:]
         valid = rest[0] if masked else None
-        spectrum, frequency_weight = rest[-2:] if n_inputs == 2 else (None, None)
+        spectrum, weight = rest[-2:] if n_inputs == 2 else (None, None)
         batch, length, dim = centred.shape
         taps = _stem_taps(conv_weight, n_inputs, gemm_dtype, transpose=False)  # [k][input] -> W [dim, dim_in]
         gemm_inputs = [t.to(gemm_dtype) for t in inputs]
@@ -213,7 +213,7 @@ class _FusedReluStem(torch.autograd.Function):
             grad_smoothed = grad_inputs[0].transpose(1, 2)  # [B, dim, N], contiguous
             if valid is not None:  # X^smooth was zeroed there
                 grad_smoothed *= mask_factor(valid[:, None, :], grad_smoothed.dtype)
-            grad_frequency_weight = _fourier_backward(grad_smoothed, grad_x, spectrum, frequency_weight, *fourier)
+            grad_frequency_weight = _fourier_backward(grad_smoothed, grad_x, spectrum, weight, *fourier)
         return (grad_x.to(inputs[-1].dtype), grad_frequency_weight, grad_conv_weight.to(conv_weight.dtype),
                 grad_conv_bias, grad_bn_weight, grad_bn_bias, None, None, None, None, None, None)
 
@@ -241,36 +241,43 @@ def _fourier_blocks(batch: int, max_len: int, dim: int, segments: int, itemsize:
 
 
 def _fourier_forward(x: Tensor, frequency_weight: Tensor, valid: Tensor | None, max_len: int, segments: int,
-                     norm: str) -> tuple[Tensor, Tensor]:
+                     norm: str) -> tuple[Tensor, Tensor, Tensor]:
     """X^smooth of eq. (5) from x (zero at padded tokens), by column blocks; the same numbers as
-    ``Smoother._fourier_smooth``. Returns it, zeroed at padded positions, and the segments' spectrum
-    [B, F, r] (kept for backward)."""
+    ``Smoother._fourier_smooth``. Returns it, zeroed at padded positions, and (kept for backward) the
+    segments' spectrum [B, r, F] and the complex frequency weights [dim, F], both channel-first."""
     batch, length, dim = x.shape
     width = dim // segments
     spectrum = torch.fft.rfft(x.reshape(batch, length, segments, width).mean(-1), n=max_len, dim=1, norm=norm)
-    weight = torch.view_as_complex(frequency_weight)  # [F, dim]
-    smoothed = torch.empty_like(x)
+    # channel-first, like the gradient in backward: each block's irfft runs along contiguous rows and
+    # is copied into whole rows, and its product reads contiguous rows of the weights and spectrum
+    # (a few columns of a token-major [B, N, dim] or [F, dim] array touch every cache line of it once
+    # per block, and products with such strided factors are several times slower on CPU)
+    weight_t = torch.view_as_complex(frequency_weight).t().contiguous()  # [dim, F]
+    spectrum_t = spectrum.transpose(1, 2).contiguous()  # [B, r, F]
+    smoothed = x.new_empty(batch, dim, length)
     for start, columns, spanned in _fourier_blocks(batch, max_len, dim, segments, x.element_size()):
         first = start // width
-        block_weight = weight[:, start:start + columns].view(-1, spanned, columns // spanned)
-        product = (block_weight * spectrum[:, :, first:first + spanned, None]).view(batch, -1, columns)
-        smoothed[:, :, start:start + columns] = torch.fft.irfft(product, n=max_len, dim=1, norm=norm)[:, :length]
+        block_weight = weight_t[start:start + columns].view(spanned, columns // spanned, -1)
+        product = spectrum_t.new_empty(batch, spanned, columns // spanned, spectrum_t.shape[-1])
+        torch.mul(block_weight, spectrum_t[:, first:first + spanned, None, :], out=product)
+        smoothed[:, start:start + columns] = torch.fft.irfft(product.view(batch, columns, -1), n=max_len, dim=-1,
+                                                             norm=norm)[..., :length]
+    smoothed = smoothed.transpose(1, 2)  # [B, N, dim], channel-first in memory
     if valid is not None:
         smoothed *= mask_factor(valid[..., None], smoothed.dtype)
-    return smoothed, spectrum
+    return smoothed, spectrum_t, weight_t
 
 
-def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum: Tensor, frequency_weight: Tensor,
+def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor, weight_t: Tensor,
                       max_len: int, segments: int, norm: str) -> Tensor:
     """Backward of _fourier_forward: adds the gradient of x into ``grad_x`` and returns that of the
-    frequency weights. ``grad_smoothed`` is channel-first [B, dim, N]. The adjoint of irfft is an rfft
-    with irfft's scaling whose bins with a mirror image count twice (as torch's own derivative)."""
+    frequency weights. ``grad_smoothed`` is channel-first [B, dim, N], ``spectrum_t`` and ``weight_t``
+    as _fourier_forward returns them. The adjoint of irfft is an rfft with irfft's scaling whose bins
+    with a mirror image count twice (as torch's own derivative)."""
     batch, dim, length = grad_smoothed.shape
     width = dim // segments
-    mirrored = slice(1, max_len - spectrum.shape[1] + 1)  # bins 1 .. ceil(max_len / 2) - 1
-    weight = torch.view_as_complex(frequency_weight)  # [F, dim]
-    spectrum_t = spectrum.transpose(1, 2)  # [B, r, F]
-    grad_weight = torch.empty_like(weight)
+    mirrored = slice(1, max_len - spectrum_t.shape[-1] + 1)  # bins 1 .. ceil(max_len / 2) - 1
+    grad_weight = weight_t.new_empty(weight_t.shape[::-1])  # [F, dim]
     grad_spectrum = spectrum_t.new_zeros(spectrum_t.shape)
     for start, columns, spanned in _fourier_blocks(batch, max_len, dim, segments, grad_x.element_size()):
         first = start // width
@@ -280,7 +287,7 @@ def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum: Tensor, f
         grad_product = grad_product.view(batch, spanned, columns // spanned, -1)
         block_spectrum = spectrum_t[:, first:first + spanned, None, :]
         grad_weight[:, start:start + columns] = (grad_product * block_spectrum.conj()).sum(0).view(columns, -1).t()
-        block_weight = weight[:, start:start + columns].t().view(spanned, columns // spanned, -1)
+        block_weight = weight_t[start:start + columns].view(spanned, columns // spanned, -1)
         grad_spectrum[:, first:first + spanned] += (grad_product * block_weight.conj()).sum(2)
     # adjoint of the rfft of the zero-padded segment means: the real part of the inverse c2c of the
     # one-sided spectrum, i.e. an irfft with the rfft's scaling once the mirrored bins are halved
