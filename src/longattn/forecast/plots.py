@@ -56,10 +56,13 @@ def plot_mse_by_horizon(summary: list[dict[str, Any]], out_dir: str | Path) -> l
         if not entries:
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for index, model in enumerate(dict.fromkeys(e["model"] for e in entries)):
+        models = list(dict.fromkeys(e["model"] for e in entries))
+        # Table 16 has 12 models: past 10, matplotlib's default cycle repeats its colours, so take tab20's.
+        palette = [f"C{i}" for i in range(10)] if len(models) <= 10 else list(plt.get_cmap("tab20").colors)
+        for index, model in enumerate(models):
             points = sorted((e for e in entries if e["model"] == model), key=lambda e: e["horizon"])
-            colour = f"C{index % 10}"
-            marker = "os^vD<>ph*"[index // 10 % 10]
+            colour = palette[index % len(palette)]
+            marker = "os^vD<>ph*"[index % 10]
             ax.errorbar([e["horizon"] for e in points], [e["mse_mean"] for e in points],
                         yerr=[e["mse_std"] or 0.0 for e in points], color=colour, marker=marker, capsize=3,
                         label=model)
