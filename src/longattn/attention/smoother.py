@@ -131,7 +131,9 @@ class _FusedReluStem(torch.autograd.Function):
         taps = _stem_taps(conv_weight, len(inputs), gemm_dtype)  # [k][input] -> W^T [dim_in, dim]
         gemm_inputs = [t.to(gemm_dtype) for t in inputs]
         centred = torch.empty_like(x)
-        passes = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        # ReLU, dropout and padding as one bool per entry; the dropout draws are not needed after
+        # this, so their buffer (made by the caller for this call only) is reused
+        passes = torch.empty(x.shape, dtype=torch.bool, device=x.device) if dropout_keep is None else dropout_keep
         out = torch.empty_like(x)
         mean, var, rstd, count = (x.new_empty(length) for _ in range(4))
         for start in range(0, length, STEM_TILE):
@@ -151,9 +153,11 @@ class _FusedReluStem(torch.autograd.Function):
             mean[start:stop], var[start:stop], rstd[start:stop] = tile_mean, tile_var, tile_rstd
             scale = (bn_weight[start:stop] * tile_rstd)[None, :, None]
             y = torch.addcmul(bn_bias[start:stop, None], tile_centred, scale)
-            tile_passes = torch.gt(y, 0, out=passes[:, start:stop])
-            if dropout_keep is not None:
-                tile_passes &= dropout_keep[:, start:stop]
+            tile_passes = passes[:, start:stop]
+            if dropout_keep is None:
+                torch.gt(y, 0, out=tile_passes)
+            else:
+                tile_passes &= y > 0
             if valid is not None:
                 tile_passes &= valid[:, start:stop, None]
             factor = 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0
@@ -179,33 +183,39 @@ class _FusedReluStem(torch.autograd.Function):
         taps = _stem_taps(conv_weight, n_inputs, gemm_dtype, transpose=False)  # [k][input] -> W [dim, dim_in]
         gemm_inputs = [t.to(gemm_dtype) for t in inputs]
         grad_dtype = torch.float32 if gemm_dtype != centred.dtype else centred.dtype
-        grad_inputs = [torch.zeros(inputs[-1].shape, dtype=grad_dtype, device=centred.device)]
+        # every row of the input gradients is written once, by the tile that owns it (no zero fill)
+        grad_inputs = [torch.empty(inputs[-1].shape, dtype=grad_dtype, device=centred.device)]
         if n_inputs == 2:  # the gradient of X^smooth channel-first: its FFT then runs along contiguous rows
-            grad_inputs.insert(0, centred.new_zeros(batch, dim, length, dtype=grad_dtype).transpose(1, 2))
+            grad_inputs.insert(0, centred.new_empty(batch, dim, length, dtype=grad_dtype).transpose(1, 2))
         grad_taps = [[torch.zeros(w.shape[::-1], dtype=grad_inputs[0].dtype, device=w.device) for w in row]
                      for row in taps]  # dW_j^T accumulators
         grad_conv_bias = centred.new_zeros(centred.shape[-1])
         grad_bn_weight, grad_bn_bias = centred.new_empty(length), centred.new_empty(length)
+        half = len(taps) // 2
         for start in range(0, length, STEM_TILE):
             stop = min(start + STEM_TILE, length)
-            tile_centred, tile_rstd, tile_count = centred[:, start:stop], rstd[start:stop], count[start:stop]
-            grad_y = grad_out[:, start:stop] * mask_factor(passes[:, start:stop], grad_out.dtype)
+            # the input rows [start, stop) take the conv gradient of the output rows up to k//2 beyond
+            # the tile: their BatchNorm backward (local to each position) is computed here as well
+            lo, hi = max(0, start - half), min(length, stop + half)
+            tile_centred, tile_rstd, tile_count = centred[:, lo:hi], rstd[lo:hi], count[lo:hi]
+            grad_y = grad_out[:, lo:hi] * mask_factor(passes[:, lo:hi], grad_out.dtype)
             if factor != 1.0:
                 grad_y *= factor
             # masked BatchNorm backward (see _MaskedBatchNormTrain)
             sum_grad = grad_y.sum((0, 2))
             sum_grad_centred = (grad_y * tile_centred).sum((0, 2))
-            grad_bn_bias[start:stop] = sum_grad
-            grad_bn_weight[start:stop] = sum_grad_centred * tile_rstd
-            scale = bn_weight[start:stop] * tile_rstd
+            grad_bn_bias[start:stop] = sum_grad[start - lo:stop - lo]
+            grad_bn_weight[start:stop] = (sum_grad_centred * tile_rstd)[start - lo:stop - lo]
+            scale = bn_weight[lo:hi] * tile_rstd
             a = -scale * sum_grad / tile_count
             b = -scale * tile_rstd.square() * sum_grad_centred / tile_count
             correction = torch.addcmul(a[None, :, None], tile_centred, b[None, :, None])
             if valid is not None:
-                correction *= mask_factor(valid[:, start:stop, None], correction.dtype)
-            grad_h = torch.addcmul(correction, grad_y, scale[None, :, None])
-            grad_conv_bias += grad_h.sum((0, 1))
-            _stem_conv_tile_backward(grad_h.to(gemm_dtype), gemm_inputs, taps, grad_inputs, grad_taps, start, stop)
+                correction *= mask_factor(valid[:, lo:hi, None], correction.dtype)
+            grad_h = torch.addcmul(correction, grad_y, scale[None, :, None])  # output rows [lo, hi)
+            grad_conv_bias += grad_h[:, start - lo:stop - lo].sum((0, 1))
+            _stem_conv_tile_backward(grad_h.to(gemm_dtype), lo, gemm_inputs, taps, grad_inputs, grad_taps, start,
+                                     stop)
         grad_conv_weight = torch.stack([torch.cat([g.t() for g in row], dim=1) for row in grad_taps], dim=-1)
         grad_x = grad_inputs[-1]
         grad_frequency_weight = None
@@ -252,7 +262,7 @@ def _fourier_forward(x: Tensor, frequency_weight: Tensor, valid: Tensor | None, 
     # is copied into whole rows, and its product reads contiguous rows of the weights and spectrum
     # (a few columns of a token-major [B, N, dim] or [F, dim] array touch every cache line of it once
     # per block, and products with such strided factors are several times slower on CPU)
-    weight_t = torch.view_as_complex(frequency_weight).t().contiguous()  # [dim, F]
+    weight_t = torch.view_as_complex(frequency_weight).t().contiguous()  # [dim, F]: a view of the parameter
     spectrum_t = spectrum.transpose(1, 2).contiguous()  # [B, r, F]
     smoothed = x.new_empty(batch, dim, length)
     for start, columns, spanned in _fourier_blocks(batch, max_len, dim, segments, x.element_size()):
@@ -277,7 +287,7 @@ def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor,
     batch, dim, length = grad_smoothed.shape
     width = dim // segments
     mirrored = slice(1, max_len - spectrum_t.shape[-1] + 1)  # bins 1 .. ceil(max_len / 2) - 1
-    grad_weight = weight_t.new_empty(weight_t.shape[::-1])  # [F, dim]
+    grad_weight = weight_t.new_empty(weight_t.shape)  # [dim, F], the parameter's channel-first layout
     grad_spectrum = spectrum_t.new_zeros(spectrum_t.shape)
     for start, columns, spanned in _fourier_blocks(batch, max_len, dim, segments, grad_x.element_size()):
         first = start // width
@@ -286,7 +296,11 @@ def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor,
         grad_product[..., mirrored] *= 2
         grad_product = grad_product.view(batch, spanned, columns // spanned, -1)
         block_spectrum = spectrum_t[:, first:first + spanned, None, :]
-        grad_weight[:, start:start + columns] = (grad_product * block_spectrum.conj()).sum(0).view(columns, -1).t()
+        block_grad = grad_weight[start:start + columns].view(spanned, columns // spanned, -1)
+        if batch == 1:
+            torch.mul(grad_product[0], block_spectrum[0].conj(), out=block_grad)
+        else:
+            torch.sum(grad_product * block_spectrum.conj(), 0, out=block_grad)
         block_weight = weight_t[start:start + columns].view(spanned, columns // spanned, -1)
         grad_spectrum[:, first:first + spanned] += (grad_product * block_weight.conj()).sum(2)
     # adjoint of the rfft of the zero-padded segment means: the real part of the inverse c2c of the
@@ -294,7 +308,7 @@ def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor,
     grad_spectrum[..., mirrored] /= 2
     grad_means = torch.fft.irfft(grad_spectrum, n=max_len, dim=-1, norm=_ADJOINT_NORM[norm])[..., :length]
     grad_x.view(batch, length, segments, width).add_(grad_means.transpose(1, 2)[..., None], alpha=1.0 / width)
-    return torch.view_as_real(grad_weight)
+    return torch.view_as_real(grad_weight.t())  # [F, dim, 2] with the parameter's strides
 
 
 def _stem_taps(conv_weight: Tensor, n_inputs: int, dtype: torch.dtype, transpose: bool = True) -> list[list[Tensor]]:
@@ -325,28 +339,41 @@ def _stem_conv_tile(inputs: list[Tensor], taps: list[list[Tensor]], bias: Tensor
     return h
 
 
-def _stem_conv_tile_backward(grad_h: Tensor, inputs: list[Tensor], taps: list[list[Tensor]],
+def _stem_conv_tile_backward(grad_h: Tensor, first: int, inputs: list[Tensor], taps: list[list[Tensor]],
                              grad_inputs: list[Tensor], grad_taps: list[list[Tensor]], start: int, stop: int) -> None:
-    """Accumulate the input and weight gradients of the conv rows [start, stop) (token-major GEMMs)."""
+    """Write the input gradients of the rows [start, stop) and accumulate the weight gradients of the
+    conv rows [start, stop) (token-major GEMMs). ``grad_h`` holds the conv gradient of the output rows
+    from ``first`` on, k//2 rows beyond the tile on each side (where the sequence has them)."""
     batch, length, _ = inputs[0].shape
     half = len(taps) // 2
-    for j, row in enumerate(taps):
-        lo, hi = _tap_rows(j - half, start, stop, length)
+    # the centre tap covers every row of the tile: it writes them, the others add
+    for j in [half] + [j for j in range(len(taps)) if j != half]:
+        offset = j - half
+        # input row m takes the gradient of output row m - offset
+        lo, hi = max(start, offset), min(stop, length + offset)
+        for weight, grad_source in zip(taps[j], grad_inputs):
+            for b in range(batch):
+                g = grad_h[b, lo - offset - first:hi - offset - first]
+                _add_product(grad_source[b, lo:hi], g, weight, overwrite=j == half)
+        lo, hi = _tap_rows(offset, start, stop, length)
         if lo >= hi:
             continue
-        for source, weight, grad_source, grad_weight_t in zip(inputs, row, grad_inputs, grad_taps[j]):
+        for source, grad_weight_t in zip(inputs, grad_taps[j]):
             for b in range(batch):
-                g = grad_h[b, lo - start:hi - start]
-                rows = slice(lo + j - half, hi + j - half)
-                _add_product(grad_source[b, rows], g, weight)
-                _add_product(grad_weight_t, source[b, rows].t(), g)
+                _add_product(grad_weight_t, source[b, lo + offset:hi + offset].t(), grad_h[b, lo - first:hi - first])
 
 
-def _add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out += a @ b in place; with reduced-precision factors the product (accumulated in float32
-    by the GEMM) is rounded once to their dtype and added in ``out``'s precision."""
+def _add_product(out: Tensor, a: Tensor, b: Tensor, overwrite: bool = False) -> None:
+    """out += a @ b in place (out = a @ b with ``overwrite``); with reduced-precision factors the
+    product (accumulated in float32 by the GEMM) is rounded once to their dtype and added in
+    ``out``'s precision."""
     if a.dtype == out.dtype:
-        out.addmm_(a, b)
+        if overwrite:
+            torch.mm(a, b, out=out)
+        else:
+            out.addmm_(a, b)
+    elif overwrite:
+        out.copy_(a @ b)
     else:
         out += a @ b
 
@@ -498,8 +525,11 @@ class Smoother(nn.Module):
         self.fused = True
         if fourier:
             # L of eq. (5) stored as (real, imag) pairs; Kaiming-normal with fan_in = 2 * dim as in
-            # the paper's Algorithm 2, i.e. std 1/sqrt(dim) per component.
-            self.frequency_weight = nn.Parameter(torch.randn(max_len // 2 + 1, dim, 2) / math.sqrt(dim))
+            # the paper's Algorithm 2, i.e. std 1/sqrt(dim) per component. Shape [F, dim, 2], laid out
+            # channel-first in memory (each feature's F weights contiguous): the Fourier blocks read
+            # and write whole rows of it with no transposed copy (see _fourier_forward).
+            weight = torch.randn(max_len // 2 + 1, dim, 2) / math.sqrt(dim)
+            self.frequency_weight = nn.Parameter(weight.permute(1, 0, 2).contiguous().permute(1, 0, 2))
         if conv_stem:
             in_channels = 2 * dim if fourier else dim
             self.stem_conv = nn.Conv1d(in_channels, dim, kernel_size, padding=kernel_size // 2)
