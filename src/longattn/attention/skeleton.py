@@ -245,7 +245,7 @@ class _SampledProjections(torch.autograd.Function):
 # Tokens per tile of the fused core (_SkeletonCore): its temporaries are [B, tile, dim] and a few
 # [B, H*s, tile] blocks, small enough to stay in cache, and a whole sequence never has more than its
 # input, output and gradient at full length.
-CORE_TILE = 2048
+CORE_TILE = 4096
 
 
 def _head_blocks(full: Tensor, heads: int) -> Tensor:
