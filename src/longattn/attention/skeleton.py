@@ -400,11 +400,14 @@ class _CoreTiles:
             self.column_mix = _block_diagonal(column_weights.transpose(-1, -2))  # [B, H*s2, H*Dh]
         self.grads: dict[str, Tensor] = {}
 
-    def _linear(self, x: Tensor, gemm_weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
-        """x W^T + b for a [B, T, p] tile, written into ``out`` when given. Full precision: the GEMMs
-        write their output in place, one per batch element (a tile is not contiguous across the batch)."""
-        if self.gemm_dtype != x.dtype:
-            result = F.linear(x.to(self.gemm_dtype), gemm_weight).to(x.dtype)
+    def _linear(self, x: Tensor, gemm_weight: Tensor, bias: Tensor | None, out: Tensor | None = None,
+                dtype: torch.dtype | None = None) -> Tensor:
+        """x W^T + b for a [B, T, p] tile (x possibly already in the GEMM dtype; the result in
+        ``dtype``, default x's), written into ``out`` when given. Full precision: the GEMMs write
+        their output in place, one per batch element (a tile is not contiguous across the batch)."""
+        dtype = dtype or x.dtype
+        if self.gemm_dtype != dtype:
+            result = F.linear(x.to(self.gemm_dtype), gemm_weight).to(dtype)
             result = result if bias is None else result.add_(bias)
             return result if out is None else out.copy_(result)
         out = x.new_empty(x.shape[:-1] + gemm_weight.shape[:1]) if out is None else out
@@ -436,10 +439,11 @@ class _CoreTiles:
         s = self.s[:, start:start + CORE_TILE]
         batch, length, dim = s.shape
         self.tile_s, self.start = s, start
+        gemm_s = s.to(self.gemm_dtype)  # converted once for both projections
         mixed = None
         if self.rows:
             heads = self.heads
-            self.query = self._linear(s, self.gemm_q, self.bias_q)
+            self.query = self._linear(gemm_s, self.gemm_q, self.bias_q, dtype=s.dtype)
             # sample-major scores [B, H, s1, T]: the softmax over the samples runs along a contiguous axis
             scores = (self.row_keys @ self.query.transpose(1, 2)).view(batch, heads, -1, length)
             if self.fill_invalid:
@@ -458,7 +462,7 @@ class _CoreTiles:
                                                                              self.eps)
             mixed = row_half
         if self.columns:
-            sampled = self._linear(s, self.gemm_v, self.bias_v)  # V P2: [B, T, H*s2]
+            sampled = self._linear(gemm_s, self.gemm_v, self.bias_v, dtype=s.dtype)  # V P2: [B, T, H*s2]
             if self.mask is not None:
                 sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
             self.column_values = sampled

@@ -415,10 +415,10 @@ def _add_product(out: Tensor, a: Tensor, b: Tensor, overwrite: bool = False) -> 
             torch.mm(a, b, out=out)
         else:
             out.addmm_(a, b)
-    elif overwrite:
-        out.copy_(a @ b)
     else:
-        out += a @ b
+        # a channel-first ``out`` (a transposed view) takes the product transposed: contiguous rows
+        product, target = (b.t() @ a.t(), out.t()) if out.stride(0) == 1 and out.shape[0] > 1 else (a @ b, out)
+        target.copy_(product) if overwrite else target.add_(product)
 
 
 class MaskedBatchNorm(nn.Module):
