@@ -293,7 +293,8 @@ class _GramAndRows(torch.autograd.Function):
         for start in range(0, length, CORE_TILE):
             tile = s[:, start:start + CORE_TILE]
             real = tile if mask is None else tile * mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
-            gram.baddbmm_(tile.transpose(1, 2), real)
+            for b in range(batch):  # per batch element: a tile is not contiguous across the batch
+                gram[b].addmm_(tile[b].t(), real[b])
             total += real.sum(1)
         ctx.save_for_backward(s, *(() if mask is None else (mask,)), *(() if rows is None else (rows,)))
         ctx.flags = (mask is not None, rows is not None)
@@ -323,7 +324,8 @@ class _GramAndRows(torch.autograd.Function):
                 if factor is not None:
                     out *= factor
             elif factor is None:
-                out.baddbmm_(tile, symmetric).add_(shift)
+                for b in range(batch):
+                    out[b].addmm_(tile[b], symmetric[b]).add_(shift[b])
             else:
                 out.addcmul_(torch.baddbmm(shift, tile, symmetric), factor)
         if grad_rows is not None:
