@@ -763,9 +763,11 @@ class SkeletonAttention(AttentionBase):
         smoother: put the Smoother in front (default); ``smoother_*`` are its options.
         bias: bias of the Q/K/V/output projections.
         precision: "full" (default) or "bf16": opt-in reduced precision for float32 inputs, the
-            Q/K/V/output projections and the Smoother's stem GEMMs with bfloat16 factors and
-            float32 accumulation; FFT, normalisations, softmaxes and outputs stay float32
-            (error against float32 in docs/performance.md).
+            Q/K/V projections and the Smoother's stem GEMMs with bfloat16 factors and float32
+            accumulation (the stem keeps its GEMM inputs and conv output in bfloat16); FFT,
+            normalisations, softmaxes, the output projection (folded with the LayerNorms into
+            [T, s] x [s, dim] products in the tiled core) and outputs stay float32 (error against
+            float32 in docs/performance.md).
     """
 
     def __init__(

@@ -114,8 +114,11 @@ class _FusedReluStem(torch.autograd.Function):
     token-major GEMMs per input (tap j adds ``input[n + j - k//2] @ W_j^T`` to output row n), so neither the concatenated
     channel-first input nor a channel-first output or gradient is ever formed; the BatchNorm
     statistics of a position only involve that position, so every step is local to a tile. Saved
-    for backward: x, X^smooth and the segments' spectrum, the centred conv output and one bool mask
-    [B, N, dim] for ReLU, dropout and padding together.
+    for backward: the GEMM inputs x and X^smooth and the segments' spectrum, the conv output before
+    its bias with the per-position mean (the centred output is recomputed per tile) and one bool
+    mask [B, N, dim] for ReLU, dropout and padding together. With ``gemm_dtype`` bfloat16 the GEMM
+    inputs and the conv output are kept in bfloat16 (the conv is one im2col GEMM per tile, its output
+    rounded once); statistics, FFT, gradients and the output stay in x's dtype.
     """
 
     @staticmethod
@@ -515,7 +518,8 @@ class Smoother(nn.Module):
         batchnorm_over: "positions" (authors' code: BatchNorm1d(max_len) over [B, N, dim]) or
             "features" (the usual BatchNorm over feature channels).
         precision: "full" (GEMMs in the input's dtype) or "bf16" (the fused stem's GEMMs take
-            bfloat16 factors, accumulate in float32; statistics, FFT and outputs stay float32).
+            bfloat16 factors, accumulate in float32, and their inputs and the conv output are kept
+            in bfloat16 for backward; statistics, FFT, gradients and outputs stay float32).
     """
 
     def __init__(
