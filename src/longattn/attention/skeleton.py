@@ -242,10 +242,15 @@ class _SampledProjections(torch.autograd.Function):
                 None, None, None)
 
 
-# Tokens per tile of the fused core (_SkeletonCore): its temporaries are [B, tile, dim] and a few
-# [B, H*s, tile] blocks, small enough to stay in cache, and a whole sequence never has more than its
-# input, output and gradient at full length.
+# Rows (batch x tokens) per tile of the fused core (_SkeletonCore): its temporaries are [B, tile, dim]
+# and a few [B, H*s, tile] blocks, small enough to stay near the cache, and a whole sequence never has
+# more than its input, output and gradient at full length.
 CORE_TILE = 4096
+
+
+def _core_tile(batch: int) -> int:
+    """Tokens per tile of the fused core for ``batch`` sequences."""
+    return max(1, CORE_TILE // batch)
 
 
 def _head_blocks(full: Tensor, heads: int) -> Tensor:
@@ -290,9 +295,10 @@ class _GramAndRows(torch.autograd.Function):
     def forward(ctx, s, mask, rows, shared):  # type: ignore[override]
         batch, length, dim = s.shape
         gram, total = s.new_zeros(batch, dim, dim), s.new_zeros(batch, dim)
-        for start in range(0, length, CORE_TILE):
-            tile = s[:, start:start + CORE_TILE]
-            real = tile if mask is None else tile * mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
+        step = _core_tile(batch)
+        for start in range(0, length, step):
+            tile = s[:, start:start + step]
+            real = tile if mask is None else tile * mask_factor(mask[:, start:start + step, None], s.dtype)
             for b in range(batch):  # per batch element: a tile is not contiguous across the batch
                 gram[b].addmm_(tile[b].t(), real[b])
             total += real.sum(1)
@@ -316,9 +322,10 @@ class _GramAndRows(torch.autograd.Function):
         fresh = grad_s is None  # the core left no gradient of s: this part is all of it
         if fresh:
             grad_s = torch.empty_like(s)
-        for start in range(0, s.shape[1], CORE_TILE):
-            tile, out = s[:, start:start + CORE_TILE], grad_s[:, start:start + CORE_TILE]
-            factor = None if mask is None else mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
+        step = _core_tile(batch)
+        for start in range(0, s.shape[1], step):
+            tile, out = s[:, start:start + step], grad_s[:, start:start + step]
+            factor = None if mask is None else mask_factor(mask[:, start:start + step, None], s.dtype)
             if fresh:
                 torch.baddbmm(shift, tile, symmetric, out=out)
                 if factor is not None:
@@ -354,8 +361,8 @@ class _SkeletonCore(torch.autograd.Function):
         tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
                            (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
                            bias_out, mask, row_valid, row_keep, config)
-        for start in range(0, s.shape[1], CORE_TILE):
-            tiles.forward(start, out=out[:, start:start + CORE_TILE])
+        for start in range(0, s.shape[1], tiles.step):
+            tiles.forward(start, out=out[:, start:start + tiles.step])
         ctx.save_for_backward(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
                               row_norm_weight, row_norm_bias, column_norm_weight, column_norm_bias, weight_out,
                               bias_out, mask, row_valid, row_keep)
@@ -371,8 +378,8 @@ class _SkeletonCore(torch.autograd.Function):
                            (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
                            bias_out, mask, row_valid, row_keep, ctx.config)
         grad_s = torch.empty_like(s)
-        for start in range(0, s.shape[1], CORE_TILE):
-            tiles.backward(start, grad_out[:, start:start + CORE_TILE], grad_s[:, start:start + CORE_TILE])
+        for start in range(0, s.shape[1], tiles.step):
+            tiles.backward(start, grad_out[:, start:start + tiles.step], grad_s[:, start:start + tiles.step])
         shared = ctx.shared
         if shared is not None and not shared.gram_done:  # _GramAndRows' backward completes and returns it
             shared.tensor, grad_s = grad_s, None
@@ -396,6 +403,7 @@ class _CoreTiles:
                  column_norm, weight_out, bias_out, mask, row_valid, row_keep, config) -> None:
         self.heads, self.fill_invalid, self.keep_scale, self.eps, gemm_dtype = config
         self.s, self.mask, self.row_valid, self.row_keep = s, mask, row_valid, row_keep
+        self.step = _core_tile(s.shape[0])
         if row_valid is not None:
             self.row_valid_factor = row_valid[:, None, :, None].to(s.dtype)  # [B, 1, s1, 1]
         self.gemm_dtype = gemm_dtype
@@ -465,7 +473,7 @@ class _CoreTiles:
     def forward(self, start: int, out: Tensor | None = None) -> "_CoreTiles":
         """Compute the tile at ``start``, with the output written into ``out`` when given; what the
         backward needs stays on self."""
-        s = self.s[:, start:start + CORE_TILE]
+        s = self.s[:, start:start + self.step]
         batch, length, dim = s.shape
         self.tile_s, self.start = s, start
         gemm_s = s.to(self.gemm_dtype)  # converted once for both projections
@@ -482,14 +490,14 @@ class _CoreTiles:
             else:
                 self.soft = weights = torch.softmax(scores, dim=2)
             if self.row_keep is not None:
-                keep = self.row_keep[:, start:start + CORE_TILE].permute(0, 2, 3, 1)  # [B, H, s1, T]
+                keep = self.row_keep[:, start:start + self.step].permute(0, 2, 3, 1)  # [B, H, s1, T]
                 weights = weights * mask_factor(keep, weights.dtype) * self.keep_scale
             # P of the row branch token-major [B, T, H*s1] (a transposed view)
             self.row_scaled = self._normalise("row", weights.reshape(batch, -1, length).transpose(1, 2))
         if self.columns:
             sampled = self._linear(gemm_s, self.gemm_v, self.bias_v, s.dtype)  # V P2: [B, T, H*s2]
             if self.mask is not None:
-                sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
+                sampled *= mask_factor(self.mask[:, start:start + self.step, None], s.dtype)
             self.column_scaled = self._normalise("column", sampled)
         if out is not None:  # sum over the branches of (r o P) Mc diag(gamma) W^T, plus the constant
             scaled = [getattr(self, f"{name}_scaled") for name in self.branches]
@@ -526,7 +534,7 @@ class _CoreTiles:
             grad_weights = self._branch_backward("row", grad_out).transpose(1, 2)  # [B, H*s1, T]
             grad_weights = grad_weights.reshape(batch, self.heads, -1, length)
             if self.row_keep is not None:
-                keep = self.row_keep[:, start:start + CORE_TILE].permute(0, 2, 3, 1)
+                keep = self.row_keep[:, start:start + self.step].permute(0, 2, 3, 1)
                 grad_weights = grad_weights * mask_factor(keep, grad_weights.dtype) * self.keep_scale
             if self.fill_invalid:
                 grad_weights = grad_weights * self.row_valid_factor
@@ -544,7 +552,7 @@ class _CoreTiles:
         if self.columns:
             grad_sampled = self._branch_backward("column", grad_out)  # [B, T, H*s2]
             if self.mask is not None:
-                grad_sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
+                grad_sampled *= mask_factor(self.mask[:, start:start + self.step, None], s.dtype)
             self._accumulate("weight_v", _summed_products(grad_sampled, s))
             if self.bias_v is not None:
                 self._accumulate("bias_v", grad_sampled.sum((0, 1)))
