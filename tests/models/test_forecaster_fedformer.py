@@ -73,11 +73,13 @@ def test_fourier_block_matches_plain_dft(output_modes):
     torch.testing.assert_close(out, plain_inverse(full, n).permute(0, 3, 1, 2))
 
 
-@pytest.mark.parametrize("activation", ["tanh", "softmax"])
-def test_fourier_cross_attention_matches_plain_dft(activation):
+@pytest.mark.parametrize("activation, output_modes", [("tanh", "selected"), ("softmax", "selected"),
+                                                     ("tanh", "first")])
+def test_fourier_cross_attention_matches_plain_dft(activation, output_modes):
     torch.manual_seed(1)
     heads, e, nq, nk = 2, 3, 17, 12
-    block = FourierCrossAttention(heads, e, nq, nk, modes=4, activation=activation)
+    block = FourierCrossAttention(heads, e, nq, nk, modes=4, activation=activation, output_modes=output_modes)
+    assert block.index_q.tolist() != list(range(4))  # random modes: "first" and "selected" differ
     q, k = torch.randn(2, nq, heads, e, dtype=torch.float64), torch.randn(2, nk, heads, e, dtype=torch.float64)
     out = block(q, k, None)
     q_ft = plain_dft(q.permute(0, 2, 3, 1))[..., block.index_q]
@@ -89,8 +91,8 @@ def test_fourier_cross_attention_matches_plain_dft(activation):
             scores = q_ft[b, h].T @ k_ft[b, h]  # [Mq, Mkv]: sum over channels
             scores = scores.tanh() if activation == "tanh" else torch.softmax(scores.abs(), -1).to(torch.complex128)
             attended = k_ft[b, h] @ scores.T  # [E, Mq]
-            for m in range(len(block.index_q)):
-                expected[b, h, :, m] = attended[:, m] @ weights[h, :, :, m]
+            for m, bin_ in enumerate(block.index_q.tolist()):
+                expected[b, h, :, m if output_modes == "first" else bin_] = attended[:, m] @ weights[h, :, :, m]
     expected = plain_inverse(expected / (heads * e) ** 2, nq).permute(0, 3, 1, 2)
     torch.testing.assert_close(out, expected)
 
