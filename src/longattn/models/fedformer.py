@@ -14,9 +14,10 @@ replaced by frequency-enhanced blocks:
   (the same decomposition of q, k, v with FEA-f-style cross attention on each level).
 
 Where the paper and the authors' code leave details open, the code's choices are the defaults and each is an
-option (see docs/forecasting_models.md): the selected modes' products are written into the first M frequency
-bins ("Padding" read as appending zeros; ``output_modes="selected"`` puts them back at their own frequencies),
-the mode pool is [0, L/2), FEA-f's output is divided by d_model^2, FEB-w ignores its queries and keys.
+option (see docs/forecasting_models.md): FEB-f writes the selected modes' products into the first M frequency
+bins and FEA-f at the selected frequencies themselves (``output_modes`` / ``cross_output_modes``), the mode pool
+is [0, L/2), FEA-f's output is divided by d_model^2, FEB-w ignores its queries and keys. Two code behaviours
+that contradict or go beyond the paper are options, off by default: ``output_layout="code"``, ``shared_blocks``.
 """
 
 from __future__ import annotations
