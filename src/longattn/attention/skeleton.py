@@ -245,13 +245,33 @@ class _SampledProjections(torch.autograd.Function):
 # Tokens per tile of the fused core (_SkeletonCore): its temporaries are [B, tile, dim] and a few
 # [B, H*s, tile] blocks, small enough to stay in cache, and a whole sequence never has more than its
 # input, output and gradient at full length.
-CORE_TILE = 2048
+CORE_TILE = 4096
 
 
 def _head_blocks(full: Tensor, heads: int) -> Tensor:
     """The diagonal blocks of [B, H*P, H*Q] (the per-head products of a _block_diagonal product) as [B, H, P, Q]."""
     batch, rows, cols = full.shape
     return full.view(batch, heads, rows // heads, heads, cols // heads).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
+
+
+class _InputGradient:
+    """The gradient of the core's input s, shared by _SkeletonCore and _GramAndRows: the core's
+    backward leaves its whole-sequence gradient here instead of returning it, and _GramAndRows'
+    backward (which autograd runs after it, since its outputs feed the core's inputs) adds its
+    part in place and returns the sum: one [B, N, dim] buffer, and no autograd sum of two."""
+
+    def __init__(self) -> None:
+        self.tensor: Tensor | None = None
+        self.gram_done = False
+
+
+def _summed_products(a: Tensor, b: Tensor) -> Tensor:
+    """sum over the batch of a[i]^T @ b[i] for [B, T, p] and [B, T, q] tiles (no reshape copy of a
+    tile that is not contiguous across the batch)."""
+    out = torch.mm(a[0].t(), b[0])
+    for i in range(1, a.shape[0]):
+        out.addmm_(a[i].t(), b[i])
+    return out
 
 
 class _GramAndRows(torch.autograd.Function):
@@ -263,11 +283,11 @@ class _GramAndRows(torch.autograd.Function):
     W_k[P2]^T + c b_q b_k[P2]^T with G = s^T diag(m) s, sigma = s^T m, c = sum m. This function
     returns G [B, dim, dim] and sigma [B, dim] (tile by tile: neither Q nor K P2 exists at full
     length), plus s[:, rows]; its backward adds ds = m (s (dG + dG^T) + dsigma) and the rows'
-    gradient into one buffer.
+    gradient into the core's gradient buffer (see _InputGradient).
     """
 
     @staticmethod
-    def forward(ctx, s, mask, rows):  # type: ignore[override]
+    def forward(ctx, s, mask, rows, shared):  # type: ignore[override]
         batch, length, dim = s.shape
         gram, total = s.new_zeros(batch, dim, dim), s.new_zeros(batch, dim)
         for start in range(0, length, CORE_TILE):
@@ -277,6 +297,7 @@ class _GramAndRows(torch.autograd.Function):
             total += real.sum(1)
         ctx.save_for_backward(s, *(() if mask is None else (mask,)), *(() if rows is None else (rows,)))
         ctx.flags = (mask is not None, rows is not None)
+        ctx.shared = shared
         return gram, total, None if rows is None else s[:, rows]
 
     @staticmethod
@@ -289,14 +310,25 @@ class _GramAndRows(torch.autograd.Function):
         batch, _, dim = s.shape
         symmetric = s.new_zeros(batch, dim, dim) if grad_gram is None else grad_gram + grad_gram.transpose(1, 2)
         shift = s.new_zeros(batch, 1, dim) if grad_total is None else grad_total[:, None, :]
-        grad_s = torch.empty_like(s)
+        shared = ctx.shared
+        grad_s, shared.tensor, shared.gram_done = shared.tensor, None, True
+        fresh = grad_s is None  # the core left no gradient of s: this part is all of it
+        if fresh:
+            grad_s = torch.empty_like(s)
         for start in range(0, s.shape[1], CORE_TILE):
-            out = torch.baddbmm(shift, s[:, start:start + CORE_TILE], symmetric, out=grad_s[:, start:start + CORE_TILE])
-            if mask is not None:
-                out *= mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
+            tile, out = s[:, start:start + CORE_TILE], grad_s[:, start:start + CORE_TILE]
+            factor = None if mask is None else mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
+            if fresh:
+                torch.baddbmm(shift, tile, symmetric, out=out)
+                if factor is not None:
+                    out *= factor
+            elif factor is None:
+                out.baddbmm_(tile, symmetric).add_(shift)
+            else:
+                out.addcmul_(torch.baddbmm(shift, tile, symmetric), factor)
         if grad_rows is not None:
             grad_s.index_add_(1, rows, grad_rows)
-        return grad_s, None, None
+        return grad_s, None, None, None
 
 
 class _SkeletonCore(torch.autograd.Function):
@@ -314,17 +346,17 @@ class _SkeletonCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values, row_norm_weight,
                 row_norm_bias, column_norm_weight, column_norm_bias, weight_out, bias_out, mask, row_valid, row_keep,
-                config):  # type: ignore[override]
+                config, shared):  # type: ignore[override]
         out = torch.empty_like(s)
         tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
                            (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
                            bias_out, mask, row_valid, row_keep, config)
         for start in range(0, s.shape[1], CORE_TILE):
-            out[:, start:start + CORE_TILE] = tiles.forward(start).output
+            tiles.forward(start, out=out[:, start:start + CORE_TILE])
         ctx.save_for_backward(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
                               row_norm_weight, row_norm_bias, column_norm_weight, column_norm_bias, weight_out,
                               bias_out, mask, row_valid, row_keep)
-        ctx.config = config
+        ctx.config, ctx.shared = config, shared
         return out
 
     @staticmethod
@@ -337,8 +369,11 @@ class _SkeletonCore(torch.autograd.Function):
                            bias_out, mask, row_valid, row_keep, ctx.config)
         grad_s = torch.empty_like(s)
         for start in range(0, s.shape[1], CORE_TILE):
-            grad_s[:, start:start + CORE_TILE] = tiles.backward(start, grad_out[:, start:start + CORE_TILE])
-        return (grad_s, *tiles.parameter_grads(), None, None, None, None)
+            tiles.backward(start, grad_out[:, start:start + CORE_TILE], grad_s[:, start:start + CORE_TILE])
+        shared = ctx.shared
+        if shared is not None and not shared.gram_done:  # _GramAndRows' backward completes and returns it
+            shared.tensor, grad_s = grad_s, None
+        return (grad_s, *tiles.parameter_grads(), None, None, None, None, None)
 
 
 class _CoreTiles:
@@ -365,23 +400,50 @@ class _CoreTiles:
             self.column_mix = _block_diagonal(column_weights.transpose(-1, -2))  # [B, H*s2, H*Dh]
         self.grads: dict[str, Tensor] = {}
 
-    def _linear(self, x: Tensor, gemm_weight: Tensor, bias: Tensor | None) -> Tensor:
-        out = F.linear(x.to(self.gemm_dtype), gemm_weight).to(x.dtype)
-        return out if bias is None else out.add_(bias)
+    def _linear(self, x: Tensor, gemm_weight: Tensor, bias: Tensor | None, out: Tensor | None = None,
+                dtype: torch.dtype | None = None) -> Tensor:
+        """x W^T + b for a [B, T, p] tile (x possibly already in the GEMM dtype; the result in
+        ``dtype``, default x's), written into ``out`` when given. Full precision: the GEMMs write
+        their output in place, one per batch element (a tile is not contiguous across the batch)."""
+        dtype = dtype or x.dtype
+        if self.gemm_dtype != dtype:
+            result = F.linear(x.to(self.gemm_dtype), gemm_weight).to(dtype)
+            result = result if bias is None else result.add_(bias)
+            return result if out is None else out.copy_(result)
+        out = x.new_empty(x.shape[:-1] + gemm_weight.shape[:1]) if out is None else out
+        for b in range(x.shape[0]):
+            if bias is None:
+                torch.mm(x[b], gemm_weight.t(), out=out[b])
+            else:
+                torch.addmm(bias, x[b], gemm_weight.t(), out=out[b])
+        return out
+
+    def _product_into(self, out: Tensor, grad: Tensor, gemm_weight: Tensor, accumulate: bool) -> None:
+        """out (+)= grad @ W for [B, T, p] tiles, the GEMM writing in place in full precision."""
+        if self.gemm_dtype != out.dtype:
+            part = (grad.to(self.gemm_dtype) @ gemm_weight).to(out.dtype)
+            out.add_(part) if accumulate else out.copy_(part)
+            return
+        for b in range(out.shape[0]):
+            if accumulate:
+                out[b].addmm_(grad[b], gemm_weight)
+            else:
+                torch.mm(grad[b], gemm_weight, out=out[b])
 
     def _accumulate(self, name: str, value: Tensor) -> None:
         self.grads[name] = value if name not in self.grads else self.grads[name].add_(value)
 
-    def forward(self, start: int, project: bool = True) -> "_CoreTiles":
-        """Compute the tile at ``start`` (without the output projection unless ``project``); the
-        intermediates stay on self for backward."""
+    def forward(self, start: int, out: Tensor | None = None) -> "_CoreTiles":
+        """Compute the tile at ``start``, with the output projection written into ``out`` when given;
+        the intermediates stay on self for backward."""
         s = self.s[:, start:start + CORE_TILE]
         batch, length, dim = s.shape
         self.tile_s, self.start = s, start
+        gemm_s = s.to(self.gemm_dtype)  # converted once for both projections
         mixed = None
         if self.rows:
             heads = self.heads
-            self.query = self._linear(s, self.gemm_q, self.bias_q)
+            self.query = self._linear(gemm_s, self.gemm_q, self.bias_q, dtype=s.dtype)
             # sample-major scores [B, H, s1, T]: the softmax over the samples runs along a contiguous axis
             scores = (self.row_keys @ self.query.transpose(1, 2)).view(batch, heads, -1, length)
             if self.fill_invalid:
@@ -400,7 +462,7 @@ class _CoreTiles:
                                                                              self.eps)
             mixed = row_half
         if self.columns:
-            sampled = self._linear(s, self.gemm_v, self.bias_v)  # V P2: [B, T, H*s2]
+            sampled = self._linear(gemm_s, self.gemm_v, self.bias_v, dtype=s.dtype)  # V P2: [B, T, H*s2]
             if self.mask is not None:
                 sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
             self.column_values = sampled
@@ -409,20 +471,19 @@ class _CoreTiles:
                 self.column_out, [dim], *self.column_norm, self.eps)
             mixed = column_half if mixed is None else mixed.add_(column_half)
         self.mixed = mixed
-        self.output = self._linear(mixed, self.gemm_out, self.bias_out) if project else None
+        if out is not None:
+            self._linear(mixed, self.gemm_out, self.bias_out, out=out)
         return self
 
-    def backward(self, start: int, grad_out: Tensor) -> Tensor:
-        """The gradient of the tile's input s; parameter gradients accumulate on self."""
-        self.forward(start, project=False)
+    def backward(self, start: int, grad_out: Tensor, grad_s: Tensor) -> None:
+        """Write the gradient of the tile's input s into ``grad_s``; parameter gradients accumulate on self."""
+        self.forward(start)
         s, dtype = self.tile_s, self.s.dtype
         batch, length, dim = s.shape
-        flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
-        self._accumulate("weight_out", flat(grad_out).t() @ flat(self.mixed))
+        self._accumulate("weight_out", _summed_products(grad_out, self.mixed))
         if self.bias_out is not None:
             self._accumulate("bias_out", grad_out.sum((0, 1)))
         grad_mixed = (grad_out.to(self.gemm_dtype) @ self.gemm_out).to(dtype)
-        grad_s = None
         if self.rows:
             grad_row_out, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
                 grad_mixed, self.row_out, [dim], self.row_mean, self.row_rstd, *self.row_norm, [True, True, True])
@@ -442,10 +503,10 @@ class _CoreTiles:
             grad_scores = grad_scores.view(batch, -1, length)  # [B, H*s1, T]
             self._accumulate("row_keys", grad_scores @ self.query)
             grad_query = grad_scores.transpose(1, 2) @ self.row_keys  # [B, T, H*Dh]
-            self._accumulate("weight_q", flat(grad_query).t() @ flat(s))
+            self._accumulate("weight_q", _summed_products(grad_query, s))
             if self.bias_q is not None:
                 self._accumulate("bias_q", grad_query.sum((0, 1)))
-            grad_s = (grad_query.to(self.gemm_dtype) @ self.gemm_q).to(dtype)
+            self._product_into(grad_s, grad_query, self.gemm_q, accumulate=False)
         if self.columns:
             grad_column_out, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
                 grad_mixed, self.column_out, [dim], self.column_mean, self.column_rstd, *self.column_norm,
@@ -456,12 +517,10 @@ class _CoreTiles:
             grad_sampled = grad_column_out @ self.column_mix.transpose(1, 2)  # [B, T, H*s2]
             if self.mask is not None:
                 grad_sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
-            self._accumulate("weight_v", flat(grad_sampled).t() @ flat(s))
+            self._accumulate("weight_v", _summed_products(grad_sampled, s))
             if self.bias_v is not None:
                 self._accumulate("bias_v", grad_sampled.sum((0, 1)))
-            part = (grad_sampled.to(self.gemm_dtype) @ self.gemm_v).to(dtype)
-            grad_s = part if grad_s is None else grad_s.add_(part)
-        return grad_s
+            self._product_into(grad_s, grad_sampled, self.gemm_v, accumulate=self.rows)
 
     def parameter_grads(self) -> tuple[Tensor | None, ...]:
         """Gradients in the order of _SkeletonCore's inputs after s (None for what is absent)."""
@@ -834,7 +893,8 @@ class SkeletonAttention(AttentionBase):
         gemm_dtype = torch.bfloat16 if self.precision == "bf16" and x.dtype == torch.float32 else x.dtype
         dropout = self.dropout if self.training else 0.0
         rows = self.row_indices.clamp(max=length - 1) if self.row_attention else None
-        gram, total, sampled = _GramAndRows.apply(x, attention_mask, rows)
+        shared = _InputGradient()
+        gram, total, sampled = _GramAndRows.apply(x, attention_mask, rows, shared)
         row_keys = row_values = row_valid = row_keep = None
         fill_invalid = False
         if self.row_attention:
@@ -869,7 +929,7 @@ class SkeletonAttention(AttentionBase):
         return _SkeletonCore.apply(
             x, proj.to_q.weight if self.row_attention else None, proj.to_q.bias if self.row_attention else None,
             weight_v, bias_v, column_weights, row_keys, row_values, *norms[0], *norms[1], proj.to_out.weight,
-            proj.to_out.bias, attention_mask, row_valid, row_keep, config,
+            proj.to_out.bias, attention_mask, row_valid, row_keep, config, shared,
         )
 
     def extra_repr(self) -> str:

@@ -122,21 +122,35 @@ class _FusedReluStem(torch.autograd.Function):
     def forward(ctx, x, frequency_weight, conv_weight, conv_bias, bn_weight, bn_bias, valid, dropout_keep, dropout_p,
                 eps, gemm_dtype, fourier):  # type: ignore[override]
         spectrum = None
+        # with reduced-precision GEMMs their inputs are stored in that dtype once (X^smooth written
+        # so by the Fourier blocks) and kept for backward as they are: no conversion pass in backward
+        gemm_x = x.to(gemm_dtype)
         if frequency_weight is not None:  # X^smooth of eq. (5), zero at padded positions
-            smoothed, spectrum, weight = _fourier_forward(x, frequency_weight, valid, *fourier)
-            inputs = [smoothed, x]
+            smoothed, spectrum, weight = _fourier_forward(x, frequency_weight, valid, *fourier, out_dtype=gemm_dtype)
+            inputs = [smoothed, gemm_x]
         else:
-            inputs = [x]
+            inputs = [gemm_x]
         batch, length, dim = x.shape
-        taps = _stem_taps(conv_weight, len(inputs), gemm_dtype)  # [k][input] -> W^T [dim_in, dim]
-        gemm_inputs = [t.to(gemm_dtype) for t in inputs]
-        centred = torch.empty_like(x)
-        passes = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        reduced = gemm_dtype != x.dtype
+        # the conv output before its bias, kept for backward (in the GEMMs' dtype: they write it)
+        conv = torch.empty(x.shape, dtype=gemm_dtype, device=x.device)
+        if reduced:  # all taps of all inputs as one GEMM over an im2col tile: one rounding of the output
+            stacked = _stacked_taps(conv_weight, len(inputs)).to(gemm_dtype)
+        else:
+            taps = _stem_taps(conv_weight, len(inputs), gemm_dtype)  # [k][input] -> W^T [dim_in, dim]
+        # ReLU, dropout and padding as one bool per entry; the dropout draws are not needed after
+        # this, so their buffer (made by the caller for this call only) is reused
+        passes = torch.empty(x.shape, dtype=torch.bool, device=x.device) if dropout_keep is None else dropout_keep
         out = torch.empty_like(x)
         mean, var, rstd, count = (x.new_empty(length) for _ in range(4))
         for start in range(0, length, STEM_TILE):
             stop = min(start + STEM_TILE, length)
-            h = _stem_conv_tile(gemm_inputs, taps, conv_bias, start, stop, x.dtype)  # [B, T, dim]
+            tile_conv = conv[:, start:stop]
+            if reduced:
+                _stem_conv_tile_im2col(inputs, stacked, conv_weight.shape[-1], start, tile_conv)
+            else:
+                _stem_conv_tile(inputs, taps, start, tile_conv)
+            h = tile_conv.to(x.dtype) + conv_bias  # [B, T, dim]
             w = None if valid is None else mask_factor(valid[:, start:stop, None], x.dtype)
             if w is None:
                 count[start:stop] = batch * dim
@@ -144,68 +158,75 @@ class _FusedReluStem(torch.autograd.Function):
             else:
                 count[start:stop] = (w.sum((0, 2)) * dim).clamp_min(1)
                 tile_mean = (h * w).sum((0, 2)) / count[start:stop]
-            tile_centred = torch.sub(h, tile_mean[None, :, None], out=centred[:, start:stop])
+            tile_centred = h.sub_(tile_mean[None, :, None])
             squares = tile_centred.square() if w is None else tile_centred.square() * w
             tile_var = squares.sum((0, 2)) / count[start:stop]
             tile_rstd = torch.rsqrt(tile_var + eps)
             mean[start:stop], var[start:stop], rstd[start:stop] = tile_mean, tile_var, tile_rstd
             scale = (bn_weight[start:stop] * tile_rstd)[None, :, None]
             y = torch.addcmul(bn_bias[start:stop, None], tile_centred, scale)
-            tile_passes = torch.gt(y, 0, out=passes[:, start:stop])
-            if dropout_keep is not None:
-                tile_passes &= dropout_keep[:, start:stop]
+            tile_passes = passes[:, start:stop]
+            if dropout_keep is None:
+                torch.gt(y, 0, out=tile_passes)
+            else:
+                tile_passes &= y > 0
             if valid is not None:
                 tile_passes &= valid[:, start:stop, None]
             factor = 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0
             torch.mul(y.mul_(mask_factor(tile_passes, y.dtype)), factor, out=out[:, start:stop])
-        ctx.save_for_backward(*inputs, conv_weight, bn_weight, centred, passes, rstd, count,
+        ctx.save_for_backward(*inputs, conv_weight, conv_bias, bn_weight, conv, mean, passes, rstd, count,
                               *(() if valid is None else (valid,)),
                               *(() if spectrum is None else (spectrum, weight)))
         ctx.config = (len(inputs), valid is not None, 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0,
-                      gemm_dtype, fourier)
+                      gemm_dtype, fourier, x.dtype)
         ctx.mark_non_differentiable(mean, var)
         return out, mean, var
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_mean, _grad_var):  # type: ignore[override]
-        n_inputs, masked, factor, gemm_dtype, fourier = ctx.config
+        n_inputs, masked, factor, gemm_dtype, fourier, dtype = ctx.config
         saved = ctx.saved_tensors
-        inputs, (conv_weight, bn_weight, centred, passes, rstd, count) = saved[:n_inputs], saved[n_inputs:n_inputs + 6]
-        rest = saved[n_inputs + 6:]
+        inputs = saved[:n_inputs]
+        conv_weight, conv_bias, bn_weight, conv, mean, passes, rstd, count = saved[n_inputs:n_inputs + 8]
+        rest = saved[n_inputs + 8:]
         valid = rest[0] if masked else None
         spectrum, weight = rest[-2:] if n_inputs == 2 else (None, None)
-        batch, length, dim = centred.shape
+        batch, length, dim = conv.shape
         taps = _stem_taps(conv_weight, n_inputs, gemm_dtype, transpose=False)  # [k][input] -> W [dim, dim_in]
-        gemm_inputs = [t.to(gemm_dtype) for t in inputs]
-        grad_dtype = torch.float32 if gemm_dtype != centred.dtype else centred.dtype
-        grad_inputs = [torch.zeros(inputs[-1].shape, dtype=grad_dtype, device=centred.device)]
+        # every row of the input gradients is written once, by the tile that owns it (no zero fill)
+        grad_inputs = [torch.empty(inputs[-1].shape, dtype=dtype, device=conv.device)]
         if n_inputs == 2:  # the gradient of X^smooth channel-first: its FFT then runs along contiguous rows
-            grad_inputs.insert(0, centred.new_zeros(batch, dim, length, dtype=grad_dtype).transpose(1, 2))
-        grad_taps = [[torch.zeros(w.shape[::-1], dtype=grad_inputs[0].dtype, device=w.device) for w in row]
+            grad_inputs.insert(0, grad_out.new_empty(batch, dim, length, dtype=dtype).transpose(1, 2))
+        grad_taps = [[torch.zeros(w.shape[::-1], dtype=dtype, device=w.device) for w in row]
                      for row in taps]  # dW_j^T accumulators
-        grad_conv_bias = centred.new_zeros(centred.shape[-1])
-        grad_bn_weight, grad_bn_bias = centred.new_empty(length), centred.new_empty(length)
+        grad_conv_bias = grad_out.new_zeros(dim)
+        grad_bn_weight, grad_bn_bias = grad_out.new_empty(length), grad_out.new_empty(length)
+        half = len(taps) // 2
         for start in range(0, length, STEM_TILE):
             stop = min(start + STEM_TILE, length)
-            tile_centred, tile_rstd, tile_count = centred[:, start:stop], rstd[start:stop], count[start:stop]
-            grad_y = grad_out[:, start:stop] * mask_factor(passes[:, start:stop], grad_out.dtype)
+            # the input rows [start, stop) take the conv gradient of the output rows up to k//2 beyond
+            # the tile: their BatchNorm backward (local to each position) is computed here as well
+            lo, hi = max(0, start - half), min(length, stop + half)
+            tile_centred = (conv[:, lo:hi].to(dtype) + conv_bias).sub_(mean[lo:hi, None])
+            tile_rstd, tile_count = rstd[lo:hi], count[lo:hi]
+            grad_y = grad_out[:, lo:hi] * mask_factor(passes[:, lo:hi], grad_out.dtype)
             if factor != 1.0:
                 grad_y *= factor
             # masked BatchNorm backward (see _MaskedBatchNormTrain)
             sum_grad = grad_y.sum((0, 2))
             sum_grad_centred = (grad_y * tile_centred).sum((0, 2))
-            grad_bn_bias[start:stop] = sum_grad
-            grad_bn_weight[start:stop] = sum_grad_centred * tile_rstd
-            scale = bn_weight[start:stop] * tile_rstd
+            grad_bn_bias[start:stop] = sum_grad[start - lo:stop - lo]
+            grad_bn_weight[start:stop] = (sum_grad_centred * tile_rstd)[start - lo:stop - lo]
+            scale = bn_weight[lo:hi] * tile_rstd
             a = -scale * sum_grad / tile_count
             b = -scale * tile_rstd.square() * sum_grad_centred / tile_count
             correction = torch.addcmul(a[None, :, None], tile_centred, b[None, :, None])
             if valid is not None:
-                correction *= mask_factor(valid[:, start:stop, None], correction.dtype)
-            grad_h = torch.addcmul(correction, grad_y, scale[None, :, None])
-            grad_conv_bias += grad_h.sum((0, 1))
-            _stem_conv_tile_backward(grad_h.to(gemm_dtype), gemm_inputs, taps, grad_inputs, grad_taps, start, stop)
+                correction *= mask_factor(valid[:, lo:hi, None], correction.dtype)
+            grad_h = torch.addcmul(correction, grad_y, scale[None, :, None])  # output rows [lo, hi)
+            grad_conv_bias += grad_h[:, start - lo:stop - lo].sum((0, 1))
+            _stem_conv_tile_backward(grad_h.to(gemm_dtype), lo, inputs, taps, grad_inputs, grad_taps, start, stop)
         grad_conv_weight = torch.stack([torch.cat([g.t() for g in row], dim=1) for row in grad_taps], dim=-1)
         grad_x = grad_inputs[-1]
         grad_frequency_weight = None
@@ -214,7 +235,7 @@ class _FusedReluStem(torch.autograd.Function):
             if valid is not None:  # X^smooth was zeroed there
                 grad_smoothed *= mask_factor(valid[:, None, :], grad_smoothed.dtype)
             grad_frequency_weight = _fourier_backward(grad_smoothed, grad_x, spectrum, weight, *fourier)
-        return (grad_x.to(inputs[-1].dtype), grad_frequency_weight, grad_conv_weight.to(conv_weight.dtype),
+        return (grad_x, grad_frequency_weight, grad_conv_weight.to(conv_weight.dtype),
                 grad_conv_bias, grad_bn_weight, grad_bn_bias, None, None, None, None, None, None)
 
 
@@ -241,10 +262,11 @@ def _fourier_blocks(batch: int, max_len: int, dim: int, segments: int, itemsize:
 
 
 def _fourier_forward(x: Tensor, frequency_weight: Tensor, valid: Tensor | None, max_len: int, segments: int,
-                     norm: str) -> tuple[Tensor, Tensor, Tensor]:
+                     norm: str, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """X^smooth of eq. (5) from x (zero at padded tokens), by column blocks; the same numbers as
-    ``Smoother._fourier_smooth``. Returns it, zeroed at padded positions, and (kept for backward) the
-    segments' spectrum [B, r, F] and the complex frequency weights [dim, F], both channel-first."""
+    ``Smoother._fourier_smooth``. Returns it (in ``out_dtype``, default x's), zeroed at padded
+    positions, and (kept for backward) the segments' spectrum [B, r, F] and the complex frequency
+    weights [dim, F], both channel-first."""
     batch, length, dim = x.shape
     width = dim // segments
     spectrum = torch.fft.rfft(x.reshape(batch, length, segments, width).mean(-1), n=max_len, dim=1, norm=norm)
@@ -252,9 +274,9 @@ def _fourier_forward(x: Tensor, frequency_weight: Tensor, valid: Tensor | None, 
     # is copied into whole rows, and its product reads contiguous rows of the weights and spectrum
     # (a few columns of a token-major [B, N, dim] or [F, dim] array touch every cache line of it once
     # per block, and products with such strided factors are several times slower on CPU)
-    weight_t = torch.view_as_complex(frequency_weight).t().contiguous()  # [dim, F]
+    weight_t = torch.view_as_complex(frequency_weight).t().contiguous()  # [dim, F]: a view of the parameter
     spectrum_t = spectrum.transpose(1, 2).contiguous()  # [B, r, F]
-    smoothed = x.new_empty(batch, dim, length)
+    smoothed = x.new_empty(batch, dim, length, dtype=out_dtype or x.dtype)
     for start, columns, spanned in _fourier_blocks(batch, max_len, dim, segments, x.element_size()):
         first = start // width
         block_weight = weight_t[start:start + columns].view(spanned, columns // spanned, -1)
@@ -277,7 +299,7 @@ def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor,
     batch, dim, length = grad_smoothed.shape
     width = dim // segments
     mirrored = slice(1, max_len - spectrum_t.shape[-1] + 1)  # bins 1 .. ceil(max_len / 2) - 1
-    grad_weight = weight_t.new_empty(weight_t.shape[::-1])  # [F, dim]
+    grad_weight = weight_t.new_empty(weight_t.shape)  # [dim, F], the parameter's channel-first layout
     grad_spectrum = spectrum_t.new_zeros(spectrum_t.shape)
     for start, columns, spanned in _fourier_blocks(batch, max_len, dim, segments, grad_x.element_size()):
         first = start // width
@@ -286,7 +308,11 @@ def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor,
         grad_product[..., mirrored] *= 2
         grad_product = grad_product.view(batch, spanned, columns // spanned, -1)
         block_spectrum = spectrum_t[:, first:first + spanned, None, :]
-        grad_weight[:, start:start + columns] = (grad_product * block_spectrum.conj()).sum(0).view(columns, -1).t()
+        block_grad = grad_weight[start:start + columns].view(spanned, columns // spanned, -1)
+        if batch == 1:
+            torch.mul(grad_product[0], block_spectrum[0].conj(), out=block_grad)
+        else:
+            torch.sum(grad_product * block_spectrum.conj(), 0, out=block_grad)
         block_weight = weight_t[start:start + columns].view(spanned, columns // spanned, -1)
         grad_spectrum[:, first:first + spanned] += (grad_product * block_weight.conj()).sum(2)
     # adjoint of the rfft of the zero-padded segment means: the real part of the inverse c2c of the
@@ -294,7 +320,7 @@ def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor,
     grad_spectrum[..., mirrored] /= 2
     grad_means = torch.fft.irfft(grad_spectrum, n=max_len, dim=-1, norm=_ADJOINT_NORM[norm])[..., :length]
     grad_x.view(batch, length, segments, width).add_(grad_means.transpose(1, 2)[..., None], alpha=1.0 / width)
-    return torch.view_as_real(grad_weight)
+    return torch.view_as_real(grad_weight.t())  # [F, dim, 2] with the parameter's strides
 
 
 def _stem_taps(conv_weight: Tensor, n_inputs: int, dtype: torch.dtype, transpose: bool = True) -> list[list[Tensor]]:
@@ -309,46 +335,90 @@ def _tap_rows(offset: int, start: int, stop: int, length: int) -> tuple[int, int
     return max(start, -offset), min(stop, length - offset)
 
 
-def _stem_conv_tile(inputs: list[Tensor], taps: list[list[Tensor]], bias: Tensor, start: int, stop: int,
-                    dtype: torch.dtype) -> Tensor:
-    """Conv1d output rows [start, stop) token-major, [B, T, dim], accumulated in ``dtype``."""
+def _stem_conv_tile(inputs: list[Tensor], taps: list[list[Tensor]], start: int, out: Tensor) -> None:
+    """Conv1d output rows [start, start + T) without the bias, token-major, written into ``out``
+    [B, T, dim]: k GEMMs per input, the centre tap (which covers every row) first."""
     batch, length, _ = inputs[0].shape
+    stop = start + out.shape[1]
     half = len(taps) // 2
-    h = bias.to(dtype).expand(batch, stop - start, bias.shape[0]).contiguous()
-    for j, row in enumerate(taps):
+    for j in [half] + [j for j in range(len(taps)) if j != half]:
         lo, hi = _tap_rows(j - half, start, stop, length)
         if lo >= hi:
             continue
-        for source, weight_t in zip(inputs, row):
+        for i, (source, weight_t) in enumerate(zip(inputs, taps[j])):
             for b in range(batch):
-                _add_product(h[b, lo - start:hi - start], source[b, lo + j - half:hi + j - half], weight_t)
-    return h
+                _add_product(out[b, lo - start:hi - start], source[b, lo + j - half:hi + j - half], weight_t,
+                             overwrite=j == half and i == 0)
 
 
-def _stem_conv_tile_backward(grad_h: Tensor, inputs: list[Tensor], taps: list[list[Tensor]],
+def _stacked_taps(conv_weight: Tensor, n_inputs: int) -> Tensor:
+    """Conv1d weight [dim, n_inputs * dim_in, k] -> [n_inputs * k * dim_in, dim], the rows in the
+    order of _stem_conv_tile_im2col's columns (input, then tap, then channel)."""
+    dim, channels, k = conv_weight.shape
+    return conv_weight.view(dim, n_inputs, channels // n_inputs, k).permute(1, 3, 2, 0).reshape(-1, dim)
+
+
+def _stem_conv_tile_im2col(inputs: list[Tensor], stacked: Tensor, k: int, start: int, out: Tensor) -> None:
+    """Conv1d output rows [start, start + T) without the bias, written into ``out`` [B, T, dim] by
+    one GEMM per batch element over the tile's im2col matrix [T, n_inputs * k * dim_in]: row n
+    holds input rows n - k//2 .. n + k//2 of every input (zeros beyond the sequence). Each input's
+    rows are first copied into one token-major tile with k//2 rows of halo on each side (X^smooth
+    is channel-first: one transposed copy), whose k-row windows are then strided views."""
+    batch, length, dim_in = inputs[0].shape
+    tile = out.shape[1]
+    stop, half = start + tile, k // 2
+    lo, hi = max(0, start - half), min(length, stop + half)
+    halo = out.new_zeros(tile + 2 * half, dim_in) if lo > start - half or hi < stop + half else None
+    columns = out.new_empty(tile, len(inputs) * k * dim_in)
+    for b in range(batch):
+        for i, source in enumerate(inputs):
+            if halo is None:
+                rows = source[b, lo:hi].contiguous()
+            else:
+                rows = halo
+                rows[lo - (start - half):hi - (start - half)] = source[b, lo:hi]
+            windows = rows.as_strided((tile, k * dim_in), (dim_in, 1))
+            columns[:, i * k * dim_in:(i + 1) * k * dim_in] = windows
+        torch.mm(columns, stacked, out=out[b])
+
+
+def _stem_conv_tile_backward(grad_h: Tensor, first: int, inputs: list[Tensor], taps: list[list[Tensor]],
                              grad_inputs: list[Tensor], grad_taps: list[list[Tensor]], start: int, stop: int) -> None:
-    """Accumulate the input and weight gradients of the conv rows [start, stop) (token-major GEMMs)."""
+    """Write the input gradients of the rows [start, stop) and accumulate the weight gradients of the
+    conv rows [start, stop) (token-major GEMMs). ``grad_h`` holds the conv gradient of the output rows
+    from ``first`` on, k//2 rows beyond the tile on each side (where the sequence has them)."""
     batch, length, _ = inputs[0].shape
     half = len(taps) // 2
-    for j, row in enumerate(taps):
-        lo, hi = _tap_rows(j - half, start, stop, length)
+    # the centre tap covers every row of the tile: it writes them, the others add
+    for j in [half] + [j for j in range(len(taps)) if j != half]:
+        offset = j - half
+        # input row m takes the gradient of output row m - offset
+        lo, hi = max(start, offset), min(stop, length + offset)
+        for weight, grad_source in zip(taps[j], grad_inputs):
+            for b in range(batch):
+                g = grad_h[b, lo - offset - first:hi - offset - first]
+                _add_product(grad_source[b, lo:hi], g, weight, overwrite=j == half)
+        lo, hi = _tap_rows(offset, start, stop, length)
         if lo >= hi:
             continue
-        for source, weight, grad_source, grad_weight_t in zip(inputs, row, grad_inputs, grad_taps[j]):
+        for source, grad_weight_t in zip(inputs, grad_taps[j]):
             for b in range(batch):
-                g = grad_h[b, lo - start:hi - start]
-                rows = slice(lo + j - half, hi + j - half)
-                _add_product(grad_source[b, rows], g, weight)
-                _add_product(grad_weight_t, source[b, rows].t(), g)
+                _add_product(grad_weight_t, source[b, lo + offset:hi + offset].t(), grad_h[b, lo - first:hi - first])
 
 
-def _add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out += a @ b in place; with reduced-precision factors the product (accumulated in float32
-    by the GEMM) is rounded once to their dtype and added in ``out``'s precision."""
+def _add_product(out: Tensor, a: Tensor, b: Tensor, overwrite: bool = False) -> None:
+    """out += a @ b in place (out = a @ b with ``overwrite``); with reduced-precision factors the
+    product (accumulated in float32 by the GEMM) is rounded once to their dtype and added in
+    ``out``'s precision."""
     if a.dtype == out.dtype:
-        out.addmm_(a, b)
+        if overwrite:
+            torch.mm(a, b, out=out)
+        else:
+            out.addmm_(a, b)
     else:
-        out += a @ b
+        # a channel-first ``out`` (a transposed view) takes the product transposed: contiguous rows
+        product, target = (b.t() @ a.t(), out.t()) if out.stride(0) == 1 and out.shape[0] > 1 else (a @ b, out)
+        target.copy_(product) if overwrite else target.add_(product)
 
 
 class MaskedBatchNorm(nn.Module):
@@ -498,8 +568,11 @@ class Smoother(nn.Module):
         self.fused = True
         if fourier:
             # L of eq. (5) stored as (real, imag) pairs; Kaiming-normal with fan_in = 2 * dim as in
-            # the paper's Algorithm 2, i.e. std 1/sqrt(dim) per component.
-            self.frequency_weight = nn.Parameter(torch.randn(max_len // 2 + 1, dim, 2) / math.sqrt(dim))
+            # the paper's Algorithm 2, i.e. std 1/sqrt(dim) per component. Shape [F, dim, 2], laid out
+            # channel-first in memory (each feature's F weights contiguous): the Fourier blocks read
+            # and write whole rows of it with no transposed copy (see _fourier_forward).
+            weight = torch.randn(max_len // 2 + 1, dim, 2) / math.sqrt(dim)
+            self.frequency_weight = nn.Parameter(weight.permute(1, 0, 2).contiguous().permute(1, 0, 2))
         if conv_stem:
             in_channels = 2 * dim if fourier else dim
             self.stem_conv = nn.Conv1d(in_channels, dim, kernel_size, padding=kernel_size // 2)
