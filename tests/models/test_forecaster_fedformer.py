@@ -56,11 +56,20 @@ def test_frequency_modes():
         frequency_modes(10, 2, "best")
 
 
-@pytest.mark.parametrize("output_modes", ["first", "selected"])
-def test_fourier_block_matches_plain_dft(output_modes):
+def as_heads(time_domain: torch.Tensor, layout: str) -> torch.Tensor:
+    """[B, H, E, L] -> [B, L, H, E]: transposed (paper) or the authors' layer's view of the memory (code)."""
+    b, h, e, n = time_domain.shape
+    if layout == "paper":
+        return time_domain.permute(0, 3, 1, 2)
+    flat = time_domain.flatten(1)  # row-major [H, E, L] of each sample, re-read as [L, H, E]
+    return torch.stack([flat[:, i * h * e:(i + 1) * h * e] for i in range(n)], dim=1).reshape(b, n, h, e)
+
+
+@pytest.mark.parametrize("output_modes, layout", [("first", "paper"), ("selected", "paper"), ("first", "code")])
+def test_fourier_block_matches_plain_dft(output_modes, layout):
     torch.manual_seed(0)
     n, heads, e = 23, 2, 3
-    block = FourierBlock(heads, e, n, modes=5, output_modes=output_modes)
+    block = FourierBlock(heads, e, n, modes=5, output_modes=output_modes, output_layout=layout)
     q = torch.randn(2, n, heads, e, dtype=torch.float64)
     out = block(q, None, None)
     spectrum = plain_dft(q.permute(0, 2, 3, 1))[..., block.index]  # [B, H, E, M]
@@ -70,14 +79,18 @@ def test_fourier_block_matches_plain_dft(output_modes):
     full = torch.zeros(2, heads, e, n // 2 + 1, dtype=torch.complex128)
     for slot, bin_ in enumerate(block.index.tolist()):
         full[..., slot if output_modes == "first" else bin_] = mixed[..., slot]
-    torch.testing.assert_close(out, plain_inverse(full, n).permute(0, 3, 1, 2))
+    torch.testing.assert_close(out, as_heads(plain_inverse(full, n), layout))
 
 
-@pytest.mark.parametrize("activation", ["tanh", "softmax"])
-def test_fourier_cross_attention_matches_plain_dft(activation):
+@pytest.mark.parametrize("activation, output_modes, layout", [("tanh", "selected", "paper"),
+                                                             ("softmax", "selected", "paper"),
+                                                             ("tanh", "first", "paper"), ("tanh", "selected", "code")])
+def test_fourier_cross_attention_matches_plain_dft(activation, output_modes, layout):
     torch.manual_seed(1)
     heads, e, nq, nk = 2, 3, 17, 12
-    block = FourierCrossAttention(heads, e, nq, nk, modes=4, activation=activation)
+    block = FourierCrossAttention(heads, e, nq, nk, modes=4, activation=activation, output_modes=output_modes,
+                                  output_layout=layout)
+    assert block.index_q.tolist() != list(range(4))  # random modes: "first" and "selected" differ
     q, k = torch.randn(2, nq, heads, e, dtype=torch.float64), torch.randn(2, nk, heads, e, dtype=torch.float64)
     out = block(q, k, None)
     q_ft = plain_dft(q.permute(0, 2, 3, 1))[..., block.index_q]
@@ -89,10 +102,9 @@ def test_fourier_cross_attention_matches_plain_dft(activation):
             scores = q_ft[b, h].T @ k_ft[b, h]  # [Mq, Mkv]: sum over channels
             scores = scores.tanh() if activation == "tanh" else torch.softmax(scores.abs(), -1).to(torch.complex128)
             attended = k_ft[b, h] @ scores.T  # [E, Mq]
-            for m in range(len(block.index_q)):
-                expected[b, h, :, m] = attended[:, m] @ weights[h, :, :, m]
-    expected = plain_inverse(expected / (heads * e) ** 2, nq).permute(0, 3, 1, 2)
-    torch.testing.assert_close(out, expected)
+            for m, bin_ in enumerate(block.index_q.tolist()):
+                expected[b, h, :, m if output_modes == "first" else bin_] = attended[:, m] @ weights[h, :, :, m]
+    torch.testing.assert_close(out, as_heads(plain_inverse(expected / (heads * e) ** 2, nq), layout))
 
 
 def test_sparse_kernel_matches_plain_dft():
@@ -176,3 +188,35 @@ def test_calendar_marks():
 @pytest.mark.parametrize("version", ["fourier", "wavelet"])
 def test_overfits_a_synthetic_series(version):
     assert overfit_ratio(tiny("fedformer", 2, 24, 6, version=version, **SMALL), 24, 6, 2) < 0.5
+
+
+@pytest.mark.parametrize("version", ["fourier", "wavelet"])
+def test_shared_blocks_tie_every_layer_to_one_frequency_block(version):
+    """shared_blocks=True (the authors' code): one frequency block per role, used by every layer; the model then
+    equals an unshared one whose per-layer blocks hold copies of the shared block's weights and modes."""
+    torch.manual_seed(4)
+    options = dict(SMALL, version=version, encoder_layers=3, decoder_layers=2, dropout=0.0)
+    shared = tiny("fedformer", 3, 24, 7, shared_blocks=True, **options).double().eval()
+    inners = [layer.attention.inner for layer in shared.encoder]
+    assert all(inner is inners[0] for inner in inners)
+    assert shared.decoder[0].self_attention.inner is shared.decoder[1].self_attention.inner
+    assert shared.decoder[0].cross_attention.inner is shared.decoder[1].cross_attention.inner
+    unshared = tiny("fedformer", 3, 24, 7, **options).double().eval()
+    assert sum(p.numel() for p in unshared.parameters()) > sum(p.numel() for p in shared.parameters())
+    # state_dict lists the shared block under every layer's name, so it loads into the unshared model as copies
+    unshared.load_state_dict(shared.state_dict())
+    x = torch.randn(2, 24, 3, dtype=torch.float64)
+    torch.testing.assert_close(unshared(x), shared(x))
+
+
+def test_code_layout_changes_the_model_and_is_fourier_only():
+    torch.manual_seed(5)
+    paper = tiny("fedformer", 3, 24, 7, dropout=0.0, **SMALL).double().eval()
+    code = tiny("fedformer", 3, 24, 7, dropout=0.0, output_layout="code", **SMALL).double().eval()
+    code.load_state_dict(paper.state_dict())
+    x = torch.randn(2, 24, 3, dtype=torch.float64)
+    assert not torch.allclose(paper(x), code(x))
+    with pytest.raises(ValueError, match="Fourier version only"):
+        tiny("fedformer", 3, 24, 7, version="wavelet", output_layout="code", **SMALL)
+    with pytest.raises(ValueError, match="output_layout"):
+        FourierBlock(2, 3, 23, modes=5, output_layout="transposed")

@@ -14,14 +14,16 @@ replaced by frequency-enhanced blocks:
   (the same decomposition of q, k, v with FEA-f-style cross attention on each level).
 
 Where the paper and the authors' code leave details open, the code's choices are the defaults and each is an
-option (see docs/forecasting_models.md): the selected modes' products are written into the first M frequency
-bins ("Padding" read as appending zeros; ``output_modes="selected"`` puts them back at their own frequencies),
-the mode pool is [0, L/2), FEA-f's output is divided by d_model^2, FEB-w ignores its queries and keys.
+option (see docs/forecasting_models.md): FEB-f writes the selected modes' products into the first M frequency
+bins and FEA-f at the selected frequencies themselves (``output_modes`` / ``cross_output_modes``), the mode pool
+is [0, L/2), FEA-f's output is divided by d_model^2, FEB-w ignores its queries and keys. Two code behaviours
+that contradict or go beyond the paper are options, off by default: ``output_layout="code"``, ``shared_blocks``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import torch
@@ -38,6 +40,7 @@ from longattn.models.registry import register_model
 
 MODE_SELECTIONS = ("random", "lowest")
 OUTPUT_MODES = ("first", "selected")
+OUTPUT_LAYOUTS = ("paper", "code")
 
 
 def frequency_modes(length: int, modes: int, method: str = "random") -> Tensor:
@@ -63,6 +66,20 @@ def _as_complex(weights: Tensor, dtype: torch.dtype) -> Tensor:
     return weights.to(torch.complex128 if dtype == torch.float64 else torch.complex64)
 
 
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _to_heads(out: Tensor, layout: str) -> Tensor:
+    """A frequency block's time-domain result [B, H, E, L] as heads [B, L, H, E]. ``paper``: transposed, so that
+    step l holds the inverse transform at time l (eq. 4 and 6 give a length-L sequence). ``code``: the authors'
+    AutoCorrelationLayer reads the [B, H, E, L] tensor as [B, L, H*E] with ``view``, which scrambles time and
+    channels; kept as an option because the published numbers were produced that way."""
+    b, h, e, n = out.shape
+    return out.permute(0, 3, 1, 2) if layout == "paper" else out.contiguous().reshape(b, n, h, e)
+
+
 class FourierBlock(nn.Module):
     """FEB-f on heads [B, L, H, E] (uses only the queries, eq. 3-4): per head, the kept modes of the rFFT over time
     are mixed across the E channels by a learned complex [E, E] matrix per mode (R in eq. 4), then inverted."""
@@ -70,11 +87,11 @@ class FourierBlock(nn.Module):
     uses = "q"
 
     def __init__(self, heads: int, head_dim: int, length: int, modes: int = 64, mode_selection: str = "random",
-                 output_modes: str = "first") -> None:
+                 output_modes: str = "first", output_layout: str = "paper") -> None:
         super().__init__()
-        if output_modes not in OUTPUT_MODES:
-            raise ValueError(f"output_modes must be one of {OUTPUT_MODES}, got {output_modes!r}")
-        self.length, self.output_modes = length, output_modes
+        _check_choice("output_modes", output_modes, OUTPUT_MODES)
+        _check_choice("output_layout", output_layout, OUTPUT_LAYOUTS)
+        self.length, self.output_modes, self.output_layout = length, output_modes, output_layout
         self.register_buffer("index", frequency_modes(length, modes, mode_selection))
         d_model = heads * head_dim
         self.weights = _complex_uniform(1.0 / (d_model * d_model), heads, head_dim, head_dim, len(self.index))
@@ -88,24 +105,28 @@ class FourierBlock(nn.Module):
         out = torch.zeros(b, h, e, n // 2 + 1, dtype=mixed.dtype, device=queries.device)
         target = torch.arange(len(self.index), device=queries.device) if self.output_modes == "first" else self.index
         out[..., target] = mixed
-        return torch.fft.irfft(out, n=n, dim=-1).permute(0, 3, 1, 2)
+        return _to_heads(torch.fft.irfft(out, n=n, dim=-1), self.output_layout)
 
 
 class FourierCrossAttention(nn.Module):
     """FEA-f (eq. 5-6): Q~ = Select(F(q)), K~ = Select(F(k)); Y~ = sigma(Q~ K~^T) K~ (the keys double as values,
     as in the authors' code) mixed by a learned complex [E, E] matrix per query mode; inverted and divided by
-    d_model^2 (the code's scaling). sigma = tanh (default) or softmax of the magnitudes."""
+    d_model^2 (the code's scaling). sigma = tanh (default) or softmax of the magnitudes. Unlike FEB-f, the
+    authors' code writes FEA-f's products back at the selected queries' own frequencies (``output_modes=
+    "selected"``, the default here)."""
 
     uses = "qk"
 
     def __init__(self, heads: int, head_dim: int, length_q: int, length_kv: int, modes: int = 64,
-                 mode_selection: str = "random", activation: str = "tanh", output_modes: str = "first") -> None:
+                 mode_selection: str = "random", activation: str = "tanh", output_modes: str = "selected",
+                 output_layout: str = "paper") -> None:
         super().__init__()
         if activation not in ("tanh", "softmax"):
             raise ValueError(f"activation must be 'tanh' or 'softmax', got {activation!r}")
-        if output_modes not in OUTPUT_MODES:
-            raise ValueError(f"output_modes must be one of {OUTPUT_MODES}, got {output_modes!r}")
-        self.length_q, self.length_kv, self.activation, self.output_modes = length_q, length_kv, activation, output_modes
+        _check_choice("output_modes", output_modes, OUTPUT_MODES)
+        _check_choice("output_layout", output_layout, OUTPUT_LAYOUTS)
+        self.length_q, self.length_kv, self.activation = length_q, length_kv, activation
+        self.output_modes, self.output_layout = output_modes, output_layout
         self.register_buffer("index_q", frequency_modes(length_q, modes, mode_selection))
         self.register_buffer("index_kv", frequency_modes(length_kv, modes, mode_selection))
         self.d_model = heads * head_dim
@@ -128,8 +149,7 @@ class FourierCrossAttention(nn.Module):
         out = torch.zeros(b, h, e, n // 2 + 1, dtype=mixed.dtype, device=queries.device)
         target = torch.arange(len(self.index_q), device=queries.device) if self.output_modes == "first" else self.index_q
         out[..., target] = mixed
-        out = torch.fft.irfft(out / (self.d_model * self.d_model), n=n, dim=-1)
-        return out.permute(0, 3, 1, 2)
+        return _to_heads(torch.fft.irfft(out / (self.d_model * self.d_model), n=n, dim=-1), self.output_layout)
 
 
 # ----------------------------------------------------------------------------- Legendre multiwavelets
@@ -323,39 +343,57 @@ class MultiwaveletCrossAttention(nn.Module):
         return self.out(x[:, :n].reshape(b, n, -1)).reshape(b, n, h, e)
 
 
+def _built_once(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """A factory that returns one and the same module on every call (the code's sharing across layers)."""
+    module = factory()
+    return lambda: module
+
+
 @register_model("fedformer", family="forecaster")
 class FEDformer(DecompEncoderDecoder):
     """FEDformer: ``version="fourier"`` (FEDformer-f, default) or ``"wavelet"`` (FEDformer-w). Defaults are the
     paper's: 2 encoder / 1 decoder layers, d_model 512, 8 heads, d_ff 2048, dropout 0.05, GELU, 64 random modes,
     MOE decomposition with the code's kernel list [24], tanh cross activation, label_len = seq_len // 2;
     wavelet: Legendre k = 8, 16 modes in the A/B/C kernels, c = 128 (FEB-w) / 64 (FEA-w), 3 skipped levels in
-    FEB-w, none in FEA-w."""
+    FEB-w, none in FEA-w.
+
+    Two behaviours of the authors' code that the paper does not describe are options, off by default:
+    ``output_layout="code"`` (the Fourier blocks' [B, H, E, L] output read as [B, L, H*E], see :func:`_to_heads`)
+    and ``shared_blocks=True`` (the code builds the encoder's frequency block, the decoder's and the cross block
+    once and passes the same module to every layer, so all encoder layers share one FEB's weights and modes).
+    With both, the model computes what the authors' FEDformer-f computes (checked numerically in float64, see
+    docs/forecasting_models.md)."""
 
     def __init__(self, channels: int, seq_len: int, pred_len: int, label_len: int | None = None,
                  version: str = "fourier", d_model: int = 512, heads: int = 8, encoder_layers: int = 2,
                  decoder_layers: int = 1, d_ff: int = 2048, dropout: float = 0.05, activation: str = "gelu",
                  moving_avg: tuple[int, ...] | list[int] = (24,), modes: int = 64, mode_selection: str = "random",
-                 output_modes: str = "first", cross_activation: str = "tanh", wavelet_k: int = 8,
+                 output_modes: str = "first", cross_output_modes: str = "selected", output_layout: str = "paper",
+                 shared_blocks: bool = False, cross_activation: str = "tanh", wavelet_k: int = 8,
                  wavelet_modes: int = 16, wavelet_c: int = 128, wavelet_cross_c: int = 64,
                  wavelet_skipped_levels: int = 3, calendar_dim: int = 0) -> None:
         if version not in ("fourier", "wavelet"):
             raise ValueError(f"version must be 'fourier' or 'wavelet', got {version!r}")
+        if version == "wavelet" and output_layout != "paper":
+            raise ValueError("output_layout applies to the Fourier version only")
         if d_model % heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
         head_dim = d_model // heads
         decoder_len = resolve_label_len(label_len, seq_len) + pred_len
         if version == "fourier":
             inners = (
-                lambda: FourierBlock(heads, head_dim, seq_len, modes, mode_selection, output_modes),
-                lambda: FourierBlock(heads, head_dim, decoder_len, modes, mode_selection, output_modes),
+                lambda: FourierBlock(heads, head_dim, seq_len, modes, mode_selection, output_modes, output_layout),
+                lambda: FourierBlock(heads, head_dim, decoder_len, modes, mode_selection, output_modes, output_layout),
                 lambda: FourierCrossAttention(heads, head_dim, decoder_len, seq_len, modes, mode_selection,
-                                              cross_activation, output_modes),
+                                              cross_activation, cross_output_modes, output_layout),
             )
         else:
             block = lambda: MultiwaveletBlock(d_model, wavelet_k, wavelet_c, wavelet_modes,  # noqa: E731
                                               wavelet_skipped_levels)
             inners = (block, block, lambda: MultiwaveletCrossAttention(d_model, wavelet_k, wavelet_cross_c, modes, 0,
                                                                        cross_activation))
+        if shared_blocks:
+            inners = tuple(_built_once(factory) for factory in inners)
         super().__init__(
             channels, seq_len, pred_len, label_len=label_len, d_model=d_model, heads=heads,
             encoder_layers=encoder_layers, decoder_layers=decoder_layers, d_ff=d_ff, dropout=dropout,
