@@ -408,3 +408,20 @@ def test_gram_and_rows_alone_give_their_own_gradient(masked):
     (fast,) = torch.autograd.grad(outputs, [s], grads)
     (slow,) = torch.autograd.grad(expected, [s], grads)
     torch.testing.assert_close(fast, slow)
+
+
+def test_fused_core_under_autocast_runs_its_own_dtypes_forward_and_backward():
+    """Autocast active in forward and in backward: the tiled core keeps its products in float32 (its
+    inputs from the Gram matrix and the sampled rows come through autocast's bf16), so its output and
+    gradients stay close to the same layer without autocast."""
+    torch.manual_seed(17)
+    layer = attention.build("skeleton", dim=32, heads=2, max_len=40, dropout=0.0, smoother=False).train()
+    s = torch.randn(2, 40, 32, requires_grad=True)
+    plain = layer(s)
+    (plain_grad,) = torch.autograd.grad(plain.sum(), [s])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = layer(s)
+        (cast_grad,) = torch.autograd.grad(cast.sum(), [s])
+    assert cast.dtype == torch.float32
+    torch.testing.assert_close(cast, plain, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cast_grad, plain_grad, rtol=5e-2, atol=5e-2)

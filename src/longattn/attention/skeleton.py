@@ -358,11 +358,13 @@ class _SkeletonCore(torch.autograd.Function):
                 row_norm_bias, column_norm_weight, column_norm_bias, weight_out, bias_out, mask, row_valid, row_keep,
                 config, shared):  # type: ignore[override]
         out = torch.empty_like(s)
-        tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
-                           (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
-                           bias_out, mask, row_valid, row_keep, config)
-        for start in range(0, s.shape[1], tiles.step):
-            tiles.forward(start, out=out[:, start:start + tiles.step])
+        # its products choose their own dtypes (config's GEMM dtype, float32 elsewhere): not autocast's
+        with torch.autocast(s.device.type, enabled=False):
+            tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
+                               (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
+                               bias_out, mask, row_valid, row_keep, config)
+            for start in range(0, s.shape[1], tiles.step):
+                tiles.forward(start, out=out[:, start:start + tiles.step])
         ctx.save_for_backward(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
                               row_norm_weight, row_norm_bias, column_norm_weight, column_norm_bias, weight_out,
                               bias_out, mask, row_valid, row_keep)
@@ -374,16 +376,18 @@ class _SkeletonCore(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         (s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values, row_norm_weight, row_norm_bias,
          column_norm_weight, column_norm_bias, weight_out, bias_out, mask, row_valid, row_keep) = ctx.saved_tensors
-        tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
-                           (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
-                           bias_out, mask, row_valid, row_keep, ctx.config)
         grad_s = torch.empty_like(s)
-        for start in range(0, s.shape[1], tiles.step):
-            tiles.backward(start, grad_out[:, start:start + tiles.step], grad_s[:, start:start + tiles.step])
+        with torch.autocast(s.device.type, enabled=False):
+            tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
+                               (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
+                               bias_out, mask, row_valid, row_keep, ctx.config)
+            for start in range(0, s.shape[1], tiles.step):
+                tiles.backward(start, grad_out[:, start:start + tiles.step], grad_s[:, start:start + tiles.step])
+            parameter_grads = tiles.parameter_grads()
         shared = ctx.shared
         if shared is not None and not shared.gram_done:  # _GramAndRows' backward completes and returns it
             shared.tensor, grad_s = grad_s, None
-        return (grad_s, *tiles.parameter_grads(), None, None, None, None, None)
+        return (grad_s, *parameter_grads, None, None, None, None, None)
 
 
 class _CoreTiles:
