@@ -365,6 +365,38 @@ def test_im2col_conv_tiles_are_the_tap_by_tap_conv(kernel_size):
         torch.testing.assert_close(by_im2col, expected[:, start:stop])
 
 
+@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+@pytest.mark.parametrize("windows", [False, True])
+def test_conv_backward_tiles_are_the_conv_gradients(kernel_size, windows):
+    """The stem's conv backward tile by tile (input gradients tap by tap, or with ``back_stacked`` by one
+    GEMM over the windows of the conv gradient as the reduced-precision stem does) against autograd
+    of F.conv1d, float64: tiles at both ends (zero halo), inside, one shorter than the rest; the input
+    gradients written into a channel-first and a token-major buffer holding NaN, the weight gradient
+    accumulated over the tiles."""
+    import longattn.attention.smoother as smoother_module
+
+    torch.manual_seed(15)
+    batch, length, dim, half = 2, 23, 6, kernel_size // 2
+    smoothed = torch.randn(batch, dim, length, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    x = torch.randn(batch, length, dim, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(dim, 2 * dim, kernel_size, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(batch, length, dim, dtype=torch.float64)
+    out = F.conv1d(torch.cat([smoothed, x], -1).transpose(1, 2), weight, padding=half).transpose(1, 2)
+    expected = torch.autograd.grad(out, [smoothed, x, weight], grad_out)
+    taps = smoother_module._stem_taps(weight.detach(), 2, torch.float64, transpose=False)
+    back_stacked = smoother_module._backward_stacked_taps(weight.detach(), torch.float64) if windows else None
+    grad_taps = [[torch.zeros(dim, dim, dtype=torch.float64) for _ in row] for row in taps]
+    grad_inputs = [torch.full((batch, dim, length), float("nan"), dtype=torch.float64).transpose(1, 2),
+                   torch.full((batch, length, dim), float("nan"), dtype=torch.float64)]
+    for start, stop in [(0, 8), (8, 19), (19, 23)]:
+        lo, hi = max(0, start - half), min(length, stop + half)
+        smoother_module._stem_conv_tile_backward(grad_out[:, lo:hi], lo, [smoothed.detach(), x.detach()], taps,
+                                                 grad_inputs, grad_taps, start, stop, back_stacked)
+    grad_weight = torch.stack([torch.cat([g.t() for g in row], dim=1) for row in grad_taps], dim=-1)
+    for actual, wanted in zip([*grad_inputs, grad_weight], expected):
+        torch.testing.assert_close(actual, wanted)
+
+
 @pytest.mark.parametrize("kernel_size,n", [(3, 37), (5, 29)])
 def test_reduced_precision_stem_with_dropout_padding_and_tiles_stays_close(monkeypatch, kernel_size, n):
     """bf16 GEMM inputs and conv output kept in bf16: odd lengths, several tiles (halo rows at tile

@@ -147,6 +147,7 @@ class _FusedReluStem(torch.autograd.Function):
         passes = torch.empty(x.shape, dtype=torch.bool, device=x.device) if dropout_keep is None else dropout_keep
         out = torch.empty_like(x)
         mean, var, rstd, count = (x.new_empty(length) for _ in range(4))
+        factor = 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0
         for start in range(0, length, STEM_TILE):
             stop = min(start + STEM_TILE, length)
             tile_conv = conv[:, start:stop]
@@ -155,7 +156,7 @@ class _FusedReluStem(torch.autograd.Function):
             else:
                 _stem_conv_tile(inputs, taps, start, tile_conv)
             # [B, T, dim]; in full precision centred in place: the saved buffer then holds the centred output
-            h = tile_conv.to(x.dtype) + conv_bias if reduced else tile_conv.add_(conv_bias)
+            h = torch.add(tile_conv, conv_bias) if reduced else tile_conv.add_(conv_bias)  # reduced: promoted to x's dtype
             w = None if valid is None else mask_factor(valid[:, start:stop, None], x.dtype)
             if w is None:
                 count[start:stop] = batch * dim
@@ -168,8 +169,10 @@ class _FusedReluStem(torch.autograd.Function):
             tile_var = squares.sum((0, 2)) / count[start:stop]
             tile_rstd = torch.rsqrt(tile_var + eps)
             mean[start:stop], var[start:stop], rstd[start:stop] = tile_mean, tile_var, tile_rstd
-            scale = (bn_weight[start:stop] * tile_rstd)[None, :, None]
-            y = torch.addcmul(bn_bias[start:stop, None], tile_centred, scale)
+            # the dropout's 1/(1-p) (> 0: the sign of y, hence the ReLU, is unchanged) folded into the
+            # BatchNorm's affine map: the output is then y times the pass mask, one pass
+            scale = (bn_weight[start:stop] * tile_rstd * factor)[None, :, None]
+            y = torch.addcmul(bn_bias[start:stop, None] * factor, tile_centred, scale)
             tile_passes = passes[:, start:stop]
             if dropout_keep is None:
                 torch.gt(y, 0, out=tile_passes)
@@ -177,13 +180,11 @@ class _FusedReluStem(torch.autograd.Function):
                 tile_passes &= y > 0
             if valid is not None:
                 tile_passes &= valid[:, start:stop, None]
-            factor = 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0
-            torch.mul(y.mul_(mask_factor(tile_passes, y.dtype)), factor, out=out[:, start:stop])
+            torch.mul(y, mask_factor(tile_passes, y.dtype), out=out[:, start:stop])
         ctx.save_for_backward(*inputs, conv_weight, conv_bias, bn_weight, conv, mean, passes, rstd, count,
                               *(() if valid is None else (valid,)),
                               *(() if spectrum is None else (spectrum, weight)))
-        ctx.config = (len(inputs), valid is not None, 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0,
-                      gemm_dtype, fourier, x.dtype, reduced)
+        ctx.config = (len(inputs), valid is not None, factor, gemm_dtype, fourier, x.dtype, reduced)
         ctx.mark_non_differentiable(mean, var)
         return out, mean, var
 
@@ -199,6 +200,8 @@ class _FusedReluStem(torch.autograd.Function):
         spectrum, weight = rest[-2:] if n_inputs == 2 else (None, None)
         batch, length, dim = conv.shape
         taps = _stem_taps(conv_weight, n_inputs, gemm_dtype, transpose=False)  # [k][input] -> W [dim, dim_in]
+        # reduced precision: the input gradients by one GEMM per tile over windows of the conv gradient
+        back_stacked = _backward_stacked_taps(conv_weight, gemm_dtype) if reduced else None
         # every row of the input gradients is written once, by the tile that owns it (no zero fill)
         grad_inputs = [torch.empty(inputs[-1].shape, dtype=dtype, device=conv.device)]
         if n_inputs == 2:  # the gradient of X^smooth channel-first: its FFT then runs along contiguous rows
@@ -215,14 +218,15 @@ class _FusedReluStem(torch.autograd.Function):
             lo, hi = max(0, start - half), min(length, stop + half)
             tile_centred = conv[:, lo:hi]
             if reduced:
-                tile_centred = (tile_centred.to(dtype) + conv_bias).sub_(mean[lo:hi, None])
+                # conversion, bias and centring in one pass (promoted to x's dtype)
+                tile_centred = torch.sub(tile_centred, mean[lo:hi, None] - conv_bias)
             tile_rstd, tile_count = rstd[lo:hi], count[lo:hi]
+            # the gradient of the BatchNorm output is grad_y * factor: the dropout's 1/(1-p) goes on the
+            # per-position sums and scale below instead of a pass over grad_y
             grad_y = grad_out[:, lo:hi] * mask_factor(passes[:, lo:hi], grad_out.dtype)
-            if factor != 1.0:
-                grad_y *= factor
             # masked BatchNorm backward (see _MaskedBatchNormTrain)
-            sum_grad = grad_y.sum((0, 2))
-            sum_grad_centred = (grad_y * tile_centred).sum((0, 2))
+            sum_grad = grad_y.sum((0, 2)) * factor
+            sum_grad_centred = (grad_y * tile_centred).sum((0, 2)) * factor
             grad_bn_bias[start:stop] = sum_grad[start - lo:stop - lo]
             grad_bn_weight[start:stop] = (sum_grad_centred * tile_rstd)[start - lo:stop - lo]
             scale = bn_weight[lo:hi] * tile_rstd
@@ -231,9 +235,10 @@ class _FusedReluStem(torch.autograd.Function):
             correction = torch.addcmul(a[None, :, None], tile_centred, b[None, :, None])
             if valid is not None:
                 correction *= mask_factor(valid[:, lo:hi, None], correction.dtype)
-            grad_h = torch.addcmul(correction, grad_y, scale[None, :, None])  # output rows [lo, hi)
+            grad_h = correction.addcmul_(grad_y, (scale * factor)[None, :, None])  # output rows [lo, hi)
             grad_conv_bias += grad_h[:, start - lo:stop - lo].sum((0, 1))
-            _stem_conv_tile_backward(grad_h.to(gemm_dtype), lo, inputs, taps, grad_inputs, grad_taps, start, stop)
+            _stem_conv_tile_backward(grad_h.to(gemm_dtype), lo, inputs, taps, grad_inputs, grad_taps, start, stop,
+                                     back_stacked)
         grad_conv_weight = torch.stack([torch.cat([g.t() for g in row], dim=1) for row in grad_taps], dim=-1)
         grad_x = grad_inputs[-1]
         grad_frequency_weight = None
@@ -366,6 +371,11 @@ def _stacked_taps(conv_weight: Tensor, n_inputs: int) -> Tensor:
     return conv_weight.view(dim, n_inputs, channels // n_inputs, k).permute(1, 3, 2, 0).reshape(-1, dim)
 
 
+def _needs_halo(length: int, start: int, tile: int, half: int) -> bool:
+    """Whether the rows [start - half, start + tile + half) reach beyond a sequence of ``length``."""
+    return start - half < 0 or start + tile + half > length
+
+
 def _stem_conv_tile_im2col(inputs: list[Tensor], stacked: Tensor, k: int, start: int, out: Tensor) -> None:
     """Conv1d output rows [start, start + T) without the bias, written into ``out`` [B, T, dim] by
     one GEMM per batch element over the tile's im2col matrix [T, n_inputs * k * dim_in]: row n
@@ -376,7 +386,7 @@ def _stem_conv_tile_im2col(inputs: list[Tensor], stacked: Tensor, k: int, start:
     tile = out.shape[1]
     stop, half = start + tile, k // 2
     lo, hi = max(0, start - half), min(length, stop + half)
-    halo = out.new_zeros(tile + 2 * half, dim_in) if lo > start - half or hi < stop + half else None
+    halo = out.new_zeros(tile + 2 * half, dim_in) if _needs_halo(length, start, tile, half) else None
     columns = out.new_empty(tile, len(inputs) * k * dim_in)
     for b in range(batch):
         for i, source in enumerate(inputs):
@@ -390,22 +400,53 @@ def _stem_conv_tile_im2col(inputs: list[Tensor], stacked: Tensor, k: int, start:
         torch.mm(columns, stacked, out=out[b])
 
 
+def _backward_stacked_taps(conv_weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """Conv1d weight [dim, n_inputs * dim_in, k] -> [k * dim, n_inputs * dim_in]: block p of rows is
+    W_{k-1-p}, the tap through which output row m - k//2 + p reads input row m."""
+    dim, channels, k = conv_weight.shape
+    return conv_weight.flip(-1).permute(2, 0, 1).reshape(k * dim, channels).to(dtype)
+
+
+def _stem_input_grads_im2col(grad_h: Tensor, first: int, back_stacked: Tensor, grad_inputs: list[Tensor],
+                             start: int, stop: int) -> None:
+    """Write the input gradients of the rows [start, stop) by one GEMM per batch element: the k-row
+    windows of the conv gradient (a strided view of a token-major tile with k//2 halo rows, zeros beyond
+    the sequence) [T, k dim] times ``back_stacked`` (_backward_stacked_taps), so the product is rounded
+    once (with reduced-precision factors) and written once per input."""
+    length, dim_in = grad_inputs[0].shape[1:]
+    tile, dim = stop - start, grad_h.shape[-1]
+    half = back_stacked.shape[0] // dim // 2
+    halo = grad_h.new_zeros(tile + 2 * half, dim) if _needs_halo(length, start, tile, half) else None
+    for b in range(grad_h.shape[0]):
+        rows = grad_h[b]  # output rows [first, first + len), exactly the tile's windows when no halo is needed
+        if halo is not None:
+            halo[first - (start - half):first - (start - half) + grad_h.shape[1]] = rows
+            rows = halo
+        product = rows.as_strided((tile, back_stacked.shape[0]), (dim, 1)) @ back_stacked  # [T, n_inputs dim_in]
+        for i, grad_source in enumerate(grad_inputs):
+            grad_source[b, start:stop] = product[:, i * dim_in:(i + 1) * dim_in]
+
+
 def _stem_conv_tile_backward(grad_h: Tensor, first: int, inputs: list[Tensor], taps: list[list[Tensor]],
-                             grad_inputs: list[Tensor], grad_taps: list[list[Tensor]], start: int, stop: int) -> None:
+                             grad_inputs: list[Tensor], grad_taps: list[list[Tensor]], start: int, stop: int,
+                             back_stacked: Tensor | None = None) -> None:
     """Write the input gradients of the rows [start, stop) and accumulate the weight gradients of the
     conv rows [start, stop) (token-major GEMMs). ``grad_h`` holds the conv gradient of the output rows
-    from ``first`` on, k//2 rows beyond the tile on each side (where the sequence has them)."""
+    from ``first`` on, k//2 rows beyond the tile on each side (where the sequence has them). With
+    ``back_stacked`` the input gradients come from _stem_input_grads_im2col."""
     batch, length, _ = inputs[0].shape
     half = len(taps) // 2
+    if back_stacked is not None:
+        _stem_input_grads_im2col(grad_h, first, back_stacked, grad_inputs, start, stop)
     # the centre tap covers every row of the tile: it writes them, the others add
     for j in [half] + [j for j in range(len(taps)) if j != half]:
         offset = j - half
-        # input row m takes the gradient of output row m - offset
-        lo, hi = max(start, offset), min(stop, length + offset)
-        for weight, grad_source in zip(taps[j], grad_inputs):
-            for b in range(batch):
-                g = grad_h[b, lo - offset - first:hi - offset - first]
-                _add_product(grad_source[b, lo:hi], g, weight, overwrite=j == half)
+        if back_stacked is None:  # input row m takes the gradient of output row m - offset
+            lo, hi = max(start, offset), min(stop, length + offset)
+            for weight, grad_source in zip(taps[j], grad_inputs):
+                for b in range(batch):
+                    g = grad_h[b, lo - offset - first:hi - offset - first]
+                    _add_product(grad_source[b, lo:hi], g, weight, overwrite=j == half)
         lo, hi = _tap_rows(offset, start, stop, length)
         if lo >= hi:
             continue
