@@ -465,9 +465,7 @@ def _add_product(out: Tensor, a: Tensor, b: Tensor, overwrite: bool = False) -> 
         else:
             out.addmm_(a, b)
     else:
-        # a channel-first ``out`` (a transposed view) takes the product transposed: contiguous rows
-        product, target = (b.t() @ a.t(), out.t()) if out.stride(0) == 1 and out.shape[0] > 1 else (a @ b, out)
-        target.copy_(product) if overwrite else target.add_(product)
+        out.copy_(a @ b) if overwrite else out.add_(a @ b)
 
 
 class MaskedBatchNorm(nn.Module):
