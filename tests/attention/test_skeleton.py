@@ -387,3 +387,41 @@ def test_module_gradients_match_smoother_projections_and_reference_core(branches
     slow = torch.autograd.grad(expected, params, g, allow_unused=True)
     for name, a, r in zip(["x"] + [n for n, _ in layer.named_parameters()], fast, slow):
         torch.testing.assert_close(a, torch.zeros_like(a) if r is None else r, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gram_and_rows_alone_give_their_own_gradient(masked):
+    """_GramAndRows without the core's gradient buffer (it then writes the whole gradient of s):
+    G = s^T diag(m) s, sigma = s^T m and the sampled rows, against autograd of the plain formulas."""
+    import longattn.attention.skeleton as skeleton_module
+
+    torch.manual_seed(15)
+    s = torch.randn(2, 37, 5, dtype=torch.float64, requires_grad=True)
+    mask = (torch.rand(2, 37) > 0.3) if masked else None
+    rows = torch.tensor([0, 4, 36])
+    outputs = skeleton_module._GramAndRows.apply(s, mask, rows, skeleton_module._InputGradient())
+    m = torch.ones(2, 37, dtype=torch.float64) if mask is None else mask.to(torch.float64)
+    expected = (s.transpose(1, 2) @ (s * m[..., None]), (s * m[..., None]).sum(1), s[:, rows])
+    grads = [torch.randn_like(t) for t in expected]
+    for out, ref in zip(outputs, expected):
+        torch.testing.assert_close(out, ref)
+    (fast,) = torch.autograd.grad(outputs, [s], grads)
+    (slow,) = torch.autograd.grad(expected, [s], grads)
+    torch.testing.assert_close(fast, slow)
+
+
+def test_fused_core_under_autocast_runs_its_own_dtypes_forward_and_backward():
+    """Autocast active in forward and in backward: the tiled core keeps its products in float32 (its
+    inputs from the Gram matrix and the sampled rows come through autocast's bf16), so its output and
+    gradients stay close to the same layer without autocast."""
+    torch.manual_seed(17)
+    layer = attention.build("skeleton", dim=32, heads=2, max_len=40, dropout=0.0, smoother=False).train()
+    s = torch.randn(2, 40, 32, requires_grad=True)
+    plain = layer(s)
+    (plain_grad,) = torch.autograd.grad(plain.sum(), [s])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = layer(s)
+        (cast_grad,) = torch.autograd.grad(cast.sum(), [s])
+    assert cast.dtype == torch.float32
+    torch.testing.assert_close(cast, plain, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cast_grad, plain_grad, rtol=5e-2, atol=5e-2)

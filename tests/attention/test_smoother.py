@@ -396,3 +396,25 @@ def test_reduced_precision_stem_with_dropout_padding_and_tiles_stays_close(monke
         # the BatchNorm over 2 x 64 values per position amplifies the rounding of the incoming
         # gradient (about 8% at this size, the same before the conv output was kept in bf16)
         assert (a - r).norm() / r.norm() < 0.15
+
+
+def test_frequency_weights_are_stored_channel_first_and_any_layout_works():
+    """The parameter keeps its [F, dim, 2] shape with each feature's weights contiguous (the Fourier
+    blocks read and write whole rows of it); a copy in the default layout (loaded by the user into a
+    new Parameter) gives the same outputs and gradients."""
+    torch.manual_seed(16)
+    smoother = Smoother(DIM, 30, dropout=0.0).double().train()
+    weight = smoother.frequency_weight
+    assert weight.shape == (16, DIM, 2) and weight.stride() == (2, 2 * 16, 1)
+    other = Smoother(DIM, 30, dropout=0.0).double().train()
+    other.load_state_dict(smoother.state_dict())
+    assert other.frequency_weight.stride() == weight.stride()
+    other.frequency_weight = torch.nn.Parameter(weight.detach().contiguous())
+    x = torch.randn(2, 27, DIM, dtype=torch.float64, requires_grad=True)
+    results = []
+    for module in (smoother, other):
+        out = module(x)
+        results.append((out, *torch.autograd.grad(out.square().sum(), [x, module.frequency_weight])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    assert results[0][2].stride() == weight.stride()  # the gradient in the parameter's layout

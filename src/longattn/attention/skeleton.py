@@ -242,10 +242,15 @@ class _SampledProjections(torch.autograd.Function):
                 None, None, None)
 
 
-# Tokens per tile of the fused core (_SkeletonCore): its temporaries are [B, tile, dim] and a few
-# [B, H*s, tile] blocks, small enough to stay in cache, and a whole sequence never has more than its
-# input, output and gradient at full length.
+# Rows (batch x tokens) per tile of the fused core (_SkeletonCore): its temporaries are [B, tile, dim]
+# and a few [B, H*s, tile] blocks, small enough to stay near the cache, and a whole sequence never has
+# more than its input, output and gradient at full length.
 CORE_TILE = 4096
+
+
+def _core_tile(batch: int) -> int:
+    """Tokens per tile of the fused core for ``batch`` sequences."""
+    return max(1, CORE_TILE // batch)
 
 
 def _head_blocks(full: Tensor, heads: int) -> Tensor:
@@ -290,10 +295,12 @@ class _GramAndRows(torch.autograd.Function):
     def forward(ctx, s, mask, rows, shared):  # type: ignore[override]
         batch, length, dim = s.shape
         gram, total = s.new_zeros(batch, dim, dim), s.new_zeros(batch, dim)
-        for start in range(0, length, CORE_TILE):
-            tile = s[:, start:start + CORE_TILE]
-            real = tile if mask is None else tile * mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
-            gram.baddbmm_(tile.transpose(1, 2), real)
+        step = _core_tile(batch)
+        for start in range(0, length, step):
+            tile = s[:, start:start + step]
+            real = tile if mask is None else tile * mask_factor(mask[:, start:start + step, None], s.dtype)
+            for b in range(batch):  # per batch element: a tile is not contiguous across the batch
+                gram[b].addmm_(tile[b].t(), real[b])
             total += real.sum(1)
         ctx.save_for_backward(s, *(() if mask is None else (mask,)), *(() if rows is None else (rows,)))
         ctx.flags = (mask is not None, rows is not None)
@@ -315,15 +322,17 @@ class _GramAndRows(torch.autograd.Function):
         fresh = grad_s is None  # the core left no gradient of s: this part is all of it
         if fresh:
             grad_s = torch.empty_like(s)
-        for start in range(0, s.shape[1], CORE_TILE):
-            tile, out = s[:, start:start + CORE_TILE], grad_s[:, start:start + CORE_TILE]
-            factor = None if mask is None else mask_factor(mask[:, start:start + CORE_TILE, None], s.dtype)
+        step = _core_tile(batch)
+        for start in range(0, s.shape[1], step):
+            tile, out = s[:, start:start + step], grad_s[:, start:start + step]
+            factor = None if mask is None else mask_factor(mask[:, start:start + step, None], s.dtype)
             if fresh:
                 torch.baddbmm(shift, tile, symmetric, out=out)
                 if factor is not None:
                     out *= factor
             elif factor is None:
-                out.baddbmm_(tile, symmetric).add_(shift)
+                for b in range(batch):
+                    out[b].addmm_(tile[b], symmetric[b]).add_(shift[b])
             else:
                 out.addcmul_(torch.baddbmm(shift, tile, symmetric), factor)
         if grad_rows is not None:
@@ -336,8 +345,9 @@ class _SkeletonCore(torch.autograd.Function):
     given what they need from the whole sequence: the column weights softmax(P2^T K^T Q / sqrt(n))
     (after dropout) [B, H, Dh, s2] and the sampled rows' keys (temperature folded in) and values
     [B, H, s1, Dh]. Per tile of the input s: Q, the row scores, their softmax over the s1 samples and
-    dropout, V_1, V P2 and V_2, LN_1(V_1)/2 + LN_2(V_2)/2 and the output projection; the same numbers
-    as ``_SampledProjections`` -> ``_skeleton_from_samples`` -> ``to_out`` (tested in float64).
+    dropout, V P2, and the output projection of LN_1(V_1)/2 + LN_2(V_2)/2 with the LayerNorms folded
+    into it (see _CoreTiles: V_1, V_2 and their normalised sum are never formed); the same numbers as
+    ``_SampledProjections`` -> ``_skeleton_from_samples`` -> ``to_out`` (tested in float64).
     Saved for backward: s, the parameters, the small sampled blocks and the row dropout as one bool
     [B, N, H, s1]; backward recomputes each tile (a few GEMMs of [tile, dim]) instead of keeping a
     dozen [B, N, dim] activations, and writes the gradient of s tile by tile into one buffer.
@@ -348,11 +358,13 @@ class _SkeletonCore(torch.autograd.Function):
                 row_norm_bias, column_norm_weight, column_norm_bias, weight_out, bias_out, mask, row_valid, row_keep,
                 config, shared):  # type: ignore[override]
         out = torch.empty_like(s)
-        tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
-                           (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
-                           bias_out, mask, row_valid, row_keep, config)
-        for start in range(0, s.shape[1], CORE_TILE):
-            tiles.forward(start, out=out[:, start:start + CORE_TILE])
+        # its products choose their own dtypes (config's GEMM dtype, float32 elsewhere): not autocast's
+        with torch.autocast(s.device.type, enabled=False):
+            tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
+                               (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
+                               bias_out, mask, row_valid, row_keep, config)
+            for start in range(0, s.shape[1], tiles.step):
+                tiles.forward(start, out=out[:, start:start + tiles.step])
         ctx.save_for_backward(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
                               row_norm_weight, row_norm_bias, column_norm_weight, column_norm_bias, weight_out,
                               bias_out, mask, row_valid, row_keep)
@@ -364,53 +376,73 @@ class _SkeletonCore(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         (s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values, row_norm_weight, row_norm_bias,
          column_norm_weight, column_norm_bias, weight_out, bias_out, mask, row_valid, row_keep) = ctx.saved_tensors
-        tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
-                           (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
-                           bias_out, mask, row_valid, row_keep, ctx.config)
         grad_s = torch.empty_like(s)
-        for start in range(0, s.shape[1], CORE_TILE):
-            tiles.backward(start, grad_out[:, start:start + CORE_TILE], grad_s[:, start:start + CORE_TILE])
+        with torch.autocast(s.device.type, enabled=False):
+            tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
+                               (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
+                               bias_out, mask, row_valid, row_keep, ctx.config)
+            for start in range(0, s.shape[1], tiles.step):
+                tiles.backward(start, grad_out[:, start:start + tiles.step], grad_s[:, start:start + tiles.step])
+            parameter_grads = tiles.parameter_grads()
         shared = ctx.shared
         if shared is not None and not shared.gram_done:  # _GramAndRows' backward completes and returns it
             shared.tensor, grad_s = grad_s, None
-        return (grad_s, *tiles.parameter_grads(), None, None, None, None, None)
+        return (grad_s, *parameter_grads, None, None, None, None, None)
 
 
 class _CoreTiles:
     """One tile of _SkeletonCore forward (keeping what its backward needs) and its backward, which
-    accumulates the gradients of the parameters and of the sampled blocks across tiles."""
+    accumulates the gradients of the parameters and of the sampled blocks across tiles.
+
+    The LayerNorms are folded into the output projection. A branch's output is V = P M with P the
+    tile's [T, K] mixing weights (row branch: the softmax weights over the H*s1 sampled rows;
+    column branch: the sampled columns V P2) and M [K, D] (block-diagonal sampled values; column
+    softmax weights). Its mean over the D features is P (M 1/D), so V - mean = P Mc with
+    Mc = M (I - 1 1^T / D), and its variance (1/D) p_t^T (Mc Mc^T) p_t. Hence
+    LN(V) W^T = (r o P) (Mc diag(gamma) W^T) + beta W^T with r = (var + eps)^-1/2 per token:
+    one GEMM [T, K] x [K, D] per branch gives the projected output, and no [T, D] activation of
+    either branch (nor their LayerNorms' outputs or gradients) exists, forward or backward."""
 
     def __init__(self, s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values, row_norm,
                  column_norm, weight_out, bias_out, mask, row_valid, row_keep, config) -> None:
         self.heads, self.fill_invalid, self.keep_scale, self.eps, gemm_dtype = config
         self.s, self.mask, self.row_valid, self.row_keep = s, mask, row_valid, row_keep
+        self.step = _core_tile(s.shape[0])
         if row_valid is not None:
             self.row_valid_factor = row_valid[:, None, :, None].to(s.dtype)  # [B, 1, s1, 1]
         self.gemm_dtype = gemm_dtype
         gemm = lambda w: None if w is None else w.to(gemm_dtype)  # noqa: E731
         self.weight_q, self.weight_v, self.weight_out = weight_q, weight_v, weight_out
         self.bias_q, self.bias_v, self.bias_out = bias_q, bias_v, bias_out
-        self.gemm_q, self.gemm_v, self.gemm_out = gemm(weight_q), gemm(weight_v), gemm(weight_out)
-        self.row_norm, self.column_norm = row_norm, column_norm
+        self.gemm_q, self.gemm_v = gemm(weight_q), gemm(weight_v)
         self.rows = row_keys is not None
         self.columns = column_weights is not None
+        self.branches: dict[str, dict[str, Tensor]] = {}
+        const = torch.zeros_like(weight_out[:, 0]) if bias_out is None else bias_out.clone()
         if self.rows:
-            self.row_keys, self.row_values = _block_diagonal(row_keys), _block_diagonal(row_values)  # [B, H*s1, H*Dh]
+            self.row_keys = _block_diagonal(row_keys)  # [B, H*s1, H*Dh]
+            self.branches["row"] = self._fold(_block_diagonal(row_values), *row_norm)
+            const += weight_out @ row_norm[1]
         if self.columns:
-            self.column_mix = _block_diagonal(column_weights.transpose(-1, -2))  # [B, H*s2, H*Dh]
+            self.branches["column"] = self._fold(_block_diagonal(column_weights.transpose(-1, -2)), *column_norm)
+            const += weight_out @ column_norm[1]
+        self.const = const  # (beta_1 + beta_2) W^T + b
         self.grads: dict[str, Tensor] = {}
 
-    def _linear(self, x: Tensor, gemm_weight: Tensor, bias: Tensor | None, out: Tensor | None = None,
-                dtype: torch.dtype | None = None) -> Tensor:
-        """x W^T + b for a [B, T, p] tile (x possibly already in the GEMM dtype; the result in
-        ``dtype``, default x's), written into ``out`` when given. Full precision: the GEMMs write
-        their output in place, one per batch element (a tile is not contiguous across the batch)."""
-        dtype = dtype or x.dtype
+    def _fold(self, mix: Tensor, gamma: Tensor, beta: Tensor) -> dict[str, Tensor]:
+        """What a branch's LayerNorm folded into the output projection needs of its mixing matrix M."""
+        centred = mix - mix.mean(-1, keepdim=True)  # Mc [B, K, D]
+        return {"mix": mix, "centred": centred, "gamma": gamma, "beta": beta,
+                "gram": centred @ centred.transpose(1, 2),  # Mc Mc^T [B, K, K]
+                "projected": (centred * gamma) @ self.weight_out.t()}  # Mc diag(gamma) W^T [B, K, D_out]
+
+    def _linear(self, x: Tensor, gemm_weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """x W^T + b for a [B, T, p] tile (x in the GEMM dtype, the result in ``dtype``). Full
+        precision: one GEMM per batch element (a tile is not contiguous across the batch)."""
         if self.gemm_dtype != dtype:
-            result = F.linear(x.to(self.gemm_dtype), gemm_weight).to(dtype)
-            result = result if bias is None else result.add_(bias)
-            return result if out is None else out.copy_(result)
-        out = x.new_empty(x.shape[:-1] + gemm_weight.shape[:1]) if out is None else out
+            result = F.linear(x, gemm_weight).to(dtype)
+            return result if bias is None else result.add_(bias)
+        out = x.new_empty(x.shape[:-1] + gemm_weight.shape[:1])
         for b in range(x.shape[0]):
             if bias is None:
                 torch.mm(x[b], gemm_weight.t(), out=out[b])
@@ -433,17 +465,25 @@ class _CoreTiles:
     def _accumulate(self, name: str, value: Tensor) -> None:
         self.grads[name] = value if name not in self.grads else self.grads[name].add_(value)
 
+    def _normalise(self, name: str, weights: Tensor) -> Tensor:
+        """r o P for the branch's [B, T, K] weights P (a view is fine): the per-token 1/std of P M."""
+        branch = self.branches[name]
+        spread = weights @ branch["gram"]  # P Mc Mc^T [B, T, K]
+        var = (spread * weights).sum(-1) / branch["mix"].shape[-1]
+        rstd = torch.rsqrt(var + self.eps)
+        branch.update(weights=weights, spread=spread, rstd=rstd)
+        return weights * rstd[..., None]
+
     def forward(self, start: int, out: Tensor | None = None) -> "_CoreTiles":
-        """Compute the tile at ``start``, with the output projection written into ``out`` when given;
-        the intermediates stay on self for backward."""
-        s = self.s[:, start:start + CORE_TILE]
+        """Compute the tile at ``start``, with the output written into ``out`` when given; what the
+        backward needs stays on self."""
+        s = self.s[:, start:start + self.step]
         batch, length, dim = s.shape
         self.tile_s, self.start = s, start
         gemm_s = s.to(self.gemm_dtype)  # converted once for both projections
-        mixed = None
         if self.rows:
             heads = self.heads
-            self.query = self._linear(gemm_s, self.gemm_q, self.bias_q, dtype=s.dtype)
+            self.query = self._linear(gemm_s, self.gemm_q, self.bias_q, s.dtype)
             # sample-major scores [B, H, s1, T]: the softmax over the samples runs along a contiguous axis
             scores = (self.row_keys @ self.query.transpose(1, 2)).view(batch, heads, -1, length)
             if self.fill_invalid:
@@ -454,45 +494,51 @@ class _CoreTiles:
             else:
                 self.soft = weights = torch.softmax(scores, dim=2)
             if self.row_keep is not None:
-                keep = self.row_keep[:, start:start + CORE_TILE].permute(0, 2, 3, 1)  # [B, H, s1, T]
+                keep = self.row_keep[:, start:start + self.step].permute(0, 2, 3, 1)  # [B, H, s1, T]
                 weights = weights * mask_factor(keep, weights.dtype) * self.keep_scale
-            self.row_weights = weights.reshape(batch, -1, length)  # [B, H*s1, T]
-            self.row_out = self.row_weights.transpose(1, 2) @ self.row_values  # V_1: [B, T, H*Dh]
-            row_half, self.row_mean, self.row_rstd = torch.native_layer_norm(self.row_out, [dim], *self.row_norm,
-                                                                             self.eps)
-            mixed = row_half
+            # P of the row branch token-major [B, T, H*s1] (a transposed view)
+            self.row_scaled = self._normalise("row", weights.reshape(batch, -1, length).transpose(1, 2))
         if self.columns:
-            sampled = self._linear(gemm_s, self.gemm_v, self.bias_v, dtype=s.dtype)  # V P2: [B, T, H*s2]
+            sampled = self._linear(gemm_s, self.gemm_v, self.bias_v, s.dtype)  # V P2: [B, T, H*s2]
             if self.mask is not None:
-                sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
-            self.column_values = sampled
-            self.column_out = sampled @ self.column_mix  # V_2: [B, T, H*Dh]
-            column_half, self.column_mean, self.column_rstd = torch.native_layer_norm(
-                self.column_out, [dim], *self.column_norm, self.eps)
-            mixed = column_half if mixed is None else mixed.add_(column_half)
-        self.mixed = mixed
-        if out is not None:
-            self._linear(mixed, self.gemm_out, self.bias_out, out=out)
+                sampled *= mask_factor(self.mask[:, start:start + self.step, None], s.dtype)
+            self.column_scaled = self._normalise("column", sampled)
+        if out is not None:  # sum over the branches of (r o P) Mc diag(gamma) W^T, plus the constant
+            scaled = [getattr(self, f"{name}_scaled") for name in self.branches]
+            for b in range(batch):
+                first, *rest = [(part[b], self.branches[name]["projected"][b])
+                                for part, name in zip(scaled, self.branches)]
+                torch.addmm(self.const, *first, out=out[b])
+                for factors in rest:
+                    out[b].addmm_(*factors)
         return self
+
+    def _branch_backward(self, name: str, grad_out: Tensor) -> Tensor:
+        """The gradient of the branch's weights P from that of the output; accumulates that of
+        its folded projection (Mc diag(gamma) W^T) and of Mc Mc^T."""
+        branch = self.branches[name]
+        weights, spread, rstd = branch["weights"], branch["spread"], branch["rstd"]
+        scaled = getattr(self, f"{name}_scaled")
+        self._accumulate(f"{name}_projected", scaled.transpose(1, 2) @ grad_out)  # [B, K, D_out]
+        grad_scaled = grad_out @ branch["projected"].transpose(1, 2)  # [B, T, K]
+        grad_rstd = (grad_scaled * weights).sum(-1)
+        grad_var = -0.5 * rstd.pow(3) * grad_rstd  # [B, T]
+        # var = p^T (Mc Mc^T) p / D: its gradient is 2 (Mc Mc^T) p / D; that of the Gram matrix p p^T / D
+        scale = grad_var[..., None] * (1.0 / branch["mix"].shape[-1])
+        self._accumulate(f"{name}_gram", (weights * scale).transpose(1, 2) @ weights)
+        return torch.addcmul(grad_scaled * rstd[..., None], spread, scale, value=2.0)
 
     def backward(self, start: int, grad_out: Tensor, grad_s: Tensor) -> None:
         """Write the gradient of the tile's input s into ``grad_s``; parameter gradients accumulate on self."""
         self.forward(start)
-        s, dtype = self.tile_s, self.s.dtype
+        s = self.tile_s
         batch, length, dim = s.shape
-        self._accumulate("weight_out", _summed_products(grad_out, self.mixed))
-        if self.bias_out is not None:
-            self._accumulate("bias_out", grad_out.sum((0, 1)))
-        grad_mixed = (grad_out.to(self.gemm_dtype) @ self.gemm_out).to(dtype)
+        self._accumulate("grad_out_sum", grad_out.sum((0, 1)))
         if self.rows:
-            grad_row_out, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
-                grad_mixed, self.row_out, [dim], self.row_mean, self.row_rstd, *self.row_norm, [True, True, True])
-            self._accumulate("row_norm_weight", grad_norm_weight)
-            self._accumulate("row_norm_bias", grad_norm_bias)
-            self._accumulate("row_values", self.row_weights @ grad_row_out)  # [B, H*s1, H*Dh]
-            grad_weights = (self.row_values @ grad_row_out.transpose(1, 2)).view(batch, self.heads, -1, length)
+            grad_weights = self._branch_backward("row", grad_out).transpose(1, 2)  # [B, H*s1, T]
+            grad_weights = grad_weights.reshape(batch, self.heads, -1, length)
             if self.row_keep is not None:
-                keep = self.row_keep[:, start:start + CORE_TILE].permute(0, 2, 3, 1)
+                keep = self.row_keep[:, start:start + self.step].permute(0, 2, 3, 1)
                 grad_weights = grad_weights * mask_factor(keep, grad_weights.dtype) * self.keep_scale
             if self.fill_invalid:
                 grad_weights = grad_weights * self.row_valid_factor
@@ -508,32 +554,48 @@ class _CoreTiles:
                 self._accumulate("bias_q", grad_query.sum((0, 1)))
             self._product_into(grad_s, grad_query, self.gemm_q, accumulate=False)
         if self.columns:
-            grad_column_out, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
-                grad_mixed, self.column_out, [dim], self.column_mean, self.column_rstd, *self.column_norm,
-                [True, True, True])
-            self._accumulate("column_norm_weight", grad_norm_weight)
-            self._accumulate("column_norm_bias", grad_norm_bias)
-            self._accumulate("column_mix", self.column_values.transpose(1, 2) @ grad_column_out)
-            grad_sampled = grad_column_out @ self.column_mix.transpose(1, 2)  # [B, T, H*s2]
+            grad_sampled = self._branch_backward("column", grad_out)  # [B, T, H*s2]
             if self.mask is not None:
-                grad_sampled *= mask_factor(self.mask[:, start:start + CORE_TILE, None], s.dtype)
+                grad_sampled *= mask_factor(self.mask[:, start:start + self.step, None], s.dtype)
             self._accumulate("weight_v", _summed_products(grad_sampled, s))
             if self.bias_v is not None:
                 self._accumulate("bias_v", grad_sampled.sum((0, 1)))
             self._product_into(grad_s, grad_sampled, self.gemm_v, accumulate=self.rows)
 
+    def _branch_parameter_grads(self, name: str, grad_weight_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(dM, dgamma, dbeta) of a branch from its accumulated gradients; adds its part of dW_out."""
+        branch, g = self.branches[name], self.grads
+        centred, gamma = branch["centred"], branch["gamma"]
+        grad_projected = g[f"{name}_projected"]  # of Mc diag(gamma) W^T, [B, K, D_out]
+        weighted = centred * gamma
+        grad_weight_out += (grad_projected.transpose(1, 2) @ weighted).sum(0)
+        grad_weighted = grad_projected @ self.weight_out  # [B, K, D]
+        grad_gamma = (grad_weighted * centred).sum((0, 1))
+        gram_grad = g[f"{name}_gram"]
+        grad_centred = grad_weighted * gamma + (gram_grad + gram_grad.transpose(1, 2)) @ centred
+        grad_mix = grad_centred - grad_centred.mean(-1, keepdim=True)  # through Mc = M (I - 1 1^T / D)
+        grad_beta = g["grad_out_sum"] @ self.weight_out
+        return grad_mix, grad_gamma, grad_beta
+
     def parameter_grads(self) -> tuple[Tensor | None, ...]:
         """Gradients in the order of _SkeletonCore's inputs after s (None for what is absent)."""
         g = self.grads.get
-        column_weights = None
+        grad_out_sum = self.grads["grad_out_sum"]
+        grad_weight_out = torch.zeros_like(self.weight_out)
+        row = column = (None, None, None)
+        if self.rows:
+            row = self._branch_parameter_grads("row", grad_weight_out)
+            grad_weight_out += torch.outer(grad_out_sum, self.branches["row"]["beta"])
         if self.columns:
-            column_weights = _head_blocks(g("column_mix"), self.heads).transpose(-1, -2)
+            column = self._branch_parameter_grads("column", grad_weight_out)
+            grad_weight_out += torch.outer(grad_out_sum, self.branches["column"]["beta"])
+        column_weights = None if column[0] is None else _head_blocks(column[0], self.heads).transpose(-1, -2)
         row_keys = row_values = None
         if self.rows:
-            row_keys, row_values = _head_blocks(g("row_keys"), self.heads), _head_blocks(g("row_values"), self.heads)
+            row_keys, row_values = _head_blocks(g("row_keys"), self.heads), _head_blocks(row[0], self.heads)
+        grad_bias_out = None if self.bias_out is None else grad_out_sum
         return (g("weight_q"), g("bias_q"), g("weight_v"), g("bias_v"), column_weights, row_keys, row_values,
-                g("row_norm_weight"), g("row_norm_bias"), g("column_norm_weight"), g("column_norm_bias"),
-                g("weight_out"), g("bias_out"))
+                row[1], row[2], column[1], column[2], grad_weight_out, grad_bias_out)
 
 
 def _linear(linear: nn.Linear, x: Tensor, gemm_dtype: torch.dtype | None) -> Tensor:
@@ -713,9 +775,11 @@ class SkeletonAttention(AttentionBase):
         smoother: put the Smoother in front (default); ``smoother_*`` are its options.
         bias: bias of the Q/K/V/output projections.
         precision: "full" (default) or "bf16": opt-in reduced precision for float32 inputs, the
-            Q/K/V/output projections and the Smoother's stem GEMMs with bfloat16 factors and
-            float32 accumulation; FFT, normalisations, softmaxes and outputs stay float32
-            (error against float32 in docs/performance.md).
+            Q/K/V projections and the Smoother's stem GEMMs with bfloat16 factors and float32
+            accumulation (the stem keeps its GEMM inputs and conv output in bfloat16); FFT,
+            normalisations, softmaxes, the output projection (folded with the LayerNorms into
+            [T, s] x [s, dim] products in the tiled core) and outputs stay float32 (error against
+            float32 in docs/performance.md).
     """
 
     def __init__(

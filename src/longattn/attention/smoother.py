@@ -114,8 +114,11 @@ class _FusedReluStem(torch.autograd.Function):
     token-major GEMMs per input (tap j adds ``input[n + j - k//2] @ W_j^T`` to output row n), so neither the concatenated
     channel-first input nor a channel-first output or gradient is ever formed; the BatchNorm
     statistics of a position only involve that position, so every step is local to a tile. Saved
-    for backward: x, X^smooth and the segments' spectrum, the centred conv output and one bool mask
-    [B, N, dim] for ReLU, dropout and padding together.
+    for backward: the GEMM inputs x and X^smooth and the segments' spectrum, the centred conv output
+    and one bool mask [B, N, dim] for ReLU, dropout and padding together. With ``gemm_dtype``
+    bfloat16 the GEMM inputs and the conv output (before its bias: the centred one is recomputed per
+    tile from it and the per-position mean) are kept in bfloat16; the conv is then one im2col GEMM
+    per tile, its output rounded once. Statistics, FFT, gradients and the output stay in x's dtype.
     """
 
     @staticmethod
@@ -132,7 +135,8 @@ class _FusedReluStem(torch.autograd.Function):
             inputs = [gemm_x]
         batch, length, dim = x.shape
         reduced = gemm_dtype != x.dtype
-        # the conv output before its bias, kept for backward (in the GEMMs' dtype: they write it)
+        # the conv output kept for backward, written by the GEMMs: in full precision centred in
+        # place; in reduced precision as the GEMMs wrote it (before the bias, in their dtype)
         conv = torch.empty(x.shape, dtype=gemm_dtype, device=x.device)
         if reduced:  # all taps of all inputs as one GEMM over an im2col tile: one rounding of the output
             stacked = _stacked_taps(conv_weight, len(inputs)).to(gemm_dtype)
@@ -150,7 +154,8 @@ class _FusedReluStem(torch.autograd.Function):
                 _stem_conv_tile_im2col(inputs, stacked, conv_weight.shape[-1], start, tile_conv)
             else:
                 _stem_conv_tile(inputs, taps, start, tile_conv)
-            h = tile_conv.to(x.dtype) + conv_bias  # [B, T, dim]
+            # [B, T, dim]; in full precision centred in place: the saved buffer then holds the centred output
+            h = tile_conv.to(x.dtype) + conv_bias if reduced else tile_conv.add_(conv_bias)
             w = None if valid is None else mask_factor(valid[:, start:stop, None], x.dtype)
             if w is None:
                 count[start:stop] = batch * dim
@@ -178,14 +183,14 @@ class _FusedReluStem(torch.autograd.Function):
                               *(() if valid is None else (valid,)),
                               *(() if spectrum is None else (spectrum, weight)))
         ctx.config = (len(inputs), valid is not None, 1.0 / (1.0 - dropout_p) if dropout_keep is not None else 1.0,
-                      gemm_dtype, fourier, x.dtype)
+                      gemm_dtype, fourier, x.dtype, reduced)
         ctx.mark_non_differentiable(mean, var)
         return out, mean, var
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_mean, _grad_var):  # type: ignore[override]
-        n_inputs, masked, factor, gemm_dtype, fourier, dtype = ctx.config
+        n_inputs, masked, factor, gemm_dtype, fourier, dtype, reduced = ctx.config
         saved = ctx.saved_tensors
         inputs = saved[:n_inputs]
         conv_weight, conv_bias, bn_weight, conv, mean, passes, rstd, count = saved[n_inputs:n_inputs + 8]
@@ -208,7 +213,9 @@ class _FusedReluStem(torch.autograd.Function):
             # the input rows [start, stop) take the conv gradient of the output rows up to k//2 beyond
             # the tile: their BatchNorm backward (local to each position) is computed here as well
             lo, hi = max(0, start - half), min(length, stop + half)
-            tile_centred = (conv[:, lo:hi].to(dtype) + conv_bias).sub_(mean[lo:hi, None])
+            tile_centred = conv[:, lo:hi]
+            if reduced:
+                tile_centred = (tile_centred.to(dtype) + conv_bias).sub_(mean[lo:hi, None])
             tile_rstd, tile_count = rstd[lo:hi], count[lo:hi]
             grad_y = grad_out[:, lo:hi] * mask_factor(passes[:, lo:hi], grad_out.dtype)
             if factor != 1.0:
@@ -301,23 +308,24 @@ def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor,
     mirrored = slice(1, max_len - spectrum_t.shape[-1] + 1)  # bins 1 .. ceil(max_len / 2) - 1
     grad_weight = weight_t.new_empty(weight_t.shape)  # [dim, F], the parameter's channel-first layout
     grad_spectrum = spectrum_t.new_zeros(spectrum_t.shape)
+    # the weights' gradient counts the mirrored bins twice, the spectrum's gradient once (the adjoint of
+    # the rfft of the zero-padded segment means is the real part of the inverse c2c of the one-sided
+    # spectrum, an irfft with the rfft's scaling once the mirrored bins are halved): the doubling goes
+    # on the small conjugated spectrum (made once; a product with a lazy conjugate is slower)
+    doubled_conj = spectrum_t.conj_physical()
+    doubled_conj[..., mirrored] *= 2
     for start, columns, spanned in _fourier_blocks(batch, max_len, dim, segments, grad_x.element_size()):
         first = start // width
         grad_product = torch.fft.rfft(grad_smoothed[:, start:start + columns], n=max_len, dim=-1,
-                                      norm=_ADJOINT_NORM[norm])  # [B, c, F]
-        grad_product[..., mirrored] *= 2
-        grad_product = grad_product.view(batch, spanned, columns // spanned, -1)
-        block_spectrum = spectrum_t[:, first:first + spanned, None, :]
+                                      norm=_ADJOINT_NORM[norm]).view(batch, spanned, columns // spanned, -1)
+        block_spectrum = doubled_conj[:, first:first + spanned, None, :]
         block_grad = grad_weight[start:start + columns].view(spanned, columns // spanned, -1)
         if batch == 1:
-            torch.mul(grad_product[0], block_spectrum[0].conj(), out=block_grad)
+            torch.mul(grad_product[0], block_spectrum[0], out=block_grad)
         else:
-            torch.sum(grad_product * block_spectrum.conj(), 0, out=block_grad)
-        block_weight = weight_t[start:start + columns].view(spanned, columns // spanned, -1)
-        grad_spectrum[:, first:first + spanned] += (grad_product * block_weight.conj()).sum(2)
-    # adjoint of the rfft of the zero-padded segment means: the real part of the inverse c2c of the
-    # one-sided spectrum, i.e. an irfft with the rfft's scaling once the mirrored bins are halved
-    grad_spectrum[..., mirrored] /= 2
+            torch.sum(grad_product * block_spectrum, 0, out=block_grad)
+        block_weight = weight_t[start:start + columns].view(spanned, columns // spanned, -1).conj_physical()
+        grad_spectrum[:, first:first + spanned] += (grad_product * block_weight).sum(2)
     grad_means = torch.fft.irfft(grad_spectrum, n=max_len, dim=-1, norm=_ADJOINT_NORM[norm])[..., :length]
     grad_x.view(batch, length, segments, width).add_(grad_means.transpose(1, 2)[..., None], alpha=1.0 / width)
     return torch.view_as_real(grad_weight.t())  # [F, dim, 2] with the parameter's strides
@@ -514,7 +522,8 @@ class Smoother(nn.Module):
         batchnorm_over: "positions" (authors' code: BatchNorm1d(max_len) over [B, N, dim]) or
             "features" (the usual BatchNorm over feature channels).
         precision: "full" (GEMMs in the input's dtype) or "bf16" (the fused stem's GEMMs take
-            bfloat16 factors, accumulate in float32; statistics, FFT and outputs stay float32).
+            bfloat16 factors, accumulate in float32, and their inputs and the conv output are kept
+            in bfloat16 for backward; statistics, FFT, gradients and outputs stay float32).
     """
 
     def __init__(
