@@ -125,14 +125,14 @@ class _FusedReluStem(torch.autograd.Function):
     def forward(ctx, x, frequency_weight, conv_weight, conv_bias, bn_weight, bn_bias, valid, dropout_keep, dropout_p,
                 eps, gemm_dtype, fourier):  # type: ignore[override]
         spectrum = None
-        # with reduced-precision GEMMs their inputs are stored in that dtype once (X^smooth written
-        # so by the Fourier blocks) and kept for backward as they are: no conversion pass in backward
-        gemm_x = x.to(gemm_dtype)
+        # with reduced-precision GEMMs X^smooth is written in their dtype by the Fourier blocks and kept
+        # so for backward; x is converted tile by tile where it is read (the im2col copy in forward, its
+        # rows for the weight gradient in backward): no whole-sequence copy of it
         if frequency_weight is not None:  # X^smooth of eq. (5), zero at padded positions
             smoothed, spectrum, weight = _fourier_forward(x, frequency_weight, valid, *fourier, out_dtype=gemm_dtype)
-            inputs = [smoothed, gemm_x]
+            inputs = [smoothed, x]
         else:
-            inputs = [gemm_x]
+            inputs = [x]
         batch, length, dim = x.shape
         reduced = gemm_dtype != x.dtype
         # the conv output kept for backward, written by the GEMMs: in full precision centred in
@@ -205,7 +205,10 @@ class _FusedReluStem(torch.autograd.Function):
         # every row of the input gradients is written once, by the tile that owns it (no zero fill)
         grad_inputs = [torch.empty(inputs[-1].shape, dtype=dtype, device=conv.device)]
         if n_inputs == 2:  # the gradient of X^smooth channel-first: its FFT then runs along contiguous rows
-            grad_inputs.insert(0, grad_out.new_empty(batch, dim, length, dtype=dtype).transpose(1, 2))
+            # (in reduced precision its entries are products rounded to bfloat16: stored so, exactly)
+            grad_weight, grad_smoothed = _fourier_gradient_buffers(batch, length, weight,
+                                                                   gemm_dtype if reduced else dtype)
+            grad_inputs.insert(0, grad_smoothed)
         grad_taps = [[torch.zeros(w.shape[::-1], dtype=dtype, device=w.device) for w in row]
                      for row in taps]  # dW_j^T accumulators
         grad_conv_bias = grad_out.new_zeros(dim)
@@ -237,16 +240,19 @@ class _FusedReluStem(torch.autograd.Function):
                 correction *= mask_factor(valid[:, lo:hi, None], correction.dtype)
             grad_h = correction.addcmul_(grad_y, (scale * factor)[None, :, None])  # output rows [lo, hi)
             grad_conv_bias += grad_h[:, start - lo:stop - lo].sum((0, 1))
-            _stem_conv_tile_backward(grad_h.to(gemm_dtype), lo, inputs, taps, grad_inputs, grad_taps, start, stop,
-                                     back_stacked)
+            sources, firsts = inputs, None
+            if inputs[-1].dtype != gemm_dtype:  # x's rows in the GEMM dtype, as the forward's im2col copy made them
+                sources, firsts = [*inputs[:-1], inputs[-1][:, lo:hi].to(gemm_dtype)], [0] * (n_inputs - 1) + [lo]
+            _stem_conv_tile_backward(grad_h.to(gemm_dtype), lo, sources, taps, grad_inputs, grad_taps, start, stop,
+                                     back_stacked, firsts)
         grad_conv_weight = torch.stack([torch.cat([g.t() for g in row], dim=1) for row in grad_taps], dim=-1)
         grad_x = grad_inputs[-1]
         grad_frequency_weight = None
         if n_inputs == 2:
-            grad_smoothed = grad_inputs[0].transpose(1, 2)  # [B, dim, N], contiguous
+            grad_smoothed = grad_inputs[0].transpose(1, 2)  # [B, dim, N], channel-first in memory
             if valid is not None:  # X^smooth was zeroed there
                 grad_smoothed *= mask_factor(valid[:, None, :], grad_smoothed.dtype)
-            grad_frequency_weight = _fourier_backward(grad_smoothed, grad_x, spectrum, weight, *fourier)
+            grad_frequency_weight = _fourier_backward(grad_smoothed, grad_x, spectrum, weight, grad_weight, *fourier)
         return (grad_x, grad_frequency_weight, grad_conv_weight.to(conv_weight.dtype),
                 grad_conv_bias, grad_bn_weight, grad_bn_bias, None, None, None, None, None, None)
 
@@ -302,16 +308,37 @@ def _fourier_forward(x: Tensor, frequency_weight: Tensor, valid: Tensor | None, 
     return smoothed, spectrum_t, weight_t
 
 
+def _fourier_gradient_buffers(batch: int, length: int, weight_t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The gradient of the frequency weights [dim, F] (complex, the parameter's channel-first layout)
+    and a buffer for the gradient of X^smooth in ``dtype``, a [B, N, dim] view laid out [dim, B, N].
+
+    When one feature's rows of the latter (B N entries) take no more bytes than one row of the former
+    (F complex weights), as at batch 1, the latter is the tail of the former's memory: _fourier_backward
+    turns feature rows of X^smooth's gradient into rows of the weights' gradient in increasing order,
+    and the weights' first c rows end at byte c F s_w, no later than where feature c of X^smooth's
+    gradient begins, D F s_w - (D - c) B N s (s_w, s the element sizes): every row of it is read before
+    anything is written over it. One whole-sequence buffer fewer to fault in."""
+    grad_weight = torch.empty(weight_t.shape, dtype=weight_t.dtype, device=weight_t.device)
+    dim, frequencies = weight_t.shape
+    entries = dim * batch * length
+    if batch * length * torch.empty((), dtype=dtype).element_size() <= frequencies * weight_t.element_size():
+        flat = grad_weight.view(-1).view(dtype)
+        store = flat[flat.numel() - entries:]
+    else:
+        store = torch.empty((entries,), dtype=dtype, device=weight_t.device)
+    return grad_weight, store.view(dim, batch, length).permute(1, 2, 0)
+
+
 def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor, weight_t: Tensor,
-                      max_len: int, segments: int, norm: str) -> Tensor:
-    """Backward of _fourier_forward: adds the gradient of x into ``grad_x`` and returns that of the
-    frequency weights. ``grad_smoothed`` is channel-first [B, dim, N], ``spectrum_t`` and ``weight_t``
-    as _fourier_forward returns them. The adjoint of irfft is an rfft with irfft's scaling whose bins
-    with a mirror image count twice (as torch's own derivative)."""
+                      grad_weight: Tensor, max_len: int, segments: int, norm: str) -> Tensor:
+    """Backward of _fourier_forward: adds the gradient of x into ``grad_x`` and writes that of the
+    frequency weights into ``grad_weight`` (see _fourier_gradient_buffers), returned in the parameter's
+    shape. ``grad_smoothed`` is channel-first [B, dim, N] (any dtype: converted block by block to x's),
+    ``spectrum_t`` and ``weight_t`` as _fourier_forward returns them. The adjoint of irfft is an rfft
+    with irfft's scaling whose bins with a mirror image count twice (as torch's own derivative)."""
     batch, dim, length = grad_smoothed.shape
     width = dim // segments
     mirrored = slice(1, max_len - spectrum_t.shape[-1] + 1)  # bins 1 .. ceil(max_len / 2) - 1
-    grad_weight = weight_t.new_empty(weight_t.shape)  # [dim, F], the parameter's channel-first layout
     grad_spectrum = spectrum_t.new_zeros(spectrum_t.shape)
     # the weights' gradient counts the mirrored bins twice, the spectrum's gradient once (the adjoint of
     # the rfft of the zero-padded segment means is the real part of the inverse c2c of the one-sided
@@ -321,7 +348,8 @@ def _fourier_backward(grad_smoothed: Tensor, grad_x: Tensor, spectrum_t: Tensor,
     doubled_conj[..., mirrored] *= 2
     for start, columns, spanned in _fourier_blocks(batch, max_len, dim, segments, grad_x.element_size()):
         first = start // width
-        grad_product = torch.fft.rfft(grad_smoothed[:, start:start + columns], n=max_len, dim=-1,
+        block = grad_smoothed[:, start:start + columns].to(grad_x.dtype)
+        grad_product = torch.fft.rfft(block, n=max_len, dim=-1,
                                       norm=_ADJOINT_NORM[norm]).view(batch, spanned, columns // spanned, -1)
         block_spectrum = doubled_conj[:, first:first + spanned, None, :]
         block_grad = grad_weight[start:start + columns].view(spanned, columns // spanned, -1)
@@ -429,12 +457,15 @@ def _stem_input_grads_im2col(grad_h: Tensor, first: int, back_stacked: Tensor, g
 
 def _stem_conv_tile_backward(grad_h: Tensor, first: int, inputs: list[Tensor], taps: list[list[Tensor]],
                              grad_inputs: list[Tensor], grad_taps: list[list[Tensor]], start: int, stop: int,
-                             back_stacked: Tensor | None = None) -> None:
+                             back_stacked: Tensor | None = None, input_firsts: list[int] | None = None) -> None:
     """Write the input gradients of the rows [start, stop) and accumulate the weight gradients of the
     conv rows [start, stop) (token-major GEMMs). ``grad_h`` holds the conv gradient of the output rows
     from ``first`` on, k//2 rows beyond the tile on each side (where the sequence has them). With
-    ``back_stacked`` the input gradients come from _stem_input_grads_im2col."""
-    batch, length, _ = inputs[0].shape
+    ``back_stacked`` the input gradients come from _stem_input_grads_im2col. ``input_firsts``: the
+    sequence row of each input's first row (default 0: whole sequences; an input may hold only the
+    rows [start - k//2, stop + k//2) the weight gradient reads)."""
+    batch, length, _ = grad_inputs[-1].shape
+    input_firsts = input_firsts or [0] * len(inputs)
     half = len(taps) // 2
     if back_stacked is not None:
         _stem_input_grads_im2col(grad_h, first, back_stacked, grad_inputs, start, stop)
@@ -450,9 +481,10 @@ def _stem_conv_tile_backward(grad_h: Tensor, first: int, inputs: list[Tensor], t
         lo, hi = _tap_rows(offset, start, stop, length)
         if lo >= hi:
             continue
-        for source, grad_weight_t in zip(inputs, grad_taps[j]):
+        for source, source_first, grad_weight_t in zip(inputs, input_firsts, grad_taps[j]):
+            rows = slice(lo + offset - source_first, hi + offset - source_first)
             for b in range(batch):
-                _add_product(grad_weight_t, source[b, lo + offset:hi + offset].t(), grad_h[b, lo - first:hi - first])
+                _add_product(grad_weight_t, source[b, rows].t(), grad_h[b, lo - first:hi - first])
 
 
 def _add_product(out: Tensor, a: Tensor, b: Tensor, overwrite: bool = False) -> None:
