@@ -344,7 +344,8 @@ class _SkeletonCore(torch.autograd.Function):
     """Both branches, their LayerNorms and the output projection, tile by tile along the sequence,
     given what they need from the whole sequence: the column weights softmax(P2^T K^T Q / sqrt(n))
     (after dropout) [B, H, Dh, s2] and the sampled rows' keys (temperature folded in) and values
-    [B, H, s1, Dh]. Per tile of the input s: Q, the row scores, their softmax over the s1 samples and
+    [B, H, s1, Dh]. Per tile of the input s: the row scores (from s and the sampled keys with the
+    query projection folded in: Q itself is never formed), their softmax over the s1 samples and
     dropout, V P2, and the output projection of LN_1(V_1)/2 + LN_2(V_2)/2 with the LayerNorms folded
     into it (see _CoreTiles: V_1, V_2 and their normalised sum are never formed); the same numbers as
     ``_SampledProjections`` -> ``_skeleton_from_samples`` -> ``to_out`` (tested in float64).
@@ -358,7 +359,7 @@ class _SkeletonCore(torch.autograd.Function):
                 row_norm_bias, column_norm_weight, column_norm_bias, weight_out, bias_out, mask, row_valid, row_keep,
                 config, shared):  # type: ignore[override]
         out = torch.empty_like(s)
-        # its products choose their own dtypes (config's GEMM dtype, float32 elsewhere): not autocast's
+        # its products are skinny ([T, dim] by at most [dim, dim]) and stay in s's dtype: not autocast's
         with torch.autocast(s.device.type, enabled=False):
             tiles = _CoreTiles(s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values,
                                (row_norm_weight, row_norm_bias), (column_norm_weight, column_norm_bias), weight_out,
@@ -405,22 +406,23 @@ class _CoreTiles:
 
     def __init__(self, s, weight_q, bias_q, weight_v, bias_v, column_weights, row_keys, row_values, row_norm,
                  column_norm, weight_out, bias_out, mask, row_valid, row_keep, config) -> None:
-        self.heads, self.fill_invalid, self.keep_scale, self.eps, gemm_dtype = config
+        self.heads, self.fill_invalid, self.keep_scale, self.eps = config
         self.s, self.mask, self.row_valid, self.row_keep = s, mask, row_valid, row_keep
         self.step = _core_tile(s.shape[0])
         if row_valid is not None:
             self.row_valid_factor = row_valid[:, None, :, None].to(s.dtype)  # [B, 1, s1, 1]
-        self.gemm_dtype = gemm_dtype
-        gemm = lambda w: None if w is None else w.to(gemm_dtype)  # noqa: E731
         self.weight_q, self.weight_v, self.weight_out = weight_q, weight_v, weight_out
         self.bias_q, self.bias_v, self.bias_out = bias_q, bias_v, bias_out
-        self.gemm_q, self.gemm_v = gemm(weight_q), gemm(weight_v)
         self.rows = row_keys is not None
         self.columns = column_weights is not None
         self.branches: dict[str, dict[str, Tensor]] = {}
         const = torch.zeros_like(weight_out[:, 0]) if bias_out is None else bias_out.clone()
         if self.rows:
             self.row_keys = _block_diagonal(row_keys)  # [B, H*s1, H*Dh]
+            # the queries folded into the sampled keys: (P1 K) Q^T = (P1 K) W_q s^T + (P1 K) b_q, so the
+            # scores of a tile are one [H*s1, dim] x [dim, T] product and Q never exists
+            self.score_weight = self.row_keys @ weight_q  # [B, H*s1, dim]
+            self.score_bias = None if bias_q is None else self.row_keys @ bias_q  # [B, H*s1]
             self.branches["row"] = self._fold(_block_diagonal(row_values), *row_norm)
             const += weight_out @ row_norm[1]
         if self.columns:
@@ -436,31 +438,28 @@ class _CoreTiles:
                 "gram": centred @ centred.transpose(1, 2),  # Mc Mc^T [B, K, K]
                 "projected": (centred * gamma) @ self.weight_out.t()}  # Mc diag(gamma) W^T [B, K, D_out]
 
-    def _linear(self, x: Tensor, gemm_weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
-        """x W^T + b for a [B, T, p] tile (x in the GEMM dtype, the result in ``dtype``). Full
-        precision: one GEMM per batch element (a tile is not contiguous across the batch)."""
-        if self.gemm_dtype != dtype:
-            result = F.linear(x, gemm_weight).to(dtype)
-            return result if bias is None else result.add_(bias)
-        out = x.new_empty(x.shape[:-1] + gemm_weight.shape[:1])
+    @staticmethod
+    def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """x W^T + b for a [B, T, p] tile: one GEMM per batch element (a tile is not contiguous
+        across the batch)."""
+        out = x.new_empty(x.shape[:-1] + weight.shape[:1])
         for b in range(x.shape[0]):
             if bias is None:
-                torch.mm(x[b], gemm_weight.t(), out=out[b])
+                torch.mm(x[b], weight.t(), out=out[b])
             else:
-                torch.addmm(bias, x[b], gemm_weight.t(), out=out[b])
+                torch.addmm(bias, x[b], weight.t(), out=out[b])
         return out
 
-    def _product_into(self, out: Tensor, grad: Tensor, gemm_weight: Tensor, accumulate: bool) -> None:
-        """out (+)= grad @ W for [B, T, p] tiles, the GEMM writing in place in full precision."""
-        if self.gemm_dtype != out.dtype:
-            part = (grad.to(self.gemm_dtype) @ gemm_weight).to(out.dtype)
-            out.add_(part) if accumulate else out.copy_(part)
-            return
+    @staticmethod
+    def _product_into(out: Tensor, grad: Tensor, weight: Tensor, accumulate: bool) -> None:
+        """out (+)= grad @ W for [B, T, p] tiles, the GEMM writing in place; W [p, q] or one per
+        batch element [B, p, q]."""
         for b in range(out.shape[0]):
+            factor = weight[b] if weight.dim() == 3 else weight
             if accumulate:
-                out[b].addmm_(grad[b], gemm_weight)
+                out[b].addmm_(grad[b], factor)
             else:
-                torch.mm(grad[b], gemm_weight, out=out[b])
+                torch.mm(grad[b], factor, out=out[b])
 
     def _accumulate(self, name: str, value: Tensor) -> None:
         self.grads[name] = value if name not in self.grads else self.grads[name].add_(value)
@@ -480,12 +479,13 @@ class _CoreTiles:
         s = self.s[:, start:start + self.step]
         batch, length, dim = s.shape
         self.tile_s, self.start = s, start
-        gemm_s = s.to(self.gemm_dtype)  # converted once for both projections
         if self.rows:
             heads = self.heads
-            self.query = self._linear(gemm_s, self.gemm_q, self.bias_q, s.dtype)
             # sample-major scores [B, H, s1, T]: the softmax over the samples runs along a contiguous axis
-            scores = (self.row_keys @ self.query.transpose(1, 2)).view(batch, heads, -1, length)
+            scores = self.score_weight @ s.transpose(1, 2)
+            if self.score_bias is not None:
+                scores += self.score_bias[..., None]
+            scores = scores.view(batch, heads, -1, length)
             if self.fill_invalid:
                 valid = self.row_valid[:, None, :, None]
                 scores.masked_fill_(~valid, torch.finfo(scores.dtype).min)
@@ -499,7 +499,7 @@ class _CoreTiles:
             # P of the row branch token-major [B, T, H*s1] (a transposed view)
             self.row_scaled = self._normalise("row", weights.reshape(batch, -1, length).transpose(1, 2))
         if self.columns:
-            sampled = self._linear(gemm_s, self.gemm_v, self.bias_v, s.dtype)  # V P2: [B, T, H*s2]
+            sampled = self._linear(s, self.weight_v, self.bias_v)  # V P2: [B, T, H*s2]
             if self.mask is not None:
                 sampled *= mask_factor(self.mask[:, start:start + self.step, None], s.dtype)
             self.column_scaled = self._normalise("column", sampled)
@@ -547,12 +547,10 @@ class _CoreTiles:
             if self.fill_invalid:  # masked_fill passes no gradient to the filled scores
                 grad_scores = grad_scores * self.row_valid_factor
             grad_scores = grad_scores.view(batch, -1, length)  # [B, H*s1, T]
-            self._accumulate("row_keys", grad_scores @ self.query)
-            grad_query = grad_scores.transpose(1, 2) @ self.row_keys  # [B, T, H*Dh]
-            self._accumulate("weight_q", _summed_products(grad_query, s))
-            if self.bias_q is not None:
-                self._accumulate("bias_q", grad_query.sum((0, 1)))
-            self._product_into(grad_s, grad_query, self.gemm_q, accumulate=False)
+            self._accumulate("score_weight", grad_scores @ s)
+            if self.score_bias is not None:
+                self._accumulate("score_bias", grad_scores.sum(-1))
+            self._product_into(grad_s, grad_scores.transpose(1, 2), self.score_weight, accumulate=False)
         if self.columns:
             grad_sampled = self._branch_backward("column", grad_out)  # [B, T, H*s2]
             if self.mask is not None:
@@ -560,7 +558,7 @@ class _CoreTiles:
             self._accumulate("weight_v", _summed_products(grad_sampled, s))
             if self.bias_v is not None:
                 self._accumulate("bias_v", grad_sampled.sum((0, 1)))
-            self._product_into(grad_s, grad_sampled, self.gemm_v, accumulate=self.rows)
+            self._product_into(grad_s, grad_sampled, self.weight_v, accumulate=self.rows)
 
     def _branch_parameter_grads(self, name: str, grad_weight_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(dM, dgamma, dbeta) of a branch from its accumulated gradients; adds its part of dW_out."""
@@ -590,11 +588,18 @@ class _CoreTiles:
             column = self._branch_parameter_grads("column", grad_weight_out)
             grad_weight_out += torch.outer(grad_out_sum, self.branches["column"]["beta"])
         column_weights = None if column[0] is None else _head_blocks(column[0], self.heads).transpose(-1, -2)
-        row_keys = row_values = None
+        row_keys = row_values = grad_weight_q = grad_bias_q = None
         if self.rows:
-            row_keys, row_values = _head_blocks(g("row_keys"), self.heads), _head_blocks(row[0], self.heads)
+            # back through score_weight = (P1 K) W_q and score_bias = (P1 K) b_q
+            grad_score_weight, grad_score_bias = g("score_weight"), g("score_bias")
+            grad_keys = grad_score_weight @ self.weight_q.t()  # [B, H*s1, H*Dh]
+            grad_weight_q = _summed_products(self.row_keys, grad_score_weight)
+            if grad_score_bias is not None:
+                grad_keys += grad_score_bias[..., None] * self.bias_q
+                grad_bias_q = torch.einsum("bkd,bk->d", self.row_keys, grad_score_bias)
+            row_keys, row_values = _head_blocks(grad_keys, self.heads), _head_blocks(row[0], self.heads)
         grad_bias_out = None if self.bias_out is None else grad_out_sum
-        return (g("weight_q"), g("bias_q"), g("weight_v"), g("bias_v"), column_weights, row_keys, row_values,
+        return (grad_weight_q, grad_bias_q, g("weight_v"), g("bias_v"), column_weights, row_keys, row_values,
                 row[1], row[2], column[1], column[2], grad_weight_out, grad_bias_out)
 
 
@@ -775,10 +780,11 @@ class SkeletonAttention(AttentionBase):
         smoother: put the Smoother in front (default); ``smoother_*`` are its options.
         bias: bias of the Q/K/V/output projections.
         precision: "full" (default) or "bf16": opt-in reduced precision for float32 inputs, the
-            Q/K/V projections and the Smoother's stem GEMMs with bfloat16 factors and float32
-            accumulation (the stem keeps its GEMM inputs and conv output in bfloat16); FFT,
-            normalisations, softmaxes, the output projection (folded with the LayerNorms into
-            [T, s] x [s, dim] products in the tiled core) and outputs stay float32 (error against
+            Smoother's stem GEMMs with bfloat16 factors and float32 accumulation (the stem keeps
+            X^smooth, its conv output and the gradient of X^smooth in bfloat16), and in the module
+            path the Q/K/V projections too; FFT, normalisations, softmaxes, the tiled core (its
+            products are skinny: the query projection folded into the sampled keys, the
+            LayerNorms into the output projection) and outputs stay float32 (error against
             float32 in docs/performance.md).
     """
 
@@ -954,7 +960,6 @@ class SkeletonAttention(AttentionBase):
         of x, and the sampled rows) in _GramAndRows, everything else tile by tile in _SkeletonCore.
         The same numbers, and the same dropout draws, as the module path below it in ``attend``."""
         proj, heads, (batch, length, _) = self.proj, self.heads, x.shape
-        gemm_dtype = torch.bfloat16 if self.precision == "bf16" and x.dtype == torch.float32 else x.dtype
         dropout = self.dropout if self.training else 0.0
         rows = self.row_indices.clamp(max=length - 1) if self.row_attention else None
         shared = _InputGradient()
@@ -989,7 +994,7 @@ class SkeletonAttention(AttentionBase):
             column_weights = F.dropout(column_weights, dropout) if dropout > 0 else column_weights
         norms = [(None, None) if n is None else (n.weight * 0.5, n.bias * 0.5)  # the 1/2 of eq. (2)
                  for n in (self.row_norm, self.column_norm)]
-        config = (heads, fill_invalid, 1.0 / (1.0 - dropout) if dropout > 0 else 1.0, 1e-5, gemm_dtype)
+        config = (heads, fill_invalid, 1.0 / (1.0 - dropout) if dropout > 0 else 1.0, 1e-5)
         return _SkeletonCore.apply(
             x, proj.to_q.weight if self.row_attention else None, proj.to_q.bias if self.row_attention else None,
             weight_v, bias_v, column_weights, row_keys, row_values, *norms[0], *norms[1], proj.to_out.weight,
