@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from longattn import attention
 from longattn.analysis import mu_incoherence
@@ -294,15 +295,17 @@ def test_mu_incoherence_extremes_and_invariances():
         mu_incoherence(x[None], 4)
 
 
-@pytest.mark.parametrize("length,padded,extra", [
-    (45, True, {}), (64, False, {}), (37, False, {"bias": False}), (45, True, {"row_attention": False}),
-    (45, True, {"column_attention": False}), (45, True, {"mask_padded_samples": False}),
-    (50, True, {"column_scale": "valid"}), (33, False, {"smoother": False}),
+@pytest.mark.parametrize("length,padded,extra,batch", [
+    (45, True, {}, 2), (64, False, {}, 2), (37, False, {"bias": False}, 2), (45, True, {"row_attention": False}, 2),
+    (45, True, {"column_attention": False}, 2), (45, True, {"mask_padded_samples": False}, 2),
+    (50, True, {"column_scale": "valid"}, 2), (33, False, {"smoother": False}, 2),
+    (45, True, {}, 1), (46, False, {"smoother_kernel_size": 5}, 1),
 ])
-def test_fused_smoother_path_is_exact_in_the_full_layer(length, padded, extra, monkeypatch):
+def test_fused_smoother_path_is_exact_in_the_full_layer(length, padded, extra, batch, monkeypatch):
     """The layer with the fused stem and the tiled core against the module-by-module one: float64,
     every dropout on, several stem and core tiles, padding holding NaN; output and the gradient of
-    x and of every parameter."""
+    x and of every parameter. At batch 1 the gradient of X^smooth lives in the frequency weights'
+    gradient buffer; the stem writes the gradient of x over the core's gradient in both."""
     import longattn.attention.skeleton as skeleton_module
     import longattn.attention.smoother as smoother_module
 
@@ -316,11 +319,11 @@ def test_fused_smoother_path_is_exact_in_the_full_layer(length, padded, extra, m
     plain.fused = False
     if plain.smoother is not None:
         plain.smoother.fused = False
-    x = torch.randn(2, length, 32, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(batch, length, 32, dtype=torch.float64, requires_grad=True)
     mask = None
     if padded:
-        mask = torch.ones(2, length, dtype=torch.bool)
-        mask[1, length - 9:] = False
+        mask = torch.ones(batch, length, dtype=torch.bool)
+        mask[-1, length - 9:] = False
         mask[0, 3] = False
         x.data[~mask] = float("nan")
     results = []
@@ -334,6 +337,76 @@ def test_fused_smoother_path_is_exact_in_the_full_layer(length, padded, extra, m
     torch.testing.assert_close(out_fused, out_plain)
     for name, a, r in zip(["x"] + [n for n, _ in fused.named_parameters()], grads_fused, grads_plain):
         torch.testing.assert_close(a, r, msg=lambda m: f"{name}: {m}")
+
+
+class _NewWholeSequenceBuffers(TorchDispatchMode):
+    """Counts the fresh empty tensors of one shape and dtype made under it."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shape, self.dtype, self.count = shape, dtype, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default)
+                and out.shape == self.shape and out.dtype == self.dtype):
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("kernel_size,batch,padded", [(3, 1, False), (5, 2, True), (1, 2, False)])
+def test_stem_writing_the_gradient_of_x_over_the_incoming_one_changes_nothing(kernel_size, batch, padded,
+                                                                              monkeypatch):
+    """When only the layer's own core sees the gradient of the Smoother's output, the fused stem writes
+    the gradient of x over it (keeping the k//2 rows each next tile reads): one whole-sequence buffer
+    fewer in backward, and bitwise the same output and gradients as with a fresh buffer."""
+    import longattn.attention.smoother as smoother_module
+
+    monkeypatch.setattr(smoother_module, "STEM_TILE", 8)  # several tiles, one of them partial
+    torch.manual_seed(21)
+    layer = attention.build("skeleton", dim=16, heads=2, max_len=40, smoother_kernel_size=kernel_size,
+                            dropout=0.2, smoother_dropout=0.3).double().train()
+    x = torch.randn(batch, 37, 16, dtype=torch.float64, requires_grad=True)
+    mask = None
+    if padded:
+        mask = torch.ones(batch, 37, dtype=torch.bool)
+        mask[-1, 30:] = False
+    results, fresh_buffers = [], []
+    for observed in (False, True):
+        monkeypatch.setattr(layer, "_smoother_observed", lambda observed=observed: observed)
+        torch.manual_seed(22)
+        out = layer(x, mask)
+        with _NewWholeSequenceBuffers(x.shape, x.dtype) as recorder:
+            grads = torch.autograd.grad(out, [x, *layer.parameters()], torch.ones_like(out))
+        results.append((out, *grads))
+        fresh_buffers.append(recorder.count)
+    assert fresh_buffers[0] == fresh_buffers[1] - 1
+    for private, observed in zip(*results):
+        assert torch.equal(private, observed)
+
+
+def test_a_hook_on_the_smoother_keeps_its_output_gradient_intact():
+    """A module hook on the Smoother can hold the gradient of its output: the stem then leaves it alone
+    (it equals the module path's), and a global module hook counts as well."""
+    torch.manual_seed(23)
+    fused = attention.build("skeleton", dim=16, heads=2, max_len=30, dropout=0.0, smoother_dropout=0.0).double().train()
+    plain = attention.build("skeleton", dim=16, heads=2, max_len=30, dropout=0.0, smoother_dropout=0.0).double().train()
+    plain.load_state_dict(fused.state_dict())
+    plain.fused = plain.smoother.fused = False
+    x = torch.randn(1, 30, 16, dtype=torch.float64, requires_grad=True)
+    seen = []
+    for layer in (fused, plain):
+        handle = layer.smoother.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(grad_out[0]))
+        assert layer._smoother_observed()
+        layer(x).square().sum().backward()
+        handle.remove()
+    torch.testing.assert_close(seen[0], seen[1])
+    assert not fused._smoother_observed()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        assert fused._smoother_observed()
+    finally:
+        handle.remove()
 
 
 def test_fused_core_in_eval_mode_and_float32_matches_the_module_path():

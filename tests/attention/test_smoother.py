@@ -450,3 +450,35 @@ def test_frequency_weights_are_stored_channel_first_and_any_layout_works():
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
     assert results[0][2].stride() == weight.stride()  # the gradient in the parameter's layout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_of_x_smooth_in_the_tail_of_the_weights_gradient_buffer(dtype):
+    """At batch 1 the gradient of X^smooth is stored in the tail of the frequency weights' gradient
+    buffer (in bf16 when the stem's products are): the Fourier backward turns its feature rows into
+    weight rows in order without reading anything it already overwrote, so weights' and x's gradients
+    equal those from a separate float32 buffer; at batch 2 (no room) the buffers are separate."""
+    import longattn.attention.smoother as smoother_module
+
+    torch.manual_seed(24)
+    max_len, length, dim, segments = 40, 37, 8, 2
+    x = torch.randn(1, length, dim)
+    frequency_weight = torch.randn(max_len // 2 + 1, dim, 2)
+    _, spectrum, weight = smoother_module._fourier_forward(x, frequency_weight, None, max_len, segments, "backward")
+    values = torch.randn(1, dim, length).to(dtype).float()  # representable in dtype
+    results = []
+    for shared in (True, False):
+        if shared:
+            grad_weight, store = smoother_module._fourier_gradient_buffers(1, length, weight, dtype)
+            assert store.untyped_storage().data_ptr() == grad_weight.untyped_storage().data_ptr()
+        else:
+            grad_weight, store = torch.empty_like(weight), torch.empty(1, length, dim)
+        store.copy_(values.transpose(1, 2))
+        grad_x = torch.zeros(1, length, dim)
+        grad_frequency_weight = smoother_module._fourier_backward(
+            store.transpose(1, 2), grad_x, spectrum, weight, grad_weight, max_len, segments, "backward")
+        results.append((grad_frequency_weight.clone(), grad_x))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    grad_weight, store = smoother_module._fourier_gradient_buffers(2, max_len, weight, torch.float32)
+    assert store.untyped_storage().data_ptr() != grad_weight.untyped_storage().data_ptr()

@@ -881,6 +881,22 @@ class SkeletonAttention(AttentionBase):
             attention_mask = None
         return super().forward(x, attention_mask, layer_state)
 
+    def _uses_fused_core(self, x: Tensor) -> bool:
+        """The tiled core runs for float32/float64 with the layer's own projections (a transformers
+        model lends its own, see longattn.hf)."""
+        return self.fused and x.dtype in (torch.float32, torch.float64) and isinstance(self.proj, QKVProjection)
+
+    def _smoother_observed(self) -> bool:
+        """Whether a module hook (the Smoother's own or a global one) could see or replace the Smoother's
+        output or its gradient. Without one, that output feeds only this layer's fused core, so the
+        gradient autograd passes back for it is private to the layer (see Smoother.forward)."""
+        smoother = self.smoother
+        own = (smoother._forward_hooks, smoother._forward_pre_hooks, smoother._backward_hooks,
+               smoother._backward_pre_hooks)
+        # torch's own test for global module hooks; if a torch version lacks it, assume there are some
+        any_global = getattr(torch.nn.modules.module, "_has_any_global_hook", lambda: True)
+        return any(map(bool, own)) or bool(any_global())
+
     def resample(self) -> None:
         """Redraw the stored sample indices (global RNG)."""
         rows, columns = draw_skeleton_indices(self.max_len, self.head_dim, self.s1, self.s2, self.row_indices.device)
@@ -892,10 +908,10 @@ class SkeletonAttention(AttentionBase):
             self.resample()
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # every token real: the same numbers without any mask pass
+        fused_core = self._uses_fused_core(x)
         if self.smoother is not None:
-            x = self.smoother(x, attention_mask)
-        # the tiled core needs the layer's own projections (a transformers model lends its own, see longattn.hf)
-        if self.fused and x.dtype in (torch.float32, torch.float64) and isinstance(self.proj, QKVProjection):
+            x = self.smoother(x, attention_mask, output_grad_private=fused_core and not self._smoother_observed())
+        if fused_core:
             return self._fused_core(x, attention_mask)
         proj, length = self.proj, x.shape[1]
         gemm_dtype = torch.bfloat16 if self.precision == "bf16" and x.dtype == torch.float32 else None
