@@ -116,9 +116,11 @@ class _FusedReluStem(torch.autograd.Function):
     statistics of a position only involve that position, so every step is local to a tile. Saved
     for backward: the GEMM inputs x and X^smooth and the segments' spectrum, the centred conv output
     and one bool mask [B, N, dim] for ReLU, dropout and padding together. With ``gemm_dtype``
-    bfloat16 the GEMM inputs and the conv output (before its bias: the centred one is recomputed per
-    tile from it and the per-position mean) are kept in bfloat16; the conv is then one im2col GEMM
-    per tile, its output rounded once. Statistics, FFT, gradients and the output stay in x's dtype.
+    bfloat16, X^smooth and the conv output (before its bias: the centred one is recomputed per tile
+    from it and the per-position mean) are kept in bfloat16, x is converted tile by tile where a GEMM
+    reads it; the conv is then one im2col GEMM per tile, its output rounded once, and so are the
+    input gradients (the gradient of X^smooth is kept in bfloat16: its entries are those rounded
+    products). Statistics, FFT, the other gradients and the output stay in x's dtype.
     """
 
     @staticmethod
@@ -613,8 +615,9 @@ class Smoother(nn.Module):
         batchnorm_over: "positions" (authors' code: BatchNorm1d(max_len) over [B, N, dim]) or
             "features" (the usual BatchNorm over feature channels).
         precision: "full" (GEMMs in the input's dtype) or "bf16" (the fused stem's GEMMs take
-            bfloat16 factors, accumulate in float32, and their inputs and the conv output are kept
-            in bfloat16 for backward; statistics, FFT, gradients and outputs stay float32).
+            bfloat16 factors and accumulate in float32; X^smooth, the conv output and the gradient
+            of X^smooth are kept in bfloat16; statistics, FFT, the other gradients and outputs stay
+            float32).
     """
 
     def __init__(
