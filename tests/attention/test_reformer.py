@@ -44,6 +44,44 @@ def test_blocks_of_chunks_match_the_dense_pattern(monkeypatch, block_elements, a
         torch.testing.assert_close(a, r)
 
 
+def assert_matches_reference(qk, v, mask, **kw):
+    out, ref = lsh_attention(qk, v, mask, **kw), lsh_attention_reference(qk, v, mask, **kw)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (qk, v), g), torch.autograd.grad(ref, (qk, v), g)):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("chunks_per_block", [1, 7, 31, 10_000])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_across_heads_at_the_forecasters_settings(monkeypatch, chunks_per_block, causal):
+    """Bucket size 4 and 4 hashes (the Reformer forecaster's) on an odd length: blocks of chunks that cut
+    heads anywhere (7, 31 chunks), one chunk, and one block for everything all match the dense reference."""
+    m, rounds, n = 4, 4, 45  # padded to 48: 12 chunks per round, 48 per head, 4 (b, h) heads
+    monkeypatch.setattr(reformer, "BLOCK_ELEMENTS", 2 * m * m * chunks_per_block)
+    seen = []
+    blocks = reformer._SlotLayout.blocks
+    monkeypatch.setattr(reformer._SlotLayout, "blocks", lambda layout: seen.append(blocks(layout)) or seen[-1])
+    qk, v, rot = inputs(n, rounds=rounds, bucket_size=m)
+    mask = torch.rand(2, n, generator=torch.Generator().manual_seed(3)) > 0.2
+    assert_matches_reference(qk, v, mask, rotations=rot, bucket_size=m, is_causal=causal)
+    chunks_per_head, heads = rounds * 48 // m, 4
+    forward_blocks = seen[0]
+    assert forward_blocks[-1][1] == chunks_per_head * heads
+    assert len(forward_blocks) == -(-chunks_per_head * heads // chunks_per_block)
+    straddling = [(a, b) for a, b in forward_blocks if a // chunks_per_head != (b - 1) // chunks_per_head]
+    assert bool(straddling) == (chunks_per_block > 1)
+
+
+@pytest.mark.parametrize("rounds, n, m", [(1, 8, 8), (3, 8, 8), (2, 16, 8)])
+def test_one_or_two_chunks_per_round(rounds, n, m):
+    """No look-back (one chunk per head), every chunk looking back into the previous round (one chunk per
+    round: the same tokens), and two chunks per head looking back to each other."""
+    qk, v, rot = inputs(n, rounds=rounds, bucket_size=m)
+    for across in (False, True):
+        assert_matches_reference(qk, v, None, rotations=rot, bucket_size=m, attend_across_buckets=across)
+
+
 def test_a_token_with_no_other_target_attends_to_itself_and_gets_no_score_gradient():
     """One round, two tokens, two buckets: each token is alone in its bucket, so it can only see itself."""
     qk = torch.tensor([[[[1.0, 0.0], [-1.0, 0.0]]]], dtype=torch.float64, requires_grad=True)

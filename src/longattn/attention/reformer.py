@@ -73,8 +73,9 @@ class _SlotLayout:
     chunks per head; chunk g looks back to chunk g - 1 of the same head, cyclically.
 
     Holds what the masks need (token position, bucket-match id, validity) and the permutations between
-    slot order and (round, token) order. Blocks of chunks never straddle two heads, so a block and
-    the chunks it looks back to are slices.
+    slot order and (round, token) order. A block is any range of chunks, across heads: its keys (each
+    chunk, then the chunk it looks back to) are gathered with one index, so the number of blocks, and of
+    Python-level steps, is set by the block budget alone, not by the number of heads.
     """
 
     def __init__(self, round_token_of: Tensor, bucket_size: int, heads_total: int, rounds: int, n_total: int,
@@ -88,66 +89,64 @@ class _SlotLayout:
         self.heads_total, self.rounds, self.n_total, self.causal = heads_total, rounds, n_total, causal
         self.m = bucket_size
         self.chunks_per_head = rounds * n_total // bucket_size
-        self.chunks_per_round = n_total // bucket_size
+        chunk = torch.arange(self.position.shape[0], device=round_token_of.device)
+        first_of_head = chunk % self.chunks_per_head == 0
+        # chunk g looks back to g - 1; a head's first chunk to the head's last
+        self.previous = torch.where(first_of_head, chunk + self.chunks_per_head - 1, chunk - 1)
+
+    @property
+    def looks_back(self) -> bool:
+        return self.chunks_per_head > 1
+
+    @property
+    def keys_per_chunk(self) -> int:
+        return 2 * self.m if self.looks_back else self.m
 
     def blocks(self) -> list[tuple[int, int]]:
         per_block = max(1, block_elements(self.position.device) // (2 * self.m * self.m))
-        c = self.chunks_per_head
-        return [(start, min(start + per_block, head + c))
-                for head in range(0, self.position.shape[0], c) for start in range(head, head + c, per_block)]
+        chunks = self.position.shape[0]
+        return [(start, min(start + per_block, chunks)) for start in range(0, chunks, per_block)]
 
-    def keys(self, t: Tensor, start: int, stop: int) -> Tensor:
-        """Key-side view of per-slot ``t`` for chunks [start, stop): each chunk, then the chunk before it."""
-        c = self.chunks_per_head
-        if c == 1:
-            return t[start:stop]
-        if start % c:
-            previous = t[start - 1:stop - 1]
-        else:  # the head's first chunk looks back to its last
-            previous = torch.cat([t[start + c - 1:start + c], t[start:stop - 1]])
-        return torch.cat([t[start:stop], previous], dim=1)
+    def key_slots(self, start: int, stop: int) -> Tensor:
+        """Flat slot indices [(stop - start) * keys_per_chunk] of the keys of chunks [start, stop): each chunk's
+        own m slots, then (when chunks look back) the m slots of the chunk before it."""
+        chunks = torch.arange(start, stop, device=self.previous.device)
+        if self.looks_back:
+            chunks = torch.stack([chunks, self.previous[start:stop]], dim=1)
+        return (chunks[..., None] * self.m + torch.arange(self.m, device=chunks.device)).flatten()
+
+    def keys(self, t: Tensor, slots: Tensor) -> Tensor:
+        """Key-side view [len(slots) / keys_per_chunk, keys_per_chunk, ...] of per-slot ``t`` [G, m, ...]."""
+        return t.flatten(0, 1).index_select(0, slots).view(-1, self.keys_per_chunk, *t.shape[2:])
 
     def add_to_keys(self, grad: Tensor, key_grad: Tensor, start: int, stop: int) -> None:
-        """Accumulate a block's key-side gradient [stop - start, 2m, D] onto its chunks and the ones they look back to."""
-        m, c = self.m, self.chunks_per_head
-        grad[start:stop] += key_grad[:, :m]
-        if c == 1:
-            return
-        if start % c:
-            grad[start - 1:stop - 1] += key_grad[:, m:]
-        else:
-            grad[start + c - 1] += key_grad[0, m:]
-            grad[start:stop - 1] += key_grad[1:, m:]
+        """Accumulate a block's key-side gradient [stop - start, keys_per_chunk, D] onto its chunks and the ones
+        they look back to (distinct chunks within a block: every chunk is looked back to by exactly one)."""
+        grad[start:stop] += key_grad[:, :self.m]
+        if self.looks_back:
+            grad.index_add_(0, self.previous[start:stop], key_grad[:, self.m:])
 
-    def scores(self, q: Tensor, k: Tensor, start: int, stop: int) -> Tensor:
-        """Masked scores [stop - start, m, 2m] of a block of chunks (eq. 3's P_i, causality, padding)."""
-        scores = torch.bmm(q[start:stop], self.keys(k, start, stop).transpose(1, 2))
+    def scores(self, q: Tensor, k: Tensor, start: int, stop: int, slots: Tensor) -> Tensor:
+        """Masked scores [stop - start, m, keys_per_chunk] of a block of chunks (eq. 3's P_i, causality, padding)
+        given the block's :meth:`key_slots`."""
+        scores = torch.bmm(q[start:stop], self.keys(k, slots).transpose(1, 2))
         blocked = None
         if self.match_id is not None:  # same bucket and round; padded slots have ids of their own
-            blocked = self.match_id[start:stop, :, None] != self.keys(self.match_id, start, stop)[:, None, :]
+            blocked = self.match_id[start:stop, :, None] != self.keys(self.match_id, slots)[:, None, :]
         elif self.key_valid is not None:
-            blocked = ~self.keys(self.key_valid, start, stop)[:, None, :]
+            blocked = ~self.keys(self.key_valid, slots)[:, None, :]
+        query_position = self.position[start:stop, :, None]
+        key_position = self.keys(self.position, slots)[:, None, :]
         if self.causal:
-            future = self.keys(self.position, start, stop)[:, None, :] > self.position[start:stop, :, None]
+            future = key_position > query_position
             blocked = future if blocked is None else blocked | future
         if blocked is not None:
             scores.masked_fill_(blocked, -torch.finfo(scores.dtype).max)
-        self.fill_self(scores, start, stop)
+        # a slot meets its own token on the chunk's diagonal and, when the look-back chunk belongs to the
+        # previous round (each round's first chunk), wherever that chunk holds the same token; tokens are
+        # distinct within a round, so equal positions mean exactly these pairs
+        scores.masked_fill_(key_position == query_position, SELF_ATTENTION_SCORE)
         return scores
-
-    def fill_self(self, scores: Tensor, start: int, stop: int) -> None:
-        """Write SELF_ATTENTION_SCORE where a slot meets its own token. Tokens are distinct within a
-        round, so that is the diagonal of the chunk itself, plus, when the look-back chunk belongs to
-        the previous round (the first chunk of each round), wherever that chunk holds the same token."""
-        m = self.m
-        scores[:, :, :m].diagonal(dim1=1, dim2=2).fill_(SELF_ATTENTION_SCORE)
-        if self.rounds == 1 or self.chunks_per_head == 1:
-            return
-        first = (-(start % self.chunks_per_head)) % self.chunks_per_round  # first round-opening chunk in the block
-        for local in range(first, stop - start, self.chunks_per_round):
-            looked_back = self.keys(self.position, start + local, start + local + 1)[0, m:]
-            itself = self.position[start + local, :, None] == looked_back[None, :]
-            scores[local, :, m:].masked_fill_(itself, SELF_ATTENTION_SCORE)
 
 
 class _ChunkedLSHSoftmax(torch.autograd.Function):
@@ -166,11 +165,12 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
         g, m, d = q.shape
         row_max, row_sum, out_slots = q.new_empty(g, m), q.new_empty(g, m), q.new_empty(g, m, d)
         for start, stop in layout.blocks():
-            scores = layout.scores(q, k, start, stop)
+            slots = layout.key_slots(start, stop)
+            scores = layout.scores(q, k, start, stop, slots)
             block_max = torch.amax(scores, dim=-1, keepdim=True, out=row_max[start:stop, :, None])
             weights = _exp_shifted(scores, block_max)
             torch.sum(weights, dim=-1, out=row_sum[start:stop])
-            torch.bmm(weights, layout.keys(v, start, stop), out=out_slots[start:stop])
+            torch.bmm(weights, layout.keys(v, slots), out=out_slots[start:stop])
         # scale each slot's exp(s - row_max) to exp(s - L_i): normalise rounds against each other
         bh, rounds, n_total = layout.heads_total, layout.rounds, layout.n_total
         lse_by_round = (row_max + row_sum.log()).flatten()[layout.slot_of].view(bh, rounds, n_total)
@@ -192,11 +192,12 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
         delta = (grad_out * out).sum(-1).flatten()[layout.token_row].view(g, m, 1).mul_(scale[..., None])
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for start, stop in layout.blocks():
-            weights = _exp_shifted(layout.scores(q, k, start, stop), row_max[start:stop, :, None])  # as forward
+            slots = layout.key_slots(start, stop)
+            weights = _exp_shifted(layout.scores(q, k, start, stop, slots), row_max[start:stop, :, None])  # as forward
             block_grad = grad_slots[start:stop]
-            grad_scores = torch.bmm(block_grad, layout.keys(v, start, stop).transpose(1, 2))
+            grad_scores = torch.bmm(block_grad, layout.keys(v, slots).transpose(1, 2))
             grad_scores.sub_(delta[start:stop]).mul_(weights)
-            torch.bmm(grad_scores, layout.keys(k, start, stop), out=grad_q[start:stop])
+            torch.bmm(grad_scores, layout.keys(k, slots), out=grad_q[start:stop])
             layout.add_to_keys(grad_k, torch.bmm(grad_scores.transpose(1, 2), q[start:stop]), start, stop)
             layout.add_to_keys(grad_v, torch.bmm(weights.transpose(1, 2), block_grad), start, stop)
         return grad_q, grad_k, grad_v, None
