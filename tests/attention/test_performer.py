@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from longattn import attention
-from longattn.attention import AttentionError
+from longattn.attention import AttentionError, performer
 from longattn.attention.performer import (
     orthogonal_random_features,
     performer_attention,
@@ -25,6 +25,51 @@ def test_fast_matches_reference_forward_and_backward(causal, n):
     g = torch.randn_like(out)
     for a, r in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
         torch.testing.assert_close(a, r)
+
+
+def assert_matches_reference(q, k, v, mask, w, causal):
+    inputs = (q, k, v) if not w.requires_grad else (q, k, v, w)
+    out = performer_attention(q, k, v, mask, projection=w, is_causal=causal)
+    ref = performer_attention_reference(q, k, v, mask, projection=w, is_causal=causal)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("keep_elements", ["below", "at"])
+@pytest.mark.parametrize("chunk", [8, 2048])
+def test_features_kept_or_recomputed_per_chunk_match_the_reference(monkeypatch, keep_elements, chunk):
+    """Both sides of FAVOR_KEEP_ELEMENTS (features kept for the backward pass, or recomputed under
+    checkpoint) and of FAVOR_CHUNK (one chunk, or chunks of 8 with a shorter last one), with fewer keys
+    than queries, padded keys, and a gradient for the projection too."""
+    b, h, n_query, n_key, m = 2, 3, 37, 23, 20
+    monkeypatch.setattr(performer, "FAVOR_CHUNK", chunk)
+    monkeypatch.setattr(performer, "FAVOR_KEEP_ELEMENTS", b * h * n_query * m - (keep_elements == "below"))
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(b, h, n_query, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, h, n_key, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = orthogonal_random_features(m, 8, generator=g, dtype=torch.float64).requires_grad_()
+    mask = torch.rand(b, n_key, generator=g) > 0.3
+    mask[:, 0] = True
+    calls, checkpoint = [], performer.checkpoint
+    monkeypatch.setattr(performer, "checkpoint", lambda *a, **kw: calls.append(a[0]) or checkpoint(*a, **kw))
+    assert_matches_reference(q, k, v, mask, w, causal=False)
+    kept = keep_elements == "at" and chunk == 2048
+    assert bool(calls) != kept  # the path this case is meant to take
+    if chunk == 8:
+        assert len(calls) == -(-n_key // 8) + -(-n_query // 8)
+
+
+@pytest.mark.parametrize("n", [144, 145, 200])
+def test_causal_equal_chunks_with_and_without_padding_match_the_reference(n):
+    """The causal sums cut N into equal chunks of at most 64: 144 = 3 x 48 (the Performer forecaster's
+    decoder at horizon 96, no padding), 145 = 3 x 49 - 2 and 200 = 4 x 50 (padding), in float64."""
+    q, k, v = random_qkv(2, 2, n, 8)
+    w = orthogonal_random_features(24, 8, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    mask = torch.rand(2, n, generator=torch.Generator().manual_seed(7)) > 0.2
+    mask[:, 0] = True
+    assert_matches_reference(q, k, v, mask, w.requires_grad_(), causal=True)
 
 
 def test_stabiliser_keeps_large_inputs_finite():

@@ -64,30 +64,30 @@ def kernel_sums(
 def causal_kernel_sums(phi_q: Tensor, phi_k: Tensor, value: Tensor, chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
     """Causal numerator and normaliser (eq. 8-9): query i sees keys j <= i.
 
-    The sequence is cut into chunks of ``chunk`` tokens: inside a chunk the (chunk x chunk) masked
-    product is exact, across chunks an exclusive prefix sum of per-chunk states sum_j phi(K_j) V_j^T
-    carries the past. Memory O(N * chunk + N / chunk * F * Dv), no loop over tokens.
+    The sequence is cut into equal chunks of at most ``chunk`` tokens (so that it needs less than one
+    token of padding per chunk, usually none: padding copies the [N, F] features): inside a chunk the
+    masked product is exact, across chunks an exclusive prefix sum of per-chunk states
+    sum_j phi(K_j) [V_j, 1]^T carries the past (the normaliser is the numerator of a value column of
+    ones, so one product gives both). Memory O(N * chunk + N / chunk * F * Dv), no loop over tokens.
     """
     b, h, n, f = phi_q.shape
     dv = value.shape[-1]
-    pad = (-n) % chunk
+    c = max(1, -(-n // chunk))
+    chunk = -(-n // c)
+    pad = c * chunk - n
+    value = torch.cat([value, value.new_ones(b, h, n, 1)], dim=-1)
     if pad:
         # zero features on the padded tail: they add nothing to any sum
         phi_q, phi_k, value = (F.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, value))
-    c = (n + pad) // chunk
     q_c = phi_q.reshape(b, h, c, chunk, f)
     k_c = phi_k.reshape(b, h, c, chunk, f)
-    v_c = value.reshape(b, h, c, chunk, dv)
+    v_c = value.reshape(b, h, c, chunk, dv + 1)
 
-    states = k_c.transpose(-1, -2) @ v_c  # [B, H, C, F, Dv] per chunk
+    states = k_c.transpose(-1, -2) @ v_c  # [B, H, C, F, Dv+1] per chunk
     past_states = states.cumsum(dim=2) - states  # exclusive prefix: chunks strictly before
-    k_sums = k_c.sum(dim=-2)  # [B, H, C, F]
-    past_k = (k_sums.cumsum(dim=2) - k_sums).unsqueeze(-1)  # [B, H, C, F, 1]
-
-    within = (q_c @ k_c.transpose(-1, -2)).tril()  # [B, H, C, chunk, chunk], j <= i inside chunk
-    numerator = q_c @ past_states + within @ v_c
-    normaliser = q_c @ past_k + within.sum(dim=-1, keepdim=True)
-    return numerator.reshape(b, h, c * chunk, dv)[:, :, :n], normaliser.reshape(b, h, c * chunk, 1)[:, :, :n]
+    within = (q_c @ k_c.transpose(-1, -2)).tril_()  # [B, H, C, chunk, chunk], j <= i inside chunk
+    sums = (q_c @ past_states + within @ v_c).reshape(b, h, c * chunk, dv + 1)[:, :, :n]
+    return sums[..., :dv], sums[..., dv:]
 
 
 def kernel_attention(

@@ -67,30 +67,85 @@ def orthogonal_random_features(
     return (directions * lengths[:, None]).to(dtype=dtype, device=device)
 
 
-def _feature_shift(x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None) -> Tensor:
-    """The stabiliser of phi(x): the largest exponent over ``stabiliser_dims`` (padded rows
-    excluded; 0 where nothing is real). It cancels exactly, so it carries no gradient."""
+def _project(x: Tensor, projection: Tensor) -> Tensor:
+    """w_i^T x for every row of x [..., d] -> [..., m], as one matrix product over all rows."""
+    w = projection.to(x.dtype)
+    return (x.reshape(-1, x.shape[-1]) @ w.T).view(*x.shape[:-1], w.shape[0])
+
+
+def _half_square_norm(x: Tensor) -> Tensor:
+    return x.square().sum(dim=-1, keepdim=True) / 2
+
+
+def _stabiliser(projected: Tensor, half_sq_norm: Tensor, stabiliser_dims: tuple[int, ...],
+                real: Tensor | None) -> Tensor:
+    """The largest exponent w.x - |x|^2/2 over ``stabiliser_dims`` (padded rows excluded; 0 where nothing
+    is real), read off the projections: rounding is monotone, so max_i(a_i) - h is exactly max_i(a_i - h)
+    and no [.., N, m] difference is formed. It cancels exactly, so it carries no gradient."""
     with torch.no_grad():
-        exponent = x @ projection.T.to(x.dtype) - x.square().sum(dim=-1, keepdim=True) / 2
+        shift = projected.amax(dim=-1, keepdim=True) - half_sq_norm
         if real is not None:
-            exponent = exponent.masked_fill(~real, float("-inf"))
-        shift = exponent.amax(dim=stabiliser_dims, keepdim=True)
+            shift = shift.masked_fill(~real, float("-inf"))
+        rows = tuple(dim for dim in stabiliser_dims if dim != -1)
+        if rows:
+            shift = shift.amax(dim=rows, keepdim=True)
         return shift.masked_fill(~torch.isfinite(shift), 0.0)  # a fully padded row / head
 
 
+def _feature_shift(x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None) -> Tensor:
+    """The stabiliser of phi(x) (see :func:`_stabiliser`) on its own, for a shift over more rows than one
+    call of :func:`_positive_features` sees."""
+    with torch.no_grad():
+        return _stabiliser(_project(x, projection), _half_square_norm(x), stabiliser_dims, real)
+
+
+class _PositiveFeatures(torch.autograd.Function):
+    """phi(x) = exp(w.x - |x|^2/2 - shift) / sqrt(m) with its gradient written out: with G = grad * phi,
+    d/dx = G W - x sum_i G_i and d/dW = G^T x. Autograd of the same expression would also keep the
+    [.., N, m] projections and form a negated copy of G for the |x|^2 term; here phi is the only
+    [.., N, m] tensor saved and G the only one formed in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None,
+                shift: Tensor | None, max_over_shards: Callable[[Tensor], Tensor] | None) -> Tensor:
+        projected = _project(x, projection)
+        half_sq_norm = _half_square_norm(x)
+        if shift is None:
+            shift = _stabiliser(projected, half_sq_norm, stabiliser_dims, real)
+            if max_over_shards is not None:  # keys split across processes: one shift for all of them
+                shift = max_over_shards(shift)
+        # every per-row term folded into one [.., N, 1] offset
+        offset = half_sq_norm + (shift + 0.5 * math.log(projection.shape[0]))
+        features = projected.sub_(offset).exp_()
+        if real is not None:
+            features.mul_(real.to(features.dtype))
+        ctx.save_for_backward(x, projection, features)
+        return features
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, projection, features = ctx.saved_tensors
+        # G, laid out as phi whatever the layout of grad (so that the reshape below is a view); zero on
+        # padded rows (phi = 0 there)
+        weighted = torch.mul(grad, features, out=torch.empty_like(features)).view(-1, features.shape[-1])
+        rows = x.reshape(-1, x.shape[-1])
+        grad_x = grad_projection = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (weighted @ projection.to(x.dtype) - rows * weighted.sum(dim=-1, keepdim=True)).view_as(x)
+        if ctx.needs_input_grad[1]:
+            grad_projection = (weighted.T @ rows).to(projection.dtype)
+        return grad_x, grad_projection, None, None, None, None
+
+
 def _positive_features(
-    x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None, shift: Tensor | None = None
+    x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None, shift: Tensor | None = None,
+    max_over_shards: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """phi(x) of Lemma 1 up to a constant that cancels (see module doc). x: [B, H, N, d] already
-    scaled; ``shift`` the stabiliser when it was taken over more rows than x holds."""
-    projected = x @ projection.T.to(x.dtype)  # [B, H, N, m]
-    half_sq_norm = x.square().sum(dim=-1, keepdim=True) / 2
-    if shift is None:
-        shift = _feature_shift(x, projection, stabiliser_dims, real)
-    # exp(w.x - |x|^2/2 - shift) / sqrt(m), with every per-row term folded into one [.., N, 1] offset
-    offset = half_sq_norm + (shift + 0.5 * math.log(projection.shape[0]))
-    features = torch.exp(projected - offset)
-    return features if real is None else features * real.to(features.dtype)
+    scaled; ``shift`` the stabiliser when it was taken over more rows than x holds, ``max_over_shards``
+    the reduction that makes the local one the shift of the whole sequence."""
+    return _PositiveFeatures.apply(x, projection, stabiliser_dims, real, shift, max_over_shards)
 
 
 def favor_features(
@@ -107,11 +162,7 @@ def favor_features(
     data_scale = query.shape[-1] ** -0.25  # x.y = q.k / sqrt(d)
     real_keys = None if attention_mask is None else attention_mask[:, None, :, None]
     phi_q = _positive_features(query * data_scale, projection, (-1,), None)
-    scaled_key = key * data_scale
-    key_shift = None
-    if max_over_shards is not None:  # keys split across processes: one shift for all of them
-        key_shift = max_over_shards(_feature_shift(scaled_key, projection, (-1, -2), real_keys))
-    phi_k = _positive_features(scaled_key, projection, (-1, -2), real_keys, key_shift)
+    phi_k = _positive_features(key * data_scale, projection, (-1, -2), real_keys, max_over_shards=max_over_shards)
     return phi_q, phi_k
 
 
@@ -147,46 +198,57 @@ def performer_attention(
 # Tokens per chunk of the non-causal path: the [chunk, m] features of one chunk are the only
 # feature tensors alive at a time, forward or backward (recomputed there: checkpoint).
 FAVOR_CHUNK = 2048
+# ... unless the features of the whole sequence (one chunk) hold at most this many elements: then they are
+# kept for the backward pass instead of computed again (at forecasting sizes, B*H = 256, N = 96, m = 256,
+# the recomputation was a third of the mechanism's time).
+FAVOR_KEEP_ELEMENTS = 1 << 23
 
 
 def _chunked_favor(query: Tensor, key: Tensor, value: Tensor, projection: Tensor, attention_mask: Tensor | None,
                    eps: float) -> Tensor:
     """Non-causal FAVOR+ (eq. 5-6 with Lemma 1's features) chunk by chunk along N: the key
     sums phi(K)^T [V, 1] accumulated over key chunks, then each query chunk's output; the same
-    numbers as kernel_attention on favor_features, without any [N, m] feature tensor."""
+    numbers as kernel_attention on favor_features, without any [N, m] feature tensor beyond
+    FAVOR_CHUNK tokens (or FAVOR_KEEP_ELEMENTS elements)."""
     data_scale = query.shape[-1] ** -0.25  # x.y = q.k / sqrt(d)
+    b, h, n_query, _ = query.shape
     n = key.shape[2]
     real = None if attention_mask is None else attention_mask[:, None, :, None]
-    spans = [(start, min(start + FAVOR_CHUNK, n)) for start in range(0, n, FAVOR_CHUNK)]
+    # the normaliser sum_j phi(K_j) is the context of a value column of ones: one product gives both
+    value = torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)
+    if max(n, n_query) <= FAVOR_CHUNK and b * h * max(n, n_query) * projection.shape[0] <= FAVOR_KEEP_ELEMENTS:
+        sums = _favor_key_sums(key * data_scale, value, projection, real, None)
+        return _favor_query_output(query * data_scale, projection, sums, eps)
+
+    def spans(length: int) -> list[tuple[int, int]]:
+        return [(start, min(start + FAVOR_CHUNK, length)) for start in range(0, length, FAVOR_CHUNK)]
 
     def real_of(start: int, stop: int) -> Tensor | None:
         return None if real is None else real[:, :, start:stop]
 
     # the keys' stabiliser is one maximum over every key and feature (see favor_features)
-    shifts = [_feature_shift(key[:, :, a:b] * data_scale, projection, (-1, -2), real_of(a, b)) for a, b in spans]
+    shifts = [_feature_shift(key[:, :, a:b] * data_scale, projection, (-1, -2), real_of(a, b)) for a, b in spans(n)]
     shift = torch.stack(shifts).amax(0)
-    context = normaliser = None
-    for a, b in spans:
-        part_context, part_normaliser = checkpoint(_favor_key_sums, key[:, :, a:b] * data_scale, value[:, :, a:b],
-                                                   projection, real_of(a, b), shift, use_reentrant=False)
-        context = part_context if context is None else context + part_context
-        normaliser = part_normaliser if normaliser is None else normaliser + part_normaliser
-    outputs = [checkpoint(_favor_query_output, query[:, :, a:b] * data_scale, projection, context, normaliser, eps,
-                          use_reentrant=False) for a, b in spans]
+    sums = None
+    for a, b in spans(n):
+        part = checkpoint(_favor_key_sums, key[:, :, a:b] * data_scale, value[:, :, a:b], projection, real_of(a, b),
+                          shift, use_reentrant=False)
+        sums = part if sums is None else sums + part
+    outputs = [checkpoint(_favor_query_output, query[:, :, a:b] * data_scale, projection, sums, eps,
+                          use_reentrant=False) for a, b in spans(n_query)]
     return torch.cat(outputs, dim=2)
 
 
 def _favor_key_sums(key: Tensor, value: Tensor, projection: Tensor, real: Tensor | None,
-                    shift: Tensor) -> tuple[Tensor, Tensor]:
-    """One key chunk's phi(K)^T V [B, H, m, Dv] and sum_j phi(K_j) [B, H, 1, m]."""
-    phi_k = _positive_features(key, projection, (-1, -2), real, shift)
-    return phi_k.transpose(-1, -2) @ value, phi_k.sum(dim=-2, keepdim=True)
+                    shift: Tensor | None) -> Tensor:
+    """One key chunk's phi(K)^T [V, 1]: [B, H, m, Dv + 1] (the context, then sum_j phi(K_j))."""
+    return _positive_features(key, projection, (-1, -2), real, shift).transpose(-1, -2) @ value
 
 
-def _favor_query_output(query: Tensor, projection: Tensor, context: Tensor, normaliser: Tensor, eps: float) -> Tensor:
-    """One query chunk's phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j) + eps)."""
-    phi_q = _positive_features(query, projection, (-1,), None)
-    return (phi_q @ context) / (phi_q @ normaliser.transpose(-1, -2) + eps)
+def _favor_query_output(query: Tensor, projection: Tensor, sums: Tensor, eps: float) -> Tensor:
+    """One query chunk's phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j) + eps), both from one product."""
+    both = _positive_features(query, projection, (-1,), None) @ sums
+    return both[..., :-1] / (both[..., -1:] + eps)
 
 
 @padding_safe
