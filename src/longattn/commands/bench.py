@@ -1,4 +1,4 @@
-"""``longattn bench {speed,model,approx,footprint}``: measured cost of every mechanism."""
+"""``longattn bench {speed,model,approx,footprint,forecast-step}``: measured cost of every mechanism and model."""
 
 from __future__ import annotations
 
@@ -132,6 +132,16 @@ def _approx(args: argparse.Namespace) -> int:
     return 0
 
 
+def _forecast_step(args: argparse.Namespace) -> int:
+    from longattn.bench.forecast_step import forecast_step_table, run_forecast_steps
+
+    sources = args.src or [str(Path(__file__).resolve().parents[2])]  # this package's source tree
+    rows = run_forecast_steps(args.data_dir, args.dataset, args.models, args.horizon, args.set or [], sources,
+                              steps=args.steps, warmup=args.warmup, rounds=args.rounds, seed=args.seed)
+    _write(Path(args.out), "forecast_step", rows, forecast_step_table(rows))
+    return 0
+
+
 def _speed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", nargs="*", help="mechanisms (default: all registered)")
     parser.add_argument("--lengths", default=speed_defaults.DEFAULT_LENGTHS,
@@ -193,10 +203,32 @@ def _footprint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench-footprint")
 
 
+def _forecast_step_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.bench import forecast_step
+
+    parser.add_argument("--data-dir", required=True, help="folder of the forecasting CSVs")
+    parser.add_argument("--dataset", default="exchange")
+    parser.add_argument("--models", nargs="+", required=True, help="forecast-table model specs")
+    parser.add_argument("--horizon", type=int, default=96)
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override, as forecast-table's (e.g. models.reformer.d_model=128; repeatable)")
+    parser.add_argument("--src", action="append", metavar="DIR",
+                        help="source tree whose longattn to measure (repeatable: their processes alternate; "
+                             "default: this one's), e.g. the src/ of a worktree at an earlier commit")
+    parser.add_argument("--steps", type=int, default=forecast_step.DEFAULT_STEPS, help="timed steps per process")
+    parser.add_argument("--warmup", type=int, default=forecast_step.DEFAULT_WARMUP)
+    parser.add_argument("--rounds", type=int, default=forecast_step.DEFAULT_ROUNDS,
+                        help="processes per (model, source), alternating between sources")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/bench-forecast-step")
+
+
 register_analysis("speed", "time and peak memory against sequence length", _speed_arguments, _speed)
 register_analysis("approx", "approximation error on a pretrained model's Q, K, V (Skeinformer Fig. 1)", _approx_arguments, _approx)
 register_analysis("model", "training steps/s and peak memory of the LRA text model (SKTformer Table 4)", _model_arguments, _model)
 register_analysis("footprint", "largest intermediate tensor, forward and backward", _footprint_arguments, _footprint)
+register_analysis("forecast-step", "CPU time of a forecaster's training step (as forecast-table builds it)",
+                  _forecast_step_arguments, _forecast_step)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
