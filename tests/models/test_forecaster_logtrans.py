@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
+from longattn.attention.base import merge_heads, split_heads
 from longattn.models.logtrans import LogSparseConvAttention, logsparse_mask
 
 
@@ -44,6 +45,35 @@ def test_conv_attention_matches_a_plain_loop_and_is_causal():
     changed = x.clone()
     changed[:, 7:] += 1.0
     torch.testing.assert_close(layer(changed)[:, :7], out[:, :7])  # no position sees a later one
+
+
+def masked_dense_reference(layer, x):
+    """The layer's attention written the plain way: scaled scores, masked_fill outside the pattern, softmax,
+    dropout, values."""
+    q, k, v = (split_heads(f(x), layer.heads) for f in (layer.to_q, layer.to_k, layer.to_v))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~logsparse_mask(x.shape[1], layer.local_window), float("-inf"))
+    return layer.to_out(merge_heads(layer.dropout(torch.softmax(scores, dim=-1)) @ v))
+
+
+@pytest.mark.parametrize("n, window", [(13, 0), (30, 2)])
+def test_in_place_scores_match_the_masked_dense_reference_with_the_same_dropout(n, window):
+    """Forward and gradients in float64, in training mode: the same dropout mask is drawn for the same seed
+    (the random numbers are consumed as by the reference)."""
+    torch.manual_seed(0)
+    layer = LogSparseConvAttention(8, 2, kernel_size=3, local_window=window, dropout=0.3).double().train()
+    x = torch.randn(2, n, 8, dtype=torch.float64, requires_grad=True)
+    params = [x, *layer.parameters()]
+    torch.manual_seed(5)
+    out = layer(x)
+    torch.manual_seed(5)
+    ref = masked_dense_reference(layer, x)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, r)
+    torch.manual_seed(6)
+    assert not torch.allclose(layer(x), out)  # dropout is on: another seed, another mask
 
 
 SMALL = dict(d_model=16, heads=2, d_ff=16)

@@ -65,9 +65,12 @@ class LogSparseConvAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, n, d = x.shape
         q, k, v = (split_heads(f(x), self.heads) for f in (self.to_q, self.to_k, self.to_v))
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
-        allowed = logsparse_mask(n, self.local_window, x.device)
-        weights = self.dropout(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1))
+        scores = (q @ k.transpose(-1, -2)).div_(math.sqrt(d // self.heads))
+        # the pattern as an additive 0 / -inf bias, in place: the same scores as a masked_fill, but no copy of
+        # the [B, H, L, L] scores forward nor of their gradient backward (the bias passes it through)
+        disallowed = ~logsparse_mask(n, self.local_window, x.device)
+        scores.add_(torch.zeros(n, n, dtype=scores.dtype, device=x.device).masked_fill_(disallowed, float("-inf")))
+        weights = self.dropout(torch.softmax(scores, dim=-1))
         return self.to_out(merge_heads(weights @ v))
 
 
