@@ -54,18 +54,22 @@ def hash_buckets(vectors: Tensor, rotations: Tensor) -> Tensor:
 
 
 def hash_buckets_blocked(vectors: Tensor, rotations: Tensor) -> Tensor:
-    """:func:`hash_buckets` without the [N, rounds, n_buckets] tensor: tokens in blocks, and
-    argmax([xR; -xR]) read off the max and min of xR (ties resolve the same way)."""
-    d, rounds, half = rotations.shape
+    """:func:`hash_buckets` without the [N, rounds, n_buckets] tensor: rows of all (batch, head) pairs in
+    blocks of at most the block budget of projections (n_buckets grows with N, so a block of tokens of
+    every head at once would not be bounded), and argmax([xR; -xR]) read off the max and min of xR (ties
+    resolve the same way)."""
+    b, h, n, d = vectors.shape
+    _, rounds, half = rotations.shape
     flat_rotations = rotations.reshape(d, rounds * half)
-    tokens_per_block = max(1, block_elements(vectors.device) // (rounds * half))
-    blocks = []
-    for block in vectors.split(tokens_per_block, dim=2):
-        rotated = (block @ flat_rotations).unflatten(-1, (rounds, half))  # [B, H, n, rounds, half]
+    rows = vectors.reshape(-1, d)
+    rows_per_block = max(1, block_elements(vectors.device) // (rounds * half))
+    buckets = torch.empty(rows.shape[0], rounds, dtype=torch.long, device=vectors.device)
+    for start in range(0, rows.shape[0], rows_per_block):
+        rotated = (rows[start:start + rows_per_block] @ flat_rotations).unflatten(-1, (rounds, half))
         high, arg_high = rotated.max(dim=-1)
         low, arg_low = rotated.min(dim=-1)
-        blocks.append(torch.where(high >= -low, arg_high, arg_low + half))
-    return torch.cat(blocks, dim=2).transpose(2, 3)
+        torch.where(high >= -low, arg_high, arg_low + half, out=buckets[start:start + rows_per_block])
+    return buckets.view(b, h, n, rounds).transpose(2, 3)
 
 
 class _SlotLayout:
