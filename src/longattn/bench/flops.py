@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from longattn import attention
 from longattn.attention.base import merge_heads, split_heads
+from longattn.attention.performer import FAVOR_CHUNK, FAVOR_KEEP_ELEMENTS
 from longattn.bench.speed import flop_counter
 
 __all__ = ["FLOP_MODELS", "FlopModel", "flop_rows", "flops_table", "measure_attention_macs", "plot_flops"]
@@ -77,6 +78,13 @@ def _bigbird_count(n: int, d: int, p: int) -> float:
     return 2 * p * (2 * b * n + (n - 2 * b) * BIGBIRD_KEY_BLOCKS * b)
 
 
+def _performer_count(n: int, d: int, p: int) -> float:
+    """4ndp + 2nd, plus one more projection of K where the features are recomputed chunk by chunk
+    (one sequence, one head: see performer._chunked_favor)."""
+    kept = n <= FAVOR_CHUNK and n * d <= FAVOR_KEEP_ELEMENTS
+    return 4 * n * d * p + 2 * n * d + (0 if kept else n * d * p)
+
+
 def _informer_count(n: int, d: int, p: int) -> float:
     # Informer eq. 4: every query against u sampled keys (n u p), then the u active queries attend to
     # all keys (2 u n p); the other queries take the mean of V (no multiply-add).
@@ -91,12 +99,13 @@ FLOP_MODELS: dict[str, FlopModel] = {m.mechanism: m for m in (
               "the table's d = 256 stands for 640 visited keys per query (2 global + 3 window + 3 random blocks "
               "of 64, and the global rows); the count has no d"),
     FlopModel("performer", "3ndp", lambda n, d, p: 3 * n * d * p,
-              lambda n, d, p: 6 * n * d * p + n * d,
+              _performer_count,
               lambda n, d: {"nb_features": d},
-              "FAVOR+ itself is 4ndp (phi(Q), phi(K), phi(K)^T V, phi(Q) (phi(K)^T V)) + nd for the normaliser; "
-              "the table's 3ndp leaves one out. The implementation adds 2ndp: the numerical stabiliser "
-              "(max exponent) projects Q and K once more, keys in a separate pass so that no [n, d] feature "
-              "tensor is kept"),
+              "FAVOR+ itself is 4ndp (phi(Q), phi(K), phi(K)^T V, phi(Q) (phi(K)^T V)) + 2nd for the normaliser "
+              "(the products with a value column of ones); the table's 3ndp leaves one out. The implementation "
+              "adds ndp where the features are not kept (above FAVOR_CHUNK tokens): the keys' numerical "
+              "stabiliser (their max exponent) projects K once more, in a separate pass so that no [n, d] "
+              "feature tensor is kept (the queries' is read off their projections)"),
     FlopModel("nystrom", "4ndp", lambda n, d, p: 4 * n * d * p,
               lambda n, d, p: 4 * n * d * p + 4 * NYSTROM_PINV_ITERATIONS * d**3 + 2 * d * d * p
               + NYSTROM_CONV_KERNEL * n * p,
