@@ -123,17 +123,14 @@ class _SlotLayout:
         """Key-side view [len(slots) / keys_per_chunk, keys_per_chunk, ...] of per-slot ``t`` [G, m, ...]."""
         return t.flatten(0, 1).index_select(0, slots).view(-1, self.keys_per_chunk, *t.shape[2:])
 
-    def add_to_keys(self, grad: Tensor, key_grad: Tensor, start: int, stop: int) -> None:
-        """Accumulate a block's key-side gradient [stop - start, keys_per_chunk, D] onto its chunks and the ones
-        they look back to (distinct chunks within a block: every chunk is looked back to by exactly one)."""
-        grad[start:stop] += key_grad[:, :self.m]
-        if self.looks_back:
-            grad.index_add_(0, self.previous[start:stop], key_grad[:, self.m:])
+    def rows(self, t: Tensor, row_index: Tensor, per_chunk: int) -> Tensor:
+        """Rows ``row_index`` of token-major ``t`` [B*H*N, D] as [chunks, per_chunk, D]."""
+        return t.index_select(0, row_index).view(-1, per_chunk, t.shape[-1])
 
     def scores(self, q: Tensor, k: Tensor, start: int, stop: int, slots: Tensor) -> Tensor:
         """Masked scores [stop - start, m, keys_per_chunk] of a block of chunks (eq. 3's P_i, causality, padding)
-        given the block's :meth:`key_slots`."""
-        scores = torch.bmm(q[start:stop], self.keys(k, slots).transpose(1, 2))
+        from its queries [stop - start, m, D] and keys [stop - start, keys_per_chunk, D] (its :meth:`key_slots`)."""
+        scores = torch.bmm(q, k.transpose(1, 2))
         blocked = None
         if self.match_id is not None:  # same bucket and round; padded slots have ids of their own
             blocked = self.match_id[start:stop, :, None] != self.keys(self.match_id, slots)[:, None, :]
@@ -162,19 +159,26 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
     (as flash attention does), so no [C, m, 2m] tensor is ever kept or allocated whole. Scores that a
     mask replaced by a constant need no explicit zero gradient: their weight underflows (at most
     exp(EXP_FLOOR)) unless the token sees only itself, and then out_i = v_i makes g_i . v_i - delta_i = 0.
+
+    Inputs are token-major [B*H*N, D] rows: each block gathers its queries, keys and values from them
+    (and scatters its gradients back), so no sorted copy of all rounds' slots, [B*H*R*N, D], is formed.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, layout: _SlotLayout) -> Tensor:
-        g, m, d = q.shape
+        g, m = layout.position.shape
+        d = v.shape[-1]
+        per_chunk = layout.keys_per_chunk
         row_max, row_sum, out_slots = q.new_empty(g, m), q.new_empty(g, m), q.new_empty(g, m, d)
         for start, stop in layout.blocks():
             slots = layout.key_slots(start, stop)
-            scores = layout.scores(q, k, start, stop, slots)
+            key_rows, query_rows = layout.token_row[slots], layout.token_row[start * m:stop * m]
+            scores = layout.scores(layout.rows(q, query_rows, m), layout.rows(k, key_rows, per_chunk),
+                                   start, stop, slots)
             block_max = torch.amax(scores, dim=-1, keepdim=True, out=row_max[start:stop, :, None])
             weights = _exp_shifted(scores, block_max)
             torch.sum(weights, dim=-1, out=row_sum[start:stop])
-            torch.bmm(weights, layout.keys(v, slots), out=out_slots[start:stop])
+            torch.bmm(weights, layout.rows(v, key_rows, per_chunk), out=out_slots[start:stop])
         # scale each slot's exp(s - row_max) to exp(s - L_i): normalise rounds against each other
         bh, rounds, n_total = layout.heads_total, layout.rounds, layout.n_total
         lse_by_round = (row_max + row_sum.log()).flatten()[layout.slot_of].view(bh, rounds, n_total)
@@ -191,19 +195,23 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         q, k, v, row_max, scale, out = ctx.saved_tensors
         layout: _SlotLayout = ctx.layout
-        g, m, d = q.shape
-        grad_slots = grad_out.reshape(-1, d).index_select(0, layout.token_row).view(g, m, d).mul_(scale[..., None])
-        delta = (grad_out * out).sum(-1).flatten()[layout.token_row].view(g, m, 1).mul_(scale[..., None])
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        g, m = layout.position.shape
+        per_chunk = layout.keys_per_chunk
+        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
+        delta_rows = (grad_out * out).sum(-1).flatten()
+        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for start, stop in layout.blocks():
             slots = layout.key_slots(start, stop)
-            weights = _exp_shifted(layout.scores(q, k, start, stop, slots), row_max[start:stop, :, None])  # as forward
-            block_grad = grad_slots[start:stop]
-            grad_scores = torch.bmm(block_grad, layout.keys(v, slots).transpose(1, 2))
-            grad_scores.sub_(delta[start:stop]).mul_(weights)
-            torch.bmm(grad_scores, layout.keys(k, slots), out=grad_q[start:stop])
-            layout.add_to_keys(grad_k, torch.bmm(grad_scores.transpose(1, 2), q[start:stop]), start, stop)
-            layout.add_to_keys(grad_v, torch.bmm(weights.transpose(1, 2), block_grad), start, stop)
+            key_rows, query_rows = layout.token_row[slots], layout.token_row[start * m:stop * m]
+            block_q, block_k = layout.rows(q, query_rows, m), layout.rows(k, key_rows, per_chunk)
+            block_scale = scale[start:stop, :, None]
+            weights = _exp_shifted(layout.scores(block_q, block_k, start, stop, slots), row_max[start:stop, :, None])
+            block_grad = layout.rows(grad_rows, query_rows, m).mul_(block_scale)
+            grad_scores = torch.bmm(block_grad, layout.rows(v, key_rows, per_chunk).transpose(1, 2))
+            grad_scores.sub_(delta_rows[query_rows].view(-1, m, 1).mul_(block_scale)).mul_(weights)
+            grad_q.index_add_(0, query_rows, torch.bmm(grad_scores, block_k).flatten(0, 1))
+            grad_k.index_add_(0, key_rows, torch.bmm(grad_scores.transpose(1, 2), block_q).flatten(0, 1))
+            grad_v.index_add_(0, key_rows, torch.bmm(weights.transpose(1, 2), block_grad).flatten(0, 1))
         return grad_q, grad_k, grad_v, None
 
 
@@ -263,9 +271,6 @@ def lsh_attention(
     head_offset = torch.arange(bh, device=device)[:, None] * (rounds * n_total)
     layout = _SlotLayout((order + head_offset).flatten(), m, bh, rounds, n_total, is_causal)
 
-    def sort(t: Tensor) -> Tensor:  # [B, H, N, D] -> sorted slots [G, m, D]
-        return t.reshape(bh * n_total, -1).index_select(0, layout.token_row).view(-1, m, t.shape[-1])
-
     slot_valid = None
     if valid is not None:
         slot_valid = valid.repeat_interleave(h, dim=0).gather(1, order % n_total).view(-1, m)
@@ -280,7 +285,10 @@ def lsh_attention(
     # shared-QK: unit-length keys; half inputs are normalised in float32, where the norm's eps (1e-12)
     # does not round to zero and turn the padded (all-zero) rows into 0 / 0
     keys = F.normalize(shared_qk.to(compute_dtype(shared_qk.dtype)), dim=-1).to(shared_qk.dtype)
-    out = _ChunkedLSHSoftmax.apply(sort(shared_qk * scale), sort(keys), sort(value), layout)
+    def rows(t: Tensor) -> Tensor:  # [B, H, N, D] -> token-major [B*H*N, D]
+        return t.reshape(bh * n_total, t.shape[-1])
+
+    out = _ChunkedLSHSoftmax.apply(rows(shared_qk * scale), rows(keys), rows(value), layout)
     return out.view(b, h, n_total, d)[:, :, :n]
 
 
