@@ -17,7 +17,6 @@ implementation does); at the benchmark lengths (seq_len + pred_len <= 816) that 
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +64,8 @@ class LogSparseConvAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, n, d = x.shape
         q, k, v = (split_heads(f(x), self.heads) for f in (self.to_q, self.to_k, self.to_v))
-        scores = (q @ k.transpose(-1, -2)).div_(math.sqrt(d // self.heads))
+        # 1/sqrt(d_head) applied to the queries, not to the [B, H, L, L] scores (nor to their gradient)
+        scores = (q * (d // self.heads) ** -0.5) @ k.transpose(-1, -2)
         # the pattern as an additive 0 / -inf bias, in place: the same scores as a masked_fill, but no copy of
         # the [B, H, L, L] scores forward nor of their gradient backward (the bias passes it through)
         disallowed = ~logsparse_mask(n, self.local_window, x.device)
