@@ -17,7 +17,6 @@ implementation does); at the benchmark lengths (seq_len + pred_len <= 816) that 
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
