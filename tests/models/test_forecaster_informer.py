@@ -1,5 +1,5 @@
-"""Informer: masked ProbSparse against a plain loop and (u = N) full causal attention, distilling, mix,
-shapes, gradients, overfit."""
+"""Informer: masked ProbSparse against a plain loop and (u = N) full causal attention, distilling, mix, the
+family's feed-forward block against its convolutions, shapes, gradients, overfit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
 from longattn.attention.informer import sample_informer_keys
 from longattn.attention.softmax import softmax_attention_reference
-from longattn.models.forecast_blocks import DistillingLayer
+from longattn.models.forecast_blocks import DistillingLayer, FeedForward
 from longattn.models.informer import MaskedProbSparseAttention, masked_probsparse_attention
 
 
@@ -92,3 +92,23 @@ def test_calendar_marks():
 
 def test_overfits_a_synthetic_series():
     assert overfit_ratio(tiny("informer", 2, 24, 6, **SMALL), 24, 6, 2) < 0.5
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_feed_forward_products_match_its_convolutions_with_the_same_dropout(bias):
+    """The family's FFN computes its kernel-1 convolutions as batched products: the convolutions' output and
+    gradients (input and every parameter) in float64, training mode, and the same dropout masks per seed."""
+    torch.manual_seed(0)
+    ff = FeedForward(8, 20, dropout=0.3, activation="gelu", bias=bias).double().train()
+    x = torch.randn(3, 17, 8, dtype=torch.float64, requires_grad=True)
+    params = [x, *ff.parameters()]
+    torch.manual_seed(4)
+    out = ff(x)
+    torch.manual_seed(4)
+    ref = ff.dropout(ff.conv2(ff.dropout(ff.activation(ff.conv1(x.transpose(1, 2))))).transpose(1, 2))
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, r)
+    torch.manual_seed(5)
+    assert not torch.allclose(ff(x), out)  # dropout is on: another seed, other masks

