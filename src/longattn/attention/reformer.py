@@ -8,8 +8,9 @@ bucket (the set P_i of eq. 3), optionally across buckets. A token attends to its
 has no other valid target. The rounds are combined with weights proportional to
 exp(logsumexp of each round's scores) (multi-round LSH attention, section 2).
 
-The fast path works block by block over the sorted chunks and recomputes scores in the backward
-pass, so it keeps O(rounds * N * head_dim) and never holds more than a block of scores
+The fast path works block by block over the sorted chunks (a block: any range of chunks, across
+heads, gathering its queries, keys and values from the token-major rows) and recomputes scores in the
+backward pass, so it keeps O(rounds * N * head_dim) and never holds more than a block of scores
 (BLOCK_ELEMENTS on CPU, sized for the cache; GPU_BLOCK_ELEMENTS on GPUs, where fewer, larger
 kernels pay off).
 
@@ -123,7 +124,8 @@ class _SlotLayout:
         """Key-side view [len(slots) / keys_per_chunk, keys_per_chunk, ...] of per-slot ``t`` [G, m, ...]."""
         return t.flatten(0, 1).index_select(0, slots).view(-1, self.keys_per_chunk, *t.shape[2:])
 
-    def rows(self, t: Tensor, row_index: Tensor, per_chunk: int) -> Tensor:
+    @staticmethod
+    def rows(t: Tensor, row_index: Tensor, per_chunk: int) -> Tensor:
         """Rows ``row_index`` of token-major ``t`` [B*H*N, D] as [chunks, per_chunk, D]."""
         return t.index_select(0, row_index).view(-1, per_chunk, t.shape[-1])
 
