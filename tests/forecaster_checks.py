@@ -73,3 +73,19 @@ def overfit_ratio(model: nn.Module, seq_len: int, pred_len: int, channels: int, 
 
 def tiny(name: str, channels: int, seq_len: int, pred_len: int, **options) -> nn.Module:
     return build_forecaster(name, channels=channels, seq_len=seq_len, pred_len=pred_len, **options)
+
+
+def check_matches_reference_with_dropout(fast, reference, x: torch.Tensor, params: list, seed: int = 5) -> None:
+    """``fast(x)`` against ``reference(x)`` in training mode: the same output and gradients (x and ``params``)
+    when both start from the same seed, i.e. the same dropout masks are drawn; another seed gives another
+    output, so dropout is really on."""
+    torch.manual_seed(seed)
+    out = fast(x)
+    torch.manual_seed(seed)
+    ref = reference(x)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, [x, *params], g), torch.autograd.grad(ref, [x, *params], g)):
+        torch.testing.assert_close(a, r)
+    torch.manual_seed(seed + 1)
+    assert not torch.allclose(fast(x), out)

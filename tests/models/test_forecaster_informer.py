@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
+from forecaster_checks import (check_forward_and_gradients, check_matches_reference_with_dropout,
+                               check_rejects_bad_input, overfit_ratio, tiny)
 from longattn.attention.informer import sample_informer_keys
 from longattn.attention.softmax import softmax_attention_reference
 from longattn.models.forecast_blocks import DistillingLayer, FeedForward
@@ -101,14 +102,6 @@ def test_feed_forward_products_match_its_convolutions_with_the_same_dropout(bias
     torch.manual_seed(0)
     ff = FeedForward(8, 20, dropout=0.3, activation="gelu", bias=bias).double().train()
     x = torch.randn(3, 17, 8, dtype=torch.float64, requires_grad=True)
-    params = [x, *ff.parameters()]
-    torch.manual_seed(4)
-    out = ff(x)
-    torch.manual_seed(4)
-    ref = ff.dropout(ff.conv2(ff.dropout(ff.activation(ff.conv1(x.transpose(1, 2))))).transpose(1, 2))
-    torch.testing.assert_close(out, ref)
-    g = torch.randn_like(out)
-    for a, r in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
-        torch.testing.assert_close(a, r)
-    torch.manual_seed(5)
-    assert not torch.allclose(ff(x), out)  # dropout is on: another seed, other masks
+    check_matches_reference_with_dropout(
+        ff, lambda t: ff.dropout(ff.conv2(ff.dropout(ff.activation(ff.conv1(t.transpose(1, 2))))).transpose(1, 2)),
+        x, list(ff.parameters()), seed=4)

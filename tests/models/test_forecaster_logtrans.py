@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
+from forecaster_checks import (check_forward_and_gradients, check_matches_reference_with_dropout,
+                               check_rejects_bad_input, overfit_ratio, tiny)
 from longattn.attention.base import merge_heads, split_heads
 from longattn.models.logtrans import LogSparseConvAttention, logsparse_mask
 
@@ -63,17 +64,8 @@ def test_in_place_scores_match_the_masked_dense_reference_with_the_same_dropout(
     torch.manual_seed(0)
     layer = LogSparseConvAttention(8, 2, kernel_size=3, local_window=window, dropout=0.3).double().train()
     x = torch.randn(2, n, 8, dtype=torch.float64, requires_grad=True)
-    params = [x, *layer.parameters()]
-    torch.manual_seed(5)
-    out = layer(x)
-    torch.manual_seed(5)
-    ref = masked_dense_reference(layer, x)
-    torch.testing.assert_close(out, ref)
-    g = torch.randn_like(out)
-    for a, r in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
-        torch.testing.assert_close(a, r)
-    torch.manual_seed(6)
-    assert not torch.allclose(layer(x), out)  # dropout is on: another seed, another mask
+    check_matches_reference_with_dropout(layer, lambda t: masked_dense_reference(layer, t), x,
+                                         list(layer.parameters()))
 
 
 SMALL = dict(d_model=16, heads=2, d_ff=16)

@@ -227,15 +227,16 @@ def _chunked_favor(query: Tensor, key: Tensor, value: Tensor, projection: Tensor
         return None if real is None else real[:, :, start:stop]
 
     # the keys' stabiliser is one maximum over every key and feature (see favor_features)
-    shifts = [_feature_shift(key[:, :, a:b] * data_scale, projection, (-1, -2), real_of(a, b)) for a, b in spans(n)]
+    shifts = [_feature_shift(key[:, :, start:stop] * data_scale, projection, (-1, -2), real_of(start, stop))
+              for start, stop in spans(n)]
     shift = torch.stack(shifts).amax(0)
     sums = None
-    for a, b in spans(n):
-        part = checkpoint(_favor_key_sums, key[:, :, a:b] * data_scale, value[:, :, a:b], projection, real_of(a, b),
-                          shift, use_reentrant=False)
+    for start, stop in spans(n):
+        part = checkpoint(_favor_key_sums, key[:, :, start:stop] * data_scale, value[:, :, start:stop], projection,
+                          real_of(start, stop), shift, use_reentrant=False)
         sums = part if sums is None else sums + part
-    outputs = [checkpoint(_favor_query_output, query[:, :, a:b] * data_scale, projection, sums, eps,
-                          use_reentrant=False) for a, b in spans(n_query)]
+    outputs = [checkpoint(_favor_query_output, query[:, :, start:stop] * data_scale, projection, sums, eps,
+                          use_reentrant=False) for start, stop in spans(n_query)]
     return torch.cat(outputs, dim=2)
 
 

@@ -283,14 +283,12 @@ def lsh_attention(
         layout.match_id = match_id
     else:
         layout.key_valid = slot_valid
-    # normalising and scaling before the sort touches N rows instead of rounds * N
+    # normalising and scaling the N token rows once, before the blocks gather them for all rounds
     # shared-QK: unit-length keys; half inputs are normalised in float32, where the norm's eps (1e-12)
     # does not round to zero and turn the padded (all-zero) rows into 0 / 0
     keys = F.normalize(shared_qk.to(compute_dtype(shared_qk.dtype)), dim=-1).to(shared_qk.dtype)
-    def rows(t: Tensor) -> Tensor:  # [B, H, N, D] -> token-major [B*H*N, D]
-        return t.reshape(bh * n_total, t.shape[-1])
-
-    out = _ChunkedLSHSoftmax.apply(rows(shared_qk * scale), rows(keys), rows(value), layout)
+    token_major = (t.reshape(bh * n_total, t.shape[-1]) for t in (shared_qk * scale, keys, value))  # [B*H*N, D]
+    out = _ChunkedLSHSoftmax.apply(*token_major, layout)
     return out.view(b, h, n_total, d)[:, :, :n]
 
 
