@@ -1,5 +1,5 @@
 """LogTrans: the LogSparse pattern against its set definition, convolutional attention against a plain loop,
-causality, shapes, gradients, overfit."""
+the diagonal (pattern-only) scores against the dense masked form, causality, shapes, gradients, overfit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from forecaster_checks import (check_forward_and_gradients, check_matches_reference_with_dropout,
                                check_rejects_bad_input, overfit_ratio, tiny)
 from longattn.attention.base import merge_heads, split_heads
-from longattn.models.logtrans import LogSparseConvAttention, logsparse_mask
+from longattn.models.logtrans import LogSparseConvAttention, logsparse_gaps, logsparse_mask
+from longattn.testing import LargestTensorRecorder
 
 
 @pytest.mark.parametrize("n, window", [(1, 0), (13, 0), (20, 3)])
@@ -57,15 +58,53 @@ def masked_dense_reference(layer, x):
     return layer.to_out(merge_heads(layer.dropout(torch.softmax(scores, dim=-1)) @ v))
 
 
-@pytest.mark.parametrize("n, window", [(13, 0), (30, 2)])
-def test_in_place_scores_match_the_masked_dense_reference_with_the_same_dropout(n, window):
+@pytest.mark.parametrize("n, window", [(1, 0), (2, 0), (13, 0), (16, 0), (17, 0), (30, 2), (33, 5), (6, 9)])
+def test_gaps_are_the_diagonals_of_the_mask(n, window):
+    mask = logsparse_mask(n, window)
+    expected = sorted({i - j for i in range(n) for j in range(n) if mask[i, j]})
+    assert logsparse_gaps(n, window) == expected
+
+
+@pytest.mark.parametrize("n, window", [(2, 0), (13, 0), (17, 0), (30, 2), (33, 5), (6, 9)])
+def test_pattern_scores_match_the_masked_dense_reference_with_the_same_dropout(n, window):
     """Forward and gradients in float64, in training mode: the same dropout mask is drawn for the same seed
-    (the random numbers are consumed as by the reference)."""
+    (the random numbers are consumed as by the reference), at odd lengths, just past a power of two, and with
+    a local window longer than the sequence."""
     torch.manual_seed(0)
     layer = LogSparseConvAttention(8, 2, kernel_size=3, local_window=window, dropout=0.3).double().train()
     x = torch.randn(2, n, 8, dtype=torch.float64, requires_grad=True)
     check_matches_reference_with_dropout(layer, lambda t: masked_dense_reference(layer, t), x,
                                          list(layer.parameters()))
+
+
+@pytest.mark.parametrize("n, dropout, train", [(21, 0.0, True), (21, 1.0, True), (21, 0.3, False), (1, 0.3, False)])
+def test_pattern_scores_match_the_reference_without_dropout_draws(n, dropout, train):
+    """No dropout (p = 0, or evaluation) and p = 1: the same output and gradients as the dense form, and, as
+    nn.Dropout, no random number is drawn."""
+    torch.manual_seed(0)
+    layer = LogSparseConvAttention(8, 2, kernel_size=2, local_window=1, dropout=dropout).double().train(train)
+    x = torch.randn(3, n, 8, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(7)
+    out = layer(x)
+    after_fast = torch.rand(1)
+    torch.manual_seed(7)
+    ref = masked_dense_reference(layer, x)
+    torch.testing.assert_close(torch.rand(1), after_fast)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    params = list(layer.parameters())
+    for a, r in zip(torch.autograd.grad(out, [x, *params], g), torch.autograd.grad(ref, [x, *params], g)):
+        torch.testing.assert_close(a, r)
+
+
+def test_no_length_squared_tensor_without_dropout():
+    """Scores of the pattern only: without dropout's keep-mask nothing of B * H * L * L elements is formed,
+    forward or backward."""
+    layer = LogSparseConvAttention(16, 2, kernel_size=3).eval()
+    x = torch.randn(2, 256, 16, requires_grad=True)
+    with LargestTensorRecorder() as rec:
+        layer(x).sum().backward()
+    assert rec.max_numel < 2 * 2 * 256 * 256 / 4, rec.max_shape
 
 
 SMALL = dict(d_model=16, heads=2, d_ff=16)

@@ -11,8 +11,12 @@ Forecasting", NeurIPS 2019).
   over [window; ``pred_len`` zero placeholders] and reads the forecast at the placeholders (the generative
   one-pass decoding of Informer instead of the paper's step-by-step rollout; see docs/forecasting_models.md).
 
-The LogSparse pattern is applied as a mask on the score matrix (as the authors' description of the
-implementation does); at the benchmark lengths (seq_len + pred_len <= 816) that is cheap.
+The pattern is a set of diagonals: cell i attends to i - g for every allowed gap g (0, the powers of two, and
+1 .. ``local_window``), O(log L) of them. :class:`LogSparseConvAttention` computes the scores of those diagonals
+only ([B, H, L, #gaps]), which gives the same numbers as the authors' dense form, a mask on the [L, L] score
+matrix (scores outside the pattern are -inf and get softmax weight exactly 0); tests compare it with that dense
+form. The one [L, L] tensor left is the attention dropout's keep-mask in training: it is drawn over all L x L
+cells, as dropout on the dense weights draws it, so the random numbers are consumed exactly as before.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ from torch import Tensor, nn
 from longattn.attention.base import merge_heads, split_heads
 from longattn.models.forecast_blocks import GenerativeTransformer
 from longattn.models.registry import register_model
+
+
+def logsparse_gaps(length: int, local_window: int = 0) -> list[int]:
+    """The gaps i - j (ascending) that the pattern allows within ``length`` cells: 0, 1 .. local_window and
+    every power of two (Section 4.2); query i attends to key i - g for each gap g <= i."""
+    powers = {1 << m for m in range(max(length - 1, 0).bit_length())}
+    return sorted({0} | powers | set(range(1, min(local_window, length - 1) + 1)))
 
 
 def logsparse_mask(length: int, local_window: int = 0, device: torch.device | None = None) -> Tensor:
@@ -63,14 +74,31 @@ class LogSparseConvAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, n, d = x.shape
         q, k, v = (split_heads(f(x), self.heads) for f in (self.to_q, self.to_k, self.to_v))
-        # 1/sqrt(d_head) applied to the queries, not to the [B, H, L, L] scores (nor to their gradient)
-        scores = (q * (d // self.heads) ** -0.5) @ k.transpose(-1, -2)
-        # the pattern as an additive 0 / -inf bias, in place: the same scores as a masked_fill, but no copy of
-        # the [B, H, L, L] scores forward nor of their gradient backward (the bias passes it through)
-        disallowed = ~logsparse_mask(n, self.local_window, x.device)
-        scores.add_(torch.zeros(n, n, dtype=scores.dtype, device=x.device).masked_fill_(disallowed, float("-inf")))
-        weights = self.dropout(torch.softmax(scores, dim=-1))
-        return self.to_out(merge_heads(weights @ v))
+        q = q * (d // self.heads) ** -0.5
+        gaps = logsparse_gaps(n, self.local_window)
+        # scores[..., i, m] = q_i . k_(i - g_m): the pattern's diagonals of Q K^T / sqrt(d_head); -inf where
+        # i < g_m, so the softmax over a row's gaps equals the dense masked softmax on the pattern
+        scores = torch.stack([F.pad((q[:, :, g:] * k[:, :, : n - g]).sum(-1), (g, 0), value=float("-inf"))
+                              for g in gaps], dim=-1)
+        weights = self.dropout_on_pattern(torch.softmax(scores, dim=-1), gaps)
+        out = sum(F.pad(weights[:, :, g:, m, None] * v[:, :, : n - g], (0, 0, g, 0)) for m, g in enumerate(gaps))
+        return self.to_out(merge_heads(out))
+
+    def dropout_on_pattern(self, weights: Tensor, gaps: list[int]) -> Tensor:
+        """``self.dropout`` as it acts on the dense [B, H, L, L] weights, applied to their pattern columns
+        [B, H, L, #gaps]: the keep-mask is drawn over all L x L cells (the same draws, the same order) and read
+        on the pattern's diagonals; kept weights are scaled by 1 / (1 - p) as nn.Dropout scales them."""
+        p = self.dropout.p
+        if not self.training or p == 0:
+            return weights
+        if p == 1:
+            return weights * 0  # nn.Dropout(1) draws nothing and zeroes everything
+        b, h, n, _ = weights.shape
+        keep = torch.empty(b, h, n, n, dtype=torch.bool, device=weights.device).bernoulli_(1 - p)
+        noise = torch.zeros_like(weights)
+        for m, g in enumerate(gaps):
+            noise[:, :, g:, m] = keep.diagonal(-g, dim1=-2, dim2=-1)
+        return weights * noise.div_(1 - p)
 
 
 @register_model("logtrans", family="forecaster")
