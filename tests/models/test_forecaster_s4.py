@@ -1,5 +1,5 @@
-"""S4 (S4D kernel): the FFT convolution against the recurrent scan, the kernel against its closed form,
-causality, shapes, gradients, overfit."""
+"""S4 (S4D kernel): the FFT convolution against the recurrent scan and (forward and gradients) a plain sum, the
+kernel against its closed form (forward and gradients), causality, shapes, gradients, overfit."""
 
 from __future__ import annotations
 
@@ -19,6 +19,48 @@ def test_fft_convolution_matches_the_recurrent_scan(length):
     d = torch.randn(3, dtype=torch.float64)
     fast = causal_fft_conv(u, kernel(length)) + u * d[:, None]
     torch.testing.assert_close(fast, s4d_recurrence(kernel, u, d))
+
+
+def plain_causal_conv(u, kernel):
+    """y_t = sum_(s <= t) K_(t-s) u_s written out."""
+    n = u.shape[-1]
+    return torch.stack([sum(kernel[..., t - s] * u[..., s] for s in range(t + 1)) for t in range(n)], dim=-1)
+
+
+@pytest.mark.parametrize("length", [1, 2, 17, 32])
+@pytest.mark.parametrize("u_needs_grad", [True, False])
+def test_fft_convolution_gradients_match_a_plain_sum(length, u_needs_grad):
+    """The written-out backward (correlations by FFT) against autograd through the plain sum, float64."""
+    torch.manual_seed(length)
+    u = torch.randn(3, 4, length, dtype=torch.float64, requires_grad=u_needs_grad)
+    kernel = torch.randn(4, length, dtype=torch.float64, requires_grad=True)
+    out, ref = causal_fft_conv(u, kernel), plain_causal_conv(u, kernel)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    inputs = [u, kernel] if u_needs_grad else [kernel]
+    for a, r in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(a, r)
+    with pytest.raises(ValueError, match="kernel length"):
+        causal_fft_conv(u, kernel[..., 1:])
+
+
+def complex_vandermonde_kernel(kernel, length):
+    """The pre-change computation (S4D eq. 5 in complex arithmetic): 2 Re(sum_n (C B_bar)_n exp(l dt A_n))."""
+    dt_a, b_bar, c = kernel.discretised()
+    powers = torch.exp(dt_a[..., None] * torch.arange(length))
+    return 2 * torch.einsum("hn,hnl->hl", c * b_bar, powers).real
+
+
+@pytest.mark.parametrize("length", [1, 19, 64])
+def test_real_arithmetic_kernel_matches_the_complex_form_with_gradients(length):
+    torch.manual_seed(length)
+    kernel = S4DKernel(3, state_size=10).double()
+    out, ref = kernel(length), complex_vandermonde_kernel(kernel, length)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    params = list(kernel.parameters())
+    for a, r in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, r)
 
 
 def test_kernel_closed_form_and_initialisation():
