@@ -158,14 +158,23 @@ def test_multiwavelet_cascade_reconstructs_with_identity_operators():
     assert not torch.allclose(block.transform(y), y)
 
 
-def test_mixture_decomposition_is_a_softmax_weighted_sum_of_moving_averages():
-    decomposition = MixtureDecomposition([3, 4]).double()
-    x = torch.randn(2, 13, 3, dtype=torch.float64)
+@pytest.mark.parametrize("kernels, length", [([3, 4], 13), ([24], 31), ([5, 2, 8], 8)])
+def test_mixture_decomposition_is_a_softmax_weighted_sum_of_moving_averages(kernels, length):
+    """Forward and gradients (input and gate) against the plain form: Linear(1 -> K) gate per value, softmax
+    over the kernels on the last axis, weighted sum; one kernel (FEDformer's [24]) included."""
+    torch.manual_seed(length)
+    decomposition = MixtureDecomposition(kernels).double()
+    torch.nn.init.normal_(decomposition.gate.weight)  # a gate that weights the kernels unevenly
+    x = torch.randn(2, length, 3, dtype=torch.float64, requires_grad=True)
     seasonal, trend = decomposition(x)
-    gate = torch.softmax(x[..., None] * decomposition.gate.weight[:, 0] + decomposition.gate.bias, dim=-1)
-    expected = gate[..., 0] * moving_average(x, 3) + gate[..., 1] * moving_average(x, 4)
+    gate = torch.softmax(decomposition.gate(x[..., None]), dim=-1)
+    expected = sum(gate[..., i] * moving_average(x, k) for i, k in enumerate(kernels))
     torch.testing.assert_close(trend, expected)
     torch.testing.assert_close(seasonal + trend, x)
+    g = torch.randn_like(trend)
+    params = [x, *decomposition.parameters()]
+    for a, r in zip(torch.autograd.grad(trend, params, g), torch.autograd.grad(expected, params, g)):
+        torch.testing.assert_close(a, r)
 
 
 SMALL = dict(d_model=16, heads=2, d_ff=16, modes=4, moving_avg=[5, 4], wavelet_c=2, wavelet_cross_c=2,
