@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
+from forecaster_checks import (check_forward_and_gradients, check_matches_reference_with_dropout,
+                               check_rejects_bad_input, overfit_ratio, tiny)
+from longattn.attention.base import merge_heads, split_heads
 from longattn.attention.softmax import softmax_attention_reference
 from longattn.models.patchtst import ResidualAttention, RevIN, make_patches, patch_count
 
@@ -47,6 +51,41 @@ def test_residual_attention_is_softmax_attention_plus_previous_scores():
     previous = torch.randn_like(scores)
     _, scores2 = layer(x, previous)
     torch.testing.assert_close(scores2, scores + previous)
+
+
+def plain_residual_attention(layer, x, previous_scores):
+    """The pre-change computation: [B, H, N_q, N_k] scores plus the previous ones, softmax over the last axis,
+    dropout, values."""
+    q, k, v = (split_heads(f(x), layer.heads) for f in (layer.to_q, layer.to_k, layer.to_v))
+    scores = q @ k.transpose(-1, -2) * layer.scale + previous_scores
+    return layer.to_out(merge_heads(layer.dropout(torch.softmax(scores, dim=-1)) @ v)), scores
+
+
+@pytest.mark.parametrize("patches, attention_dropout", [(1, 0.0), (13, 0.0), (12, 0.3)])
+def test_keys_major_scores_match_the_plain_form_with_the_same_dropout(patches, attention_dropout):
+    """Forward and gradients (input, parameters, previous scores) in float64, in training mode, chained over two
+    layers as the model chains them; with attention dropout the same mask is drawn for the same seed."""
+    torch.manual_seed(patches)
+    first, second = (ResidualAttention(8, 2, attention_dropout).double().train() for _ in range(2))
+    x = torch.randn(3, patches, 8, dtype=torch.float64, requires_grad=True)
+    previous = torch.randn(3, 2, patches, patches, dtype=torch.float64, requires_grad=True)
+
+    def chained(attention, x):
+        h, scores = attention(first, x, previous)
+        out, scores = attention(second, h, scores)
+        return torch.cat([out.flatten(), scores.flatten()])
+
+    fast = partial(chained, lambda layer, h, scores: layer(h, scores))
+    plain = partial(chained, plain_residual_attention)
+    params = [previous, *first.parameters(), *second.parameters()]
+    if attention_dropout:
+        check_matches_reference_with_dropout(fast, plain, x, params)
+        return
+    out, ref = fast(x), plain(x)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, [x, *params], g), torch.autograd.grad(ref, [x, *params], g)):
+        torch.testing.assert_close(a, r)
 
 
 def test_channel_independence():
