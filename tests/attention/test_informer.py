@@ -11,6 +11,7 @@ from longattn.attention.informer import (
     probsparse_attention_reference,
     probsparse_counts,
     sample_informer_keys,
+    sparsity_measure,
 )
 from longattn.attention.softmax import softmax_attention_reference
 from longattn.testing import random_qkv, scattered_mask
@@ -74,6 +75,33 @@ def test_chunking_of_the_sampled_scores_does_not_change_the_result(monkeypatch):
     whole = probsparse_attention(q, k, v, factor=5.0, key_samples=samples)
     monkeypatch.setattr(informer_module, "_SAMPLE_CHUNK_ELEMENTS", 1000)
     torch.testing.assert_close(probsparse_attention(q, k, v, factor=5.0, key_samples=samples), whole)
+
+
+def indexed_sparsity_measure(query, key, key_samples, sample_counts, m):
+    """The pre-change computation of eq. 4's M_bar (sampled keys by advanced indexing, unchunked)."""
+    b = query.shape[0]
+    sampled_keys = key.transpose(1, 2)[torch.arange(b)[:, None, None], key_samples]  # [B, N, U, H, D]
+    scores = torch.einsum("bhcd,bcuhd->bhcu", query, sampled_keys)
+    valid = (torch.arange(key_samples.shape[-1])[None, :] < sample_counts[:, None])[:, None, None, :]
+    top = scores.masked_fill(~valid, float("-inf")).amax(dim=-1)
+    return top - scores.masked_fill(~valid, 0.0).sum(dim=-1) / m.clamp(min=1)[:, None, None].to(scores.dtype)
+
+
+@pytest.mark.parametrize("n, chunk_elements", [(1, 1 << 20), (37, 1 << 20), (37, 1000)])
+def test_row_gathered_measure_equals_the_indexed_one(monkeypatch, n, chunk_elements):
+    """The same gathered keys and the same products: in one chunk the same numbers exactly (the ranking of the
+    queries cannot change); padded sequences, keys not contiguous in [B, H, N, D]; chunked, up to rounding."""
+    monkeypatch.setattr(informer_module, "_SAMPLE_CHUNK_ELEMENTS", chunk_elements)
+    q, k, _ = (t.detach() for t in random_qkv(3, 2, n, 8))
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)  # token-major memory, as the projections give it
+    mask = scattered_mask(3, n, seed=4)
+    mask[:, 0] = True
+    m = mask.sum(-1)
+    counts = probsparse_counts(m, 5.0)
+    samples = sample_informer_keys(mask, 3, n, 5.0, torch.device("cpu"), torch.Generator().manual_seed(3))
+    exact = {} if chunk_elements < 3 * 2 * n * samples.shape[-1] * 8 else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(sparsity_measure(q, k, samples, counts, m),
+                               indexed_sparsity_measure(q, k, samples, counts, m), **exact)
 
 
 def test_module_is_reproducible_under_a_seed_and_rejects_bad_options():

@@ -77,13 +77,16 @@ def sparsity_measure(query: Tensor, key: Tensor, key_samples: Tensor, sample_cou
     b, h, n, d = query.shape
     n_samples = key_samples.shape[-1]
     sample_valid = torch.arange(n_samples, device=query.device)[None, :] < sample_counts[:, None]  # [B, U]
-    keys_by_position = key.transpose(1, 2)  # [B, N, H, D]
-    batch_index = torch.arange(b, device=query.device)[:, None, None]
+    # token-major rows [B * N, H * D]: the sampled keys of all heads are gathered as whole rows (index_select
+    # copies rows; advanced indexing [B, C, U] into [B, N, H, D] went element by element, ~2x slower)
+    key_rows = key.transpose(1, 2).reshape(b * n, h * d)
+    sample_rows = key_samples + n * torch.arange(b, device=query.device)[:, None, None]  # [B, N, U]
     chunk = max(1, _SAMPLE_CHUNK_ELEMENTS // max(1, b * h * n_samples * d))
     measures = []
     for start in range(0, n, chunk):  # chunks of queries bound the gathered [.., U, D] block
         stop = min(n, start + chunk)
-        sampled_keys = keys_by_position[batch_index, key_samples[:, start:stop]]  # [B, C, U, H, D]
+        sampled_keys = key_rows.index_select(0, sample_rows[:, start:stop].flatten()).view(
+            b, stop - start, n_samples, h, d)  # [B, C, U, H, D]
         scores = torch.einsum("bhcd,bcuhd->bhcu", query[:, :, start:stop], sampled_keys)
         valid = sample_valid[:, None, None, :]
         top = scores.masked_fill(~valid, float("-inf")).amax(dim=-1)
