@@ -1,7 +1,8 @@
 """CPU time of one training step of the forecasters, built exactly as ``longattn forecast-table`` builds them.
 
 A step is what the Trainer does per batch: forward, the forecasting loss, backward and an Adam update, on one
-fixed training batch. Times are process CPU time (``time.process_time``; with one thread it is the time the
+fixed training batch; with ``evaluation`` it is what evaluation does per batch instead: the model in eval mode,
+forward and loss under ``no_grad``, on the first validation batch of ``train.eval_batch_size``. Times are process CPU time (``time.process_time``; with one thread it is the time the
 step took whatever else the machine runs) beside wall time, medians over ``steps`` after ``warmup``.
 
 Each (model, source tree) runs in a fresh subprocess, and with several source trees (``--src``, e.g. a
@@ -28,8 +29,9 @@ DEFAULT_ROUNDS = 2
 
 
 def measure(data_dir: str, dataset: str, model: str, horizon: int, overrides: list[str], steps: int, warmup: int,
-            seed: int) -> dict[str, Any]:
-    """Per-step CPU and wall milliseconds of ``model`` (a forecast-table model spec) in this process."""
+            seed: int, evaluation: bool = False) -> dict[str, Any]:
+    """Per-step (training, or with ``evaluation`` per evaluation batch) CPU and wall milliseconds of ``model`` (a
+    forecast-table model spec) in this process."""
     import torch
 
     import longattn
@@ -44,29 +46,38 @@ def measure(data_dir: str, dataset: str, model: str, horizon: int, overrides: li
     data = task.build_data(config)
     torch.manual_seed(seed)
     network = build_run_model(config, task, data)
-    network.train()
+    network.train(not evaluation)
     step = task.step_fn(config, data)
     optimizer = torch.optim.Adam(network.parameters(), lr=config.optim.lr)
-    loader = torch.utils.data.DataLoader(data.train, batch_size=config.train.batch_size, shuffle=True,
-                                         collate_fn=data.collate, generator=torch.Generator().manual_seed(seed))
+    if evaluation:
+        loader = torch.utils.data.DataLoader(data.val, batch_size=config.train.eval_batch_size or
+                                             config.train.batch_size, collate_fn=data.collate)
+    else:
+        loader = torch.utils.data.DataLoader(data.train, batch_size=config.train.batch_size, shuffle=True,
+                                             collate_fn=data.collate, generator=torch.Generator().manual_seed(seed))
     batch = next(iter(loader))
     cpu_ms, wall_ms = [], []
     for index in range(warmup + steps):
         cpu, wall = time.process_time(), time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        step(network, batch).loss.backward()
-        optimizer.step()
+        if evaluation:
+            with torch.no_grad():
+                step(network, batch)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            step(network, batch).loss.backward()
+            optimizer.step()
         if index >= warmup:
             cpu_ms.append(1000 * (time.process_time() - cpu))
             wall_ms.append(1000 * (time.perf_counter() - wall))
-    return {"model": model, "dataset": dataset, "horizon": horizon, "batch": config.train.batch_size,
+    return {"model": model, "dataset": dataset, "horizon": horizon, "step": "eval" if evaluation else "train",
+            "batch": len(batch[0]),
             "cpu_ms": cpu_ms, "wall_ms": wall_ms, "threads": torch.get_num_threads(),
             "longattn": str(Path(longattn.__file__).resolve().parents[1])}
 
 
 def run_forecast_steps(data_dir: str, dataset: str, models: list[str], horizon: int, overrides: list[str],
                        sources: list[str], steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WARMUP,
-                       rounds: int = DEFAULT_ROUNDS, seed: int = 0) -> list[dict[str, Any]]:
+                       rounds: int = DEFAULT_ROUNDS, seed: int = 0, evaluation: bool = False) -> list[dict[str, Any]]:
     """One row per (model, source tree): the per-step times of every round pooled, and their medians."""
     rows = []
     for model in models:
@@ -74,7 +85,8 @@ def run_forecast_steps(data_dir: str, dataset: str, models: list[str], horizon: 
         for _ in range(rounds):
             for source in sources:
                 request = {"data_dir": data_dir, "dataset": dataset, "model": model, "horizon": horizon,
-                           "overrides": overrides, "steps": steps, "warmup": warmup, "seed": seed}
+                           "overrides": overrides, "steps": steps, "warmup": warmup, "seed": seed,
+                           "evaluation": evaluation}
                 env = {**os.environ, "PYTHONPATH": str(Path(source).resolve())}
                 # -P: the worker's own folder is not put on sys.path, so only the measured tree's longattn is found
                 done = subprocess.run([sys.executable, "-P", str(Path(__file__).resolve()), json.dumps(request)],
@@ -95,13 +107,14 @@ def run_forecast_steps(data_dir: str, dataset: str, models: list[str], horizon: 
 def forecast_step_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: median CPU / wall ms per step for each model and source, and each source's CPU time relative
     to the first source's for the same model."""
-    lines = ["| model | horizon | source | CPU ms / step | wall ms / step | steps | CPU vs first source |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | horizon | step | batch | source | CPU ms / step | wall ms / step | steps | "
+             "CPU vs first source |", "|---|---|---|---|---|---|---|---|---|"]
     first: dict[str, float] = {}
     for row in rows:
         base = first.setdefault(row["model"], row["median_cpu_ms"])
-        lines.append(f"| {row['model']} | {row['horizon']} | {row['source']} | {row['median_cpu_ms']:.0f} | "
-                     f"{row['median_wall_ms']:.0f} | {len(row['cpu_ms'])} | {row['median_cpu_ms'] / base:.2f} |")
+        lines.append(f"| {row['model']} | {row['horizon']} | {row['step']} | {row['batch']} | {row['source']} | "
+                     f"{row['median_cpu_ms']:.0f} | {row['median_wall_ms']:.0f} | {len(row['cpu_ms'])} | "
+                     f"{row['median_cpu_ms'] / base:.2f} |")
     return "\n".join(lines)
 
 

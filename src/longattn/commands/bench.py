@@ -137,7 +137,8 @@ def _forecast_step(args: argparse.Namespace) -> int:
 
     sources = args.src or [str(Path(__file__).resolve().parents[2])]  # this package's source tree
     rows = run_forecast_steps(args.data_dir, args.dataset, args.models, args.horizon, args.set or [], sources,
-                              steps=args.steps, warmup=args.warmup, rounds=args.rounds, seed=args.seed)
+                              steps=args.steps, warmup=args.warmup, rounds=args.rounds, seed=args.seed,
+                              evaluation=args.eval)
     _write(Path(args.out), "forecast_step", rows, forecast_step_table(rows))
     return 0
 
@@ -220,6 +221,9 @@ def _forecast_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=forecast_step.DEFAULT_ROUNDS,
                         help="processes per (model, source), alternating between sources")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval", action="store_true",
+                        help="time evaluation instead: eval mode, forward and loss under no_grad, one validation "
+                             "batch of train.eval_batch_size")
     parser.add_argument("--out", default="runs/bench-forecast-step")
 
 
@@ -227,7 +231,8 @@ register_analysis("speed", "time and peak memory against sequence length", _spee
 register_analysis("approx", "approximation error on a pretrained model's Q, K, V (Skeinformer Fig. 1)", _approx_arguments, _approx)
 register_analysis("model", "training steps/s and peak memory of the LRA text model (SKTformer Table 4)", _model_arguments, _model)
 register_analysis("footprint", "largest intermediate tensor, forward and backward", _footprint_arguments, _footprint)
-register_analysis("forecast-step", "CPU time of a forecaster's training step (as forecast-table builds it)",
+register_analysis("forecast-step", "CPU time of a forecaster's training step or evaluation batch (as forecast-table "
+                  "builds it)",
                   _forecast_step_arguments, _forecast_step)
 
 
