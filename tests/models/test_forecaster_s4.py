@@ -7,8 +7,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
+from forecaster_checks import (check_forward_and_gradients, check_matches_reference_with_dropout,
+                               check_rejects_bad_input, overfit_ratio, tiny)
 from longattn.models.s4 import S4DKernel, S4DLayer, causal_fft_conv, s4d_recurrence
 
 
@@ -75,6 +77,21 @@ def test_kernel_closed_form_and_initialisation():
                                                  * torch.exp(dt[h] * a[n]) ** l for n in range(3)).real
                                          for l in range(5)]) for h in range(2)])
     torch.testing.assert_close(kernel(5), expected)
+
+
+@pytest.mark.parametrize("length", [1, 23])
+def test_layer_output_product_matches_the_convolution_with_the_same_dropout(length):
+    """The output Conv1d(H, 2H, 1) as a batched product: forward and gradients against the nn.Conv1d module
+    itself (float64, training mode, the same dropout mask for the same seed)."""
+    torch.manual_seed(length)
+    layer = S4DLayer(6, state_size=4, dropout=0.3).double().train()
+    u = torch.randn(3, 6, length, dtype=torch.float64, requires_grad=True)
+
+    def plain(u):
+        y = causal_fft_conv(u, layer.kernel(length)) + u * layer.D[:, None]
+        return layer.output(layer.dropout(F.gelu(y)))
+
+    check_matches_reference_with_dropout(layer, plain, u, list(layer.parameters()))
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])

@@ -13,7 +13,7 @@ Forecasting", NeurIPS 2019).
 
 The pattern is a set of diagonals: cell i attends to i - g for every allowed gap g (0, the powers of two, and
 1 .. ``local_window``), O(log L) of them. :class:`LogSparseConvAttention` computes the scores of those diagonals
-only ([B, H, L, #gaps]), which gives the same numbers as the authors' dense form, a mask on the [L, L] score
+only ([#gaps, B, H, L]), which gives the same numbers as the authors' dense form, a mask on the [L, L] score
 matrix (scores outside the pattern are -inf and get softmax weight exactly 0); tests compare it with that dense
 form. The one [L, L] tensor left is the attention dropout's keep-mask in training: it is drawn over all L x L
 cells, as dropout on the dense weights draws it, so the random numbers are consumed exactly as before.
@@ -76,28 +76,31 @@ class LogSparseConvAttention(nn.Module):
         q, k, v = (split_heads(f(x), self.heads) for f in (self.to_q, self.to_k, self.to_v))
         q = q * (d // self.heads) ** -0.5
         gaps = logsparse_gaps(n, self.local_window)
-        # scores[..., i, m] = q_i . k_(i - g_m): the pattern's diagonals of Q K^T / sqrt(d_head); -inf where
-        # i < g_m, so the softmax over a row's gaps equals the dense masked softmax on the pattern
+        # scores[m, ..., i] = q_i . k_(i - g_m): the pattern's diagonals of Q K^T / sqrt(d_head), gaps first (the
+        # softmax over them then runs across whole [B, H, L] slices, not along rows of ~10); -inf where i < g_m,
+        # so the softmax over a row's gaps equals the dense masked softmax on the pattern
         scores = torch.stack([F.pad((q[:, :, g:] * k[:, :, : n - g]).sum(-1), (g, 0), value=float("-inf"))
-                              for g in gaps], dim=-1)
-        weights = self.dropout_on_pattern(torch.softmax(scores, dim=-1), gaps)
-        out = sum(F.pad(weights[:, :, g:, m, None] * v[:, :, : n - g], (0, 0, g, 0)) for m, g in enumerate(gaps))
+                              for g in gaps])
+        weights = self.dropout_on_pattern(torch.softmax(scores, dim=0), gaps)
+        out = weights[0, ..., None] * v  # gap 0 first, then each diagonal added onto the rows it reaches
+        for m, g in enumerate(gaps[1:], start=1):
+            out[:, :, g:] += weights[m, :, :, g:, None] * v[:, :, : n - g]
         return self.to_out(merge_heads(out))
 
     def dropout_on_pattern(self, weights: Tensor, gaps: list[int]) -> Tensor:
-        """``self.dropout`` as it acts on the dense [B, H, L, L] weights, applied to their pattern columns
-        [B, H, L, #gaps]: the keep-mask is drawn over all L x L cells (the same draws, the same order) and read
+        """``self.dropout`` as it acts on the dense [B, H, L, L] weights, applied to their pattern diagonals
+        [#gaps, B, H, L]: the keep-mask is drawn over all L x L cells (the same draws, the same order) and read
         on the pattern's diagonals; kept weights are scaled by 1 / (1 - p) as nn.Dropout scales them."""
         p = self.dropout.p
         if not self.training or p == 0:
             return weights
         if p == 1:
             return weights * 0  # nn.Dropout(1) draws nothing and zeroes everything
-        b, h, n, _ = weights.shape
+        _, b, h, n = weights.shape
         keep = torch.empty(b, h, n, n, dtype=torch.bool, device=weights.device).bernoulli_(1 - p)
         noise = torch.zeros_like(weights)
         for m, g in enumerate(gaps):
-            noise[:, :, g:, m] = keep.diagonal(-g, dim1=-2, dim2=-1)
+            noise[m, :, :, g:] = keep.diagonal(-g, dim1=-2, dim2=-1)
         return weights * noise.div_(1 - p)
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from longattn.models.forecast_blocks import check_window
+from longattn.models.forecast_blocks import check_window, pointwise_conv
 from longattn.models.registry import register_model
 
 
@@ -131,7 +131,8 @@ class S4DLayer(nn.Module):
         else:
             y = causal_fft_conv(u, kernel)
         y = y + u * self.D[:, None]
-        return self.output(self.dropout(F.gelu(y)))
+        # Conv1d(H, 2H, 1) as one batched product (the convolution's numbers up to rounding), then the GLU
+        return self.output[1](pointwise_conv(self.output[0], self.dropout(F.gelu(y))))
 
 
 @register_model("s4", family="forecaster")
