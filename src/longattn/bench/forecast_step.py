@@ -2,8 +2,9 @@
 
 A step is what the Trainer does per batch: forward, the forecasting loss, backward and an Adam update, on one
 fixed training batch; with ``evaluation`` it is what evaluation does per batch instead: the model in eval mode,
-forward and loss under ``no_grad``, on the first validation batch of ``train.eval_batch_size``. Times are process CPU time (``time.process_time``; with one thread it is the time the
-step took whatever else the machine runs) beside wall time, medians over ``steps`` after ``warmup``.
+forward and loss under ``no_grad``, on the first validation batch of ``train.eval_batch_size``. Times are
+process CPU time (``time.process_time``; with one thread it is the time the step took whatever else the machine
+runs) beside wall time, medians over ``steps`` after ``warmup``.
 
 Each (model, source tree) runs in a fresh subprocess, and with several source trees (``--src``, e.g. a
 checkout of an earlier commit) their processes alternate round by round, so that a before/after ratio is

@@ -54,9 +54,9 @@ class S4DKernel(nn.Module):
 
     def forward(self, length: int) -> Tensor:
         dt_a, b_bar, c = self.discretised()
-        # K_l = 2 Re(sum_n (C B_bar)_n A_bar_n^l) with A_bar^l = exp(l dt A) (S4D eq. 5), in real arithmetic:
-        # for dt A = x + iy and C B_bar = p + iq, Re((p + iq) e^(lx) (cos ly + i sin ly)) = e^(lx) (p cos ly - q sin ly)
-        # (the same numbers; real exp, cos and sin are vectorised on CPU, the complex exp is not)
+        # K_l = 2 Re(sum_n (C B_bar)_n A_bar_n^l) with A_bar^l = exp(l dt A) (S4D eq. 5), in real arithmetic: for
+        # dt A = x + iy and C B_bar = p + iq, Re((p + iq) e^(lx) (cos ly + i sin ly)) = e^(lx) (p cos ly - q sin ly)
+        # (the same numbers up to rounding; real exp, cos and sin are vectorised on CPU, the complex exp is not)
         steps = torch.arange(length, dtype=dt_a.real.dtype, device=dt_a.device)
         decay, angle = torch.exp(dt_a.real[..., None] * steps), dt_a.imag[..., None] * steps  # [H, N/2, L]
         cb = c * b_bar
