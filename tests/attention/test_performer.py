@@ -72,6 +72,34 @@ def test_causal_equal_chunks_with_and_without_padding_match_the_reference(n):
     assert_matches_reference(q, k, v, mask, w.requires_grad_(), causal=True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+def test_forward_only_slices_of_the_batch_match_the_gradient_path_and_the_reference(monkeypatch, causal, rows):
+    """Without gradients the batch is attended FAVOR_SLICE_ELEMENTS' worth of rows at a time: slices of 1 and 2
+    rows of 5 (a shorter last slice), one row short of the batch (4) and the whole batch (5), odd lengths,
+    padded keys, fewer keys than queries when not causal: the same numbers as the path with gradients (same
+    stabilisers, same features) and as the plain Lemma 1, in float64."""
+    b, h, n_query, m = 5, 3, 37, 20
+    n_key = n_query if causal else 23
+    monkeypatch.setattr(performer, "FAVOR_SLICE_ELEMENTS", rows * h * n_query * m + rows - 1)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(b, h, n_query, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, h, n_key, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    w = orthogonal_random_features(m, 8, generator=g, dtype=torch.float64)
+    mask = torch.rand(b, n_key, generator=g) > 0.3
+    mask[:, 0] = True
+    sliced, favor = [], performer._favor
+    monkeypatch.setattr(performer, "_favor", lambda *a: sliced.append(a[0].shape[0]) or favor(*a))
+    with torch.no_grad():
+        out = performer_attention(q, k, v, mask, projection=w, is_causal=causal)
+    assert sliced == [rows] * (b // rows) + [b % rows] * (b % rows > 0)
+    with_gradients = performer_attention(q.requires_grad_(), k, v, mask, projection=w, is_causal=causal)
+    assert sliced[-1] == b  # the path with gradients takes the whole batch at once
+    torch.testing.assert_close(out, with_gradients.detach(), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(out, performer_attention_reference(q.detach(), k, v, mask, projection=w,
+                                                                  is_causal=causal))
+
+
 def test_stabiliser_keeps_large_inputs_finite():
     # |q|, |k| ~ 30: exp(w.x) overflows without the max shift, the reference is inf/nan
     q, k, v = (t.detach() for t in random_qkv(1, 1, 64, 16, scale=8.0))

@@ -184,6 +184,23 @@ def performer_attention(
         )
     if is_causal and query.shape[-2] != key.shape[-2]:
         raise AttentionError("causal Performer attention needs as many queries as keys")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, projection)):
+        return _favor(query, key, value, attention_mask, projection, is_causal)
+    # Forward only (evaluation): a few batch rows at a time, so that one slice's features stay in cache instead of
+    # [B, H, N, m] tensors (800 MB each for the Performer forecaster's decoder at batch 256, N = 384). Every
+    # stabiliser is a maximum within one query row or one (batch, head) pair, so slices give the same numbers.
+    rows = max(1, FAVOR_SLICE_ELEMENTS // (query.shape[1] * max(query.shape[2], key.shape[2]) * projection.shape[0]))
+    if rows >= query.shape[0]:
+        return _favor(query, key, value, attention_mask, projection, is_causal)
+    return torch.cat([
+        _favor(query[start:start + rows], key[start:start + rows], value[start:start + rows],
+               None if attention_mask is None else attention_mask[start:start + rows], projection, is_causal)
+        for start in range(0, query.shape[0], rows)])
+
+
+def _favor(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, projection: Tensor,
+           is_causal: bool) -> Tensor:
+    """FAVOR+ (eq. 4-5, causal: prefix sums) on checked inputs."""
     if attention_mask is not None:
         value = value * attention_mask[:, None, :, None].to(value.dtype)
     # All-positive features: the normaliser is > 0 unless every key is padded; the tiny eps only
@@ -202,6 +219,9 @@ FAVOR_CHUNK = 2048
 # kept for the backward pass instead of computed again (at forecasting sizes, B*H = 256, N = 96, m = 256,
 # the recomputation was a third of the mechanism's time).
 FAVOR_KEEP_ELEMENTS = 1 << 23
+# Without gradients, batch rows per slice such that a slice's [rows, H, N, m] features hold at most this many
+# elements (at least one row): 4 MiB in float32, a few times the L2 cache (performer_attention).
+FAVOR_SLICE_ELEMENTS = 1 << 20
 
 
 def _chunked_favor(query: Tensor, key: Tensor, value: Tensor, projection: Tensor, attention_mask: Tensor | None,
