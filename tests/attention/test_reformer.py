@@ -73,6 +73,35 @@ def test_blocks_across_heads_at_the_forecasters_settings(monkeypatch, chunks_per
     assert bool(straddling) == (chunks_per_block > 1)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_rounds_gathered_and_summed_in_groups_of_heads_give_the_same_output(monkeypatch, causal):
+    """The forward pass un-sorts the slots and sums the rounds a group of (batch, head) pairs at a time: groups of
+    1, 2 and 3 of 5 pairs (a shorter last group) and one group give the same output bit for bit, under no_grad
+    as with gradients, and match the dense reference, at the forecaster's bucket size 4 and 4 hashes on an odd
+    length with padding."""
+    m, rounds, n, d = 4, 4, 45, 8
+    g = torch.Generator().manual_seed(9)
+    qk, v = (torch.randn(5, 1, n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    rot = torch.randn(d, rounds, num_buckets(n, m) // 2, generator=g, dtype=torch.float64)
+    mask = torch.rand(5, n, generator=g) > 0.2
+    kw = dict(rotations=rot, bucket_size=m, is_causal=causal)
+    groups_seen, head_groups = [], reformer._SlotLayout.head_groups
+    outputs = []
+    for per_group in (1, 2, 3, 5):
+        monkeypatch.setattr(reformer._SlotLayout, "head_groups", lambda layout, width, size=per_group: [
+            (first, min(first + size, layout.heads_total)) for first in range(0, layout.heads_total, size)])
+        with torch.no_grad():
+            outputs.append(lsh_attention(qk, v, mask, **kw))
+        qk.requires_grad_(), v.requires_grad_()
+        assert torch.equal(lsh_attention(qk, v, mask, **kw).detach(), outputs[-1])
+        qk, v = qk.detach(), v.detach()
+    assert all(torch.equal(out, outputs[-1]) for out in outputs[:-1])
+    monkeypatch.setattr(reformer._SlotLayout, "head_groups",
+                        lambda layout, width: groups_seen.append(head_groups(layout, width)) or groups_seen[-1])
+    assert_matches_reference(qk.requires_grad_(), v.requires_grad_(), mask, **kw)
+    assert groups_seen[0] == [(0, 5)]  # the block budget holds all five pairs' slots here
+
+
 @pytest.mark.parametrize("rounds, n, m", [(1, 8, 8), (3, 8, 8), (2, 16, 8)])
 def test_one_or_two_chunks_per_round(rounds, n, m):
     """No look-back (one chunk per head), every chunk looking back into the previous round (one chunk per

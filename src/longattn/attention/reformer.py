@@ -112,6 +112,11 @@ class _SlotLayout:
         chunks = self.position.shape[0]
         return [(start, min(start + per_block, chunks)) for start in range(0, chunks, per_block)]
 
+    def head_groups(self, width: int) -> list[tuple[int, int]]:
+        """Ranges of (batch, head) pairs whose slots of ``width`` values each hold at most the block budget."""
+        per_group = max(1, block_elements(self.position.device) // (self.rounds * self.n_total * width))
+        return [(first, min(first + per_group, self.heads_total)) for first in range(0, self.heads_total, per_group)]
+
     def key_slots(self, start: int, stop: int) -> Tensor:
         """Flat slot indices [(stop - start) * keys_per_chunk] of the keys of chunks [start, stop): each chunk's
         own m slots, then (when chunks look back) the m slots of the chunk before it."""
@@ -186,8 +191,16 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
         lse_by_round = (row_max + row_sum.log()).flatten()[layout.slot_of].view(bh, rounds, n_total)
         round_weight = torch.softmax(lse_by_round, dim=1).flatten()
         scale = round_weight[layout.round_token_of].view(g, m) / row_sum
-        by_round = out_slots.mul_(scale[..., None]).view(g * m, d).index_select(0, layout.slot_of)
-        out = by_round.view(bh, rounds, n_total, d).sum(dim=1)
+        # then each token's slots gathered back (un-sorted) and summed over rounds, a few heads at a time: a
+        # head's slots are contiguous, so a group's are gathered while its scaling left them in cache (one
+        # gather over all B*H*R*N slots missed the cache on nearly every row)
+        out = q.new_empty(bh, n_total, d)
+        slot_rows, slot_scale, per_head = out_slots.view(g * m, d), scale.view(g * m, 1), rounds * n_total
+        for first, last in layout.head_groups(d):
+            group = slice(first * per_head, last * per_head)
+            slot_rows[group].mul_(slot_scale[group])
+            by_round = slot_rows.index_select(0, layout.slot_of[group]).view(last - first, rounds, n_total, d)
+            torch.sum(by_round, dim=1, out=out[first:last])
         ctx.layout = layout
         ctx.save_for_backward(q, k, v, row_max, scale, out)
         return out
