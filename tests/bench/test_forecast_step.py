@@ -29,6 +29,7 @@ def test_steps_are_timed_in_the_source_tree_given_and_alternate(tmp_path, capsys
         assert row["longattn"] == str(Path(row["source"]).resolve())  # the worker imported that tree
         assert len(row["cpu_ms"]) == 2 and row["median_cpu_ms"] > 0 and row["median_wall_ms"] > 0
         assert row["horizon"] == 24 and row["batch"] == 32 and row["step"] == "train"
+        assert row["peak_rss_bytes"] > 2**20  # the worker's own peak, at least torch's
     table = (out / "forecast_step.md").read_text()
     assert table.splitlines()[0].startswith("| model | horizon | step | batch | source | CPU ms / step |")
     assert table.splitlines()[2].endswith("| 1.00 |")  # the first source is the reference

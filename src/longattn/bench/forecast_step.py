@@ -4,7 +4,8 @@ A step is what the Trainer does per batch: forward, the forecasting loss, backwa
 fixed training batch; with ``evaluation`` it is what evaluation does per batch instead: the model in eval mode,
 forward and loss under ``no_grad``, on the first validation batch of ``train.eval_batch_size``. Times are
 process CPU time (``time.process_time``; with one thread it is the time the step took whatever else the machine
-runs) beside wall time, medians over ``steps`` after ``warmup``.
+runs) beside wall time, medians over ``steps`` after ``warmup``, and the worker process's peak resident memory
+(data, model and the largest step together).
 
 Each (model, source tree) runs in a fresh subprocess, and with several source trees (``--src``, e.g. a
 checkout of an earlier commit) their processes alternate round by round, so that a before/after ratio is
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -73,6 +75,7 @@ def measure(data_dir: str, dataset: str, model: str, horizon: int, overrides: li
     return {"model": model, "dataset": dataset, "horizon": horizon, "step": "eval" if evaluation else "train",
             "batch": len(batch[0]),
             "cpu_ms": cpu_ms, "wall_ms": wall_ms, "threads": torch.get_num_threads(),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
             "longattn": str(Path(longattn.__file__).resolve().parents[1])}
 
 
@@ -98,6 +101,7 @@ def run_forecast_steps(data_dir: str, dataset: str, models: list[str], horizon: 
                 row = pooled.setdefault(source, {**result, "source": source, "cpu_ms": [], "wall_ms": []})
                 row["cpu_ms"] += result["cpu_ms"]
                 row["wall_ms"] += result["wall_ms"]
+                row["peak_rss_bytes"] = max(row["peak_rss_bytes"], result["peak_rss_bytes"])
         for row in pooled.values():
             row["median_cpu_ms"] = statistics.median(row["cpu_ms"])
             row["median_wall_ms"] = statistics.median(row["wall_ms"])
@@ -106,15 +110,16 @@ def run_forecast_steps(data_dir: str, dataset: str, models: list[str], horizon: 
 
 
 def forecast_step_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: median CPU / wall ms per step for each model and source, and each source's CPU time relative
-    to the first source's for the same model."""
-    lines = ["| model | horizon | step | batch | source | CPU ms / step | wall ms / step | steps | "
-             "CPU vs first source |", "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown: median CPU / wall ms per step and peak RSS for each model and source, and each source's CPU time
+    relative to the first source's for the same model."""
+    lines = ["| model | horizon | step | batch | source | CPU ms / step | wall ms / step | steps | peak RSS MiB | "
+             "CPU vs first source |", "|---|---|---|---|---|---|---|---|---|---|"]
     first: dict[str, float] = {}
     for row in rows:
         base = first.setdefault(row["model"], row["median_cpu_ms"])
         lines.append(f"| {row['model']} | {row['horizon']} | {row['step']} | {row['batch']} | {row['source']} | "
                      f"{row['median_cpu_ms']:.0f} | {row['median_wall_ms']:.0f} | {len(row['cpu_ms'])} | "
+                     f"{row['peak_rss_bytes'] / 2**20:.0f} | "
                      f"{row['median_cpu_ms'] / base:.2f} |")
     return "\n".join(lines)
 
