@@ -134,8 +134,9 @@ def test_blocked_hashing_equals_argmax_over_both_signs(monkeypatch, block_elemen
 
 def test_blocked_hashing_with_exact_ties_equals_argmax_over_both_signs():
     """Ties within xR (equal rotation columns), between xR and -xR (a negated column: the first half wins),
-    zero rows, and float32 as well as float64: the same buckets as argmax over [xR; -xR]."""
-    for dtype in (torch.float32, torch.float64):
+    zero rows, in float32, float64 and bfloat16 (max / min with indices): the same buckets as argmax over
+    [xR; -xR]."""
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
         g = torch.Generator().manual_seed(5)
         x = torch.randn(2, 3, 40, 8, generator=g, dtype=dtype)
         x[:, :, 3] = 0.0
