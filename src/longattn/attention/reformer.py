@@ -12,7 +12,9 @@ The fast path works block by block over the sorted chunks (a block: any range of
 heads, gathering its queries, keys and values from the token-major rows) and recomputes scores in the
 backward pass, so it keeps O(rounds * N * head_dim) and never holds more than a block of scores
 (BLOCK_ELEMENTS on CPU, sized for the cache; GPU_BLOCK_ELEMENTS on GPUs, where fewer, larger
-kernels pay off).
+kernels pay off). Short sequences under autograd are the exception: when all blocks' softmax weights
+(rounds * N * 2 * bucket_size per head, still linear in N) hold at most KEEP_WEIGHTS_ELEMENTS, the
+forward pass keeps them for the backward pass instead of recomputing them.
 
 Padding: padded tokens are put in a bucket of their own after all real buckets, so where real
 tokens land in the sort never depends on padded content.
@@ -40,11 +42,11 @@ from longattn.attention.base import (
 
 SELF_ATTENTION_SCORE = -5e4  # "attend to itself only if nothing else": large negative but finite
 BLOCK_ELEMENTS = 1 << 18  # scores (or hash projections) computed at once: cache-sized, never [N, N]
+GPU_BLOCK_ELEMENTS = 1 << 24
 # under autograd, the forward pass keeps all blocks' softmax weights for the backward pass when they hold at
 # most this many elements (R * N * 2m per head, linear in N; 6.7M for the Reformer forecaster's training step at
 # horizon 720), instead of recomputing the scores, their masks and exp there
 KEEP_WEIGHTS_ELEMENTS = 1 << 23
-GPU_BLOCK_ELEMENTS = 1 << 24
 EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38 is still a normal float32
 
 
@@ -188,7 +190,7 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
     Combining rounds with weights softmax_r(lse_r) (section 2) is one softmax of query i over the
     union of its slots in all rounds: out_i = sum_{r,j} exp(s_rij - L_i) v_j, L_i = logsumexp_r lse_ri.
     The backward pass is that softmax's, with delta_i = g_i . out_i; it recomputes each block's scores
-    (as flash attention does), so no [C, m, 2m] tensor is ever kept or allocated whole. Scores that a
+    (as flash attention does), so no [C, m, 2m] tensor is kept or allocated whole (but see below). Scores that a
     mask replaced by a constant need no explicit zero gradient: their weight underflows (at most
     exp(EXP_FLOOR)) unless the token sees only itself, and then out_i = v_i makes g_i . v_i - delta_i = 0.
 
