@@ -67,7 +67,7 @@ def hash_buckets_blocked(vectors: Tensor, rotations: Tensor) -> Tensor:
     b, h, n, d = vectors.shape
     _, rounds, half = rotations.shape
     flat_rotations = rotations.reshape(d, rounds * half)
-    rows = vectors.reshape(-1, d)
+    rows = vectors.detach().reshape(-1, d)  # bucket ids carry no gradient: nothing for autograd to record
     rows_per_block = max(1, block_elements(vectors.device) // (rounds * half))
     buckets = torch.empty(rows.shape[0], rounds, dtype=torch.long, device=vectors.device)
     for start in range(0, rows.shape[0], rows_per_block):
