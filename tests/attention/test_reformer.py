@@ -132,32 +132,34 @@ def test_blocked_hashing_equals_argmax_over_both_signs(monkeypatch, block_elemen
     assert torch.equal(hash_buckets_blocked(x, rot), hash_buckets(x, rot))
 
 
-def test_blocked_hashing_with_exact_ties_equals_argmax_over_both_signs():
+@pytest.mark.parametrize("half", [6, reformer.VECTOR_ARGMAX_MIN_HALF, 51])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_blocked_hashing_with_exact_ties_equals_argmax_over_both_signs(half, dtype):
     """Ties within xR (equal rotation columns), between xR and -xR (a negated column: the first half wins),
-    zero rows, in float32, float64 and bfloat16 (max / min with indices): the same buckets as argmax over
-    [xR; -xR]."""
-    for dtype in (torch.float32, torch.float64, torch.bfloat16):
-        g = torch.Generator().manual_seed(5)
-        x = torch.randn(2, 3, 40, 8, generator=g, dtype=dtype)
-        x[:, :, 3] = 0.0
-        rot = torch.randn(8, 3, 6, generator=g, dtype=dtype)
-        rot[:, :, 4] = rot[:, :, 1]  # xR_4 == xR_1: the first of them
-        rot[:, :, 5] = -rot[:, :, 2]  # xR_5 == -xR_2: bucket 5 over bucket 6 + 2 when that value wins
-        buckets = hash_buckets_blocked(x, rot)
-        assert torch.equal(buckets, hash_buckets(x, rot))
-        assert (buckets == 4).sum() == 0 and (buckets == 6 + 2).sum() == 0 and (buckets == 6 + 5).sum() == 0
-        assert (buckets[:, :, :, 3] == 0).all()
+    zero rows; float32 and float64 with few projections (max / min with indices) and many (the float passes),
+    bfloat16 (max / min with indices): the same buckets as argmax over [xR; -xR]."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 40, 8, generator=g, dtype=dtype)
+    x[:, :, 3] = 0.0
+    rot = torch.randn(8, 3, half, generator=g, dtype=dtype)
+    rot[:, :, 4] = rot[:, :, 1]  # xR_4 == xR_1: the first of them
+    rot[:, :, 5] = -rot[:, :, 2]  # xR_5 == -xR_2: bucket 5 over bucket half + 2 when that value wins
+    buckets = hash_buckets_blocked(x, rot)
+    assert torch.equal(buckets, hash_buckets(x, rot))
+    assert (buckets == 4).sum() == 0 and (buckets == half + 2).sum() == 0 and (buckets == half + 5).sum() == 0
+    assert (buckets[:, :, :, 3] == 0).all()
 
 
 def test_blocked_hashing_of_nan_rows_takes_the_indexed_max_and_min():
     """A NaN projection equals nothing; such blocks take max / min with indices (NaN wins both), as before."""
+    half = reformer.VECTOR_ARGMAX_MIN_HALF
     x = torch.randn(1, 1, 6, 4)
     x[0, 0, 2, 1] = float("nan")
-    rot = torch.randn(4, 2, 3)
+    rot = torch.randn(4, 2, half)
     rotated = torch.einsum("bhnd,drk->bhrnk", x, rot)
     high, arg_high = rotated.max(-1)
     low, arg_low = rotated.min(-1)
-    assert torch.equal(hash_buckets_blocked(x, rot), torch.where(high >= -low, arg_high, arg_low + 3))
+    assert torch.equal(hash_buckets_blocked(x, rot), torch.where(high >= -low, arg_high, arg_low + half))
 
 
 @pytest.mark.parametrize("block_elements", [2 * 8 * 8 * 2, 1 << 18])

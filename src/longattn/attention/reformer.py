@@ -47,6 +47,7 @@ GPU_BLOCK_ELEMENTS = 1 << 24
 # most this many elements (R * N * 2m per head, linear in N; 6.7M for the Reformer forecaster's training step at
 # horizon 720), instead of recomputing the scores, their masks and exp there
 KEEP_WEIGHTS_ELEMENTS = 1 << 23
+VECTOR_ARGMAX_MIN_HALF = 32  # hash projections per round from which _argmax_both_signs uses its float passes
 EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38 is still a normal float32
 
 
@@ -78,24 +79,27 @@ def hash_buckets_blocked(vectors: Tensor, rotations: Tensor) -> Tensor:
 
 def _argmax_both_signs(rotated: Tensor, out: Tensor) -> None:
     """argmax([xR; -xR]) over the last axis of ``rotated`` = xR [rows, rounds, half] into ``out`` [rows, rounds]
-    (``rotated`` is overwritten): the first position of the winning value, in xR when max(xR) >= -min(xR) (the
-    first half wins ties), else half + its first position in xR as min(xR). Every pass is a vectorised
-    float operation: the extremes, then the matches (1.0 / 0.0 in place) weighted half, half - 1, ..., 1 by
-    position, whose maximum is half - the first match. torch's max / min with indices (and argmax) on a short
-    last axis run element by element, ~2.5x the CPU of this form. The same buckets as argmax, ties included;
-    NaN (which equals nothing) and dtypes that do not hold the weights exactly take max / min with indices."""
+    (``rotated`` may be overwritten): the first position of the winning value, in xR when max(xR) >= -min(xR)
+    (the first half wins ties), else half + its first position in xR as min(xR).
+
+    torch's max / min with indices (and argmax) on a short last axis run element by element; from
+    VECTOR_ARGMAX_MIN_HALF projections on, vectorised float passes are cheaper (~0.3-0.9x the CPU; below it
+    they measured slower): the extremes, then the matches (1.0 / 0.0 in place) weighted half, ..., 1 by
+    position, whose maximum is half - the first match. The same buckets as argmax, ties included; NaN (which
+    equals nothing) and dtypes that do not hold the weights exactly take max / min with indices."""
     half = rotated.shape[-1]
-    high, low = rotated.amax(dim=-1, keepdim=True), rotated.amin(dim=-1, keepdim=True)
-    first_half = high >= -low
-    winner = torch.where(first_half, high, low)
-    if rotated.dtype not in (torch.float32, torch.float64) or torch.isnan(winner).any():
-        high, arg_high = rotated.max(dim=-1)
-        low, arg_low = rotated.min(dim=-1)
-        torch.where(high >= -low, arg_high, arg_low + half, out=out)
-        return
-    by_position = torch.arange(half, 0, -1, dtype=rotated.dtype, device=rotated.device)
-    first = half - rotated.eq_(winner).mul_(by_position).amax(dim=-1).long()
-    torch.where(first_half.squeeze(-1), first, first + half, out=out)
+    if half >= VECTOR_ARGMAX_MIN_HALF and rotated.dtype in (torch.float32, torch.float64):
+        high, low = rotated.amax(dim=-1, keepdim=True), rotated.amin(dim=-1, keepdim=True)
+        first_half = high >= -low
+        winner = torch.where(first_half, high, low)
+        if not torch.isnan(winner).any():
+            by_position = torch.arange(half, 0, -1, dtype=rotated.dtype, device=rotated.device)
+            first = half - rotated.eq_(winner).mul_(by_position).amax(dim=-1).long()
+            torch.where(first_half.squeeze(-1), first, first + half, out=out)
+            return
+    high, arg_high = rotated.max(dim=-1)
+    low, arg_low = rotated.min(dim=-1)
+    torch.where(high >= -low, arg_high, arg_low + half, out=out)
 
 
 class _SlotLayout:
