@@ -76,32 +76,102 @@ class LogSparseConvAttention(nn.Module):
         q, k, v = (split_heads(f(x), self.heads) for f in (self.to_q, self.to_k, self.to_v))
         q = q * (d // self.heads) ** -0.5
         gaps = logsparse_gaps(n, self.local_window)
-        # scores[m, ..., i] = q_i . k_(i - g_m): the pattern's diagonals of Q K^T / sqrt(d_head), gaps first (the
-        # softmax over them then runs across whole [B, H, L] slices, not along rows of ~10); -inf where i < g_m,
-        # so the softmax over a row's gaps equals the dense masked softmax on the pattern
-        scores = torch.stack([F.pad((q[:, :, g:] * k[:, :, : n - g]).sum(-1), (g, 0), value=float("-inf"))
-                              for g in gaps])
-        weights = self.dropout_on_pattern(torch.softmax(scores, dim=0), gaps)
-        out = weights[0, ..., None] * v  # gap 0 first, then each diagonal added onto the rows it reaches
-        for m, g in enumerate(gaps[1:], start=1):
-            out[:, :, g:] += weights[m, :, :, g:, None] * v[:, :, : n - g]
-        return self.to_out(merge_heads(out))
+        # [B, H, Dh, L] operands (the convolutions' own layout for q and k): see _PatternAttention
+        out = _PatternAttention.apply(*(t.transpose(-1, -2).contiguous() for t in (q, k, v)), gaps,
+                                      self.dropout_noise(b, n, gaps, x))
+        return self.to_out(merge_heads(out.transpose(-1, -2)))
 
-    def dropout_on_pattern(self, weights: Tensor, gaps: list[int]) -> Tensor:
-        """``self.dropout`` as it acts on the dense [B, H, L, L] weights, applied to their pattern diagonals
-        [#gaps, B, H, L]: the keep-mask is drawn over all L x L cells (the same draws, the same order) and read
-        on the pattern's diagonals; kept weights are scaled by 1 / (1 - p) as nn.Dropout scales them."""
+    def dropout_noise(self, batch: int, n: int, gaps: list[int], x: Tensor) -> Tensor | None:
+        """``self.dropout`` as it acts on the dense [B, H, L, L] weights, read on the pattern's diagonals: the
+        factor [#gaps, B, H, L] that multiplies the weights (None without dropout). The keep-mask is drawn over all
+        L x L cells (the same draws, the same order) and read on the diagonals; kept weights are scaled by
+        1 / (1 - p) as nn.Dropout scales them."""
         p = self.dropout.p
         if not self.training or p == 0:
-            return weights
+            return None
+        noise = x.new_zeros(len(gaps), batch, self.heads, n)
         if p == 1:
-            return weights * 0  # nn.Dropout(1) draws nothing and zeroes everything
-        _, b, h, n = weights.shape
-        keep = torch.empty(b, h, n, n, dtype=torch.bool, device=weights.device).bernoulli_(1 - p)
-        noise = torch.zeros_like(weights)
+            return noise  # nn.Dropout(1) draws nothing and zeroes everything
+        keep = torch.empty(batch, self.heads, n, n, dtype=torch.bool, device=x.device).bernoulli_(1 - p)
         for m, g in enumerate(gaps):
             noise[m, :, :, g:] = keep.diagonal(-g, dim1=-2, dim2=-1)
-        return weights * noise.div_(1 - p)
+        return noise.div_(1 - p)
+
+
+# Batch rows per group of _PatternAttention: a group's [rows, H, Dh, L] operands hold at most this many elements (at
+# least one row), so that the ~log2 L passes over them per diagonal run in cache.
+PATTERN_GROUP_ELEMENTS = 1 << 17
+
+
+class _PatternAttention(torch.autograd.Function):
+    """Softmax attention on the LogSparse pattern's diagonals (gaps g_m, ``gaps[0]`` = 0), with the dropout factor
+    ``noise`` [#gaps, B, H, L] (or None) on the weights, on [B, H, Dh, L] queries (already scaled), keys and values,
+    with its backward written out, a group of batch rows at a time:
+
+        s_m[i] = q_i . k_(i - g_m)  (-inf where i < g_m),   w = softmax over m of s,   out_i = sum_m (w_m noise_m)[i] v_(i - g_m)
+
+    Dh-major, a diagonal's products are element-wise over contiguous rows of the sequence and the sums over Dh
+    run across rows (not along rows of Dh = 16); autograd of the same slices formed a zero-filled full-size
+    gradient per slice and diagonal. Saved: the inputs and w ([#gaps, B, H, L])."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, gaps: list[int], noise: Tensor | None) -> Tensor:
+        n = query.shape[-1]
+        weights = query.new_empty(len(gaps), *query.shape[:2], n)
+        out = torch.empty_like(value)
+        for rows in _row_groups(query):
+            q, k, v, w = query[rows], key[rows], value[rows], weights[:, rows]
+            for m, g in enumerate(gaps):
+                w[m, ..., :g] = float("-inf")
+                torch.sum(q[..., g:] * k[..., :n - g], dim=-2, out=w[m, ..., g:])
+            torch.softmax(w, dim=0, out=w)
+            dropped = w if noise is None else w * noise[:, rows]
+            _sum_over_diagonals(dropped, v, gaps, out=out[rows])
+        ctx.save_for_backward(query, key, value, weights, noise)
+        ctx.gaps = gaps
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        query, key, value, weights, noise = ctx.saved_tensors
+        gaps, n = ctx.gaps, query.shape[-1]
+        grad_query, grad_key, grad_value = (torch.empty_like(t) for t in (query, key, value))
+        for rows in _row_groups(query):
+            q, k, v, w, g_out = query[rows], key[rows], value[rows], weights[:, rows], grad[rows]
+            dropped = w if noise is None else w * noise[:, rows]
+            # out_i = sum_m dropped_m[i] v_(i - g_m): the gradients of dropped and of v
+            grad_w = torch.zeros_like(w)
+            for m, g in enumerate(gaps):
+                torch.sum(g_out[..., g:] * v[..., :n - g], dim=-2, out=grad_w[m, ..., g:])
+            _sum_over_diagonals(dropped, g_out, gaps, out=grad_value[rows], transpose=True)
+            if noise is not None:
+                grad_w.mul_(noise[:, rows])
+            # softmax over the diagonals: ds = w (dw - sum_m w_m dw_m); zero where i < g_m (w = 0 there)
+            grad_s = grad_w.sub_((w * grad_w).sum(0, keepdim=True)).mul_(w)
+            _sum_over_diagonals(grad_s, k, gaps, out=grad_query[rows])
+            _sum_over_diagonals(grad_s, q, gaps, out=grad_key[rows], transpose=True)
+        return grad_query, grad_key, grad_value, None, None
+
+
+def _row_groups(x: Tensor) -> list[slice]:
+    """Groups of batch rows of [B, H, Dh, L] holding at most PATTERN_GROUP_ELEMENTS elements (at least one row)."""
+    size = max(1, PATTERN_GROUP_ELEMENTS // x[0].numel())
+    return [slice(start, min(start + size, x.shape[0])) for start in range(0, x.shape[0], size)]
+
+
+def _sum_over_diagonals(diagonals: Tensor, x: Tensor, gaps: list[int], out: Tensor, transpose: bool = False) -> Tensor:
+    """out[..., i] = sum_m diagonals[m, ..., i] x[..., i - g_m] (an L x L matrix given by its diagonals, times x), or
+    with ``transpose`` out[..., j] = sum_m diagonals[m, ..., j + g_m] x[..., j + g_m] (its transpose); x, out
+    [B, H, Dh, L], diagonals [#gaps, B, H, L] (gap 0 first)."""
+    n = x.shape[-1]
+    torch.mul(diagonals[0, :, :, None], x, out=out)
+    for m, g in enumerate(gaps[1:], start=1):
+        if transpose:
+            out[..., :n - g].addcmul_(diagonals[m, :, :, None, g:], x[..., g:])
+        else:
+            out[..., g:].addcmul_(diagonals[m, :, :, None, g:], x[..., :n - g])
+    return out
 
 
 @register_model("logtrans", family="forecaster")
