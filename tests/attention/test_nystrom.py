@@ -4,7 +4,13 @@ import torch.nn.functional as F
 
 from longattn import attention
 from longattn.attention import AttentionError
-from longattn.attention.nystrom import iterative_pinv, nystrom_attention, nystrom_attention_reference
+from longattn.attention.nystrom import (
+    CONV_BLOCK,
+    depthwise_value_conv,
+    iterative_pinv,
+    nystrom_attention,
+    nystrom_attention_reference,
+)
 from longattn.attention.softmax import softmax_attention_reference
 from longattn.testing import LargestTensorRecorder, random_qkv
 
@@ -55,6 +61,53 @@ def test_conv_skip_is_a_depthwise_convolution_of_v_along_the_sequence():
     padded = F.pad(v, (0, 0, 1, 1))
     expected = sum(weight[None, :, 0, t, 0, None, None] * padded[:, :, t : t + 30] for t in range(3))
     torch.testing.assert_close(with_conv - without, expected)
+
+
+def grouped_conv_of_values(value, weight, mask=None):
+    """The value convolution as a grouped Conv1d, one channel per (head, feature), each head's filter repeated
+    over its features (the form the banded products replaced)."""
+    b, h, n, d = value.shape
+    if mask is not None:
+        value = value.masked_fill(~mask[:, None, :, None], 0.0)
+    channels = value.transpose(-1, -2).reshape(b, h * d, n)
+    filters = weight[..., 0].repeat_interleave(d, dim=0)
+    out = F.conv1d(channels, filters, padding=weight.shape[-2] // 2, groups=h * d)
+    return out.reshape(b, h, d, n).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("n", [1, 7, CONV_BLOCK, CONV_BLOCK + 1, 3 * CONV_BLOCK + 5])
+@pytest.mark.parametrize("kernel", [1, 5, 33])
+@pytest.mark.parametrize("masked", [False, True])
+def test_value_convolution_matches_grouped_conv1d(n, kernel, masked):
+    """The banded-block products against the grouped convolution and the sum of shifted copies: forward and
+    gradients (values and filter), float64, lengths within, at and across block edges, kernels longer than
+    the sequence, padded positions read as zero."""
+    g = torch.Generator().manual_seed(n * kernel)
+    value = torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 1, kernel, 1, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = None
+    if masked:
+        mask = torch.rand(2, n, generator=g) > 0.3
+        mask[1, n // 2:] = False
+    out = depthwise_value_conv(value, weight, mask)
+    plain = grouped_conv_of_values(value, weight, mask)
+    torch.testing.assert_close(out, plain)
+    read = value if mask is None else value * mask[:, None, :, None]
+    padded = F.pad(read, (0, 0, kernel // 2, kernel // 2))
+    shifted = sum(weight[None, :, 0, t, 0, None, None] * padded[:, :, t:t + n] for t in range(kernel))
+    torch.testing.assert_close(out, shifted)
+    cotangent = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(out, (value, weight), cotangent),
+                               torch.autograd.grad(plain, (value, weight), cotangent))
+
+
+def test_value_convolution_buffers_grow_with_the_sequence_not_its_square():
+    """The banded products' largest buffer (the input windows) is a bounded multiple of V, forward and backward."""
+    value = torch.randn(1, 2, 4096, 8, requires_grad=True)
+    weight = torch.randn(2, 1, 33, 1, requires_grad=True)
+    with LargestTensorRecorder() as recorder:
+        depthwise_value_conv(value, weight).sum().backward()
+    assert recorder.max_numel <= 3 * value.numel(), (recorder.max_shape, recorder.max_op)
 
 
 def test_module_options_and_errors():

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
-from longattn.models.autoformer import AutoCorrelation, autocorrelation
+from longattn.models.autoformer import (
+    AutoCorrelation,
+    autocorrelation,
+    time_delay_aggregation,
+    time_delay_aggregation_rows,
+)
 from longattn.models.forecast_blocks import SeriesDecomposition
 from longattn.models.forecasters import moving_average
 
@@ -50,6 +55,24 @@ def test_auto_correlation_matches_plain_topk_and_roll(n, s):
     q = torch.randn(3, n, 2, 4, dtype=torch.float64)
     k, v = torch.randn(3, s, 2, 4, dtype=torch.float64), torch.randn(3, s, 2, 4, dtype=torch.float64)
     torch.testing.assert_close(mechanism(q, k, v), plain_auto_correlation(q, k, v, 2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n, top", [(13, 3), (24, 5), (1, 1)])
+def test_row_aggregation_matches_plain_gather(n, top, dtype):
+    """The token-major aggregation (rows per delay) against the element gather: the same output bit for bit
+    (delays 0 and L - 1 included), the same gradients of values and weights (float64)."""
+    values = torch.randn(3, n, 2, 5, dtype=dtype, requires_grad=True)
+    delays = torch.stack([torch.randperm(n)[:top] for _ in range(3)])
+    delays[0, 0], delays[1, -1] = 0, n - 1
+    weights = torch.softmax(torch.randn(3, top, dtype=dtype), -1).requires_grad_()
+    fast = time_delay_aggregation_rows(values, delays, weights)
+    plain = time_delay_aggregation(values.permute(0, 2, 3, 1), delays, weights).permute(0, 3, 1, 2)
+    assert torch.equal(fast, plain)
+    if dtype == torch.float64:
+        cotangent = torch.randn_like(fast)
+        torch.testing.assert_close(torch.autograd.grad(fast, (values, weights), cotangent),
+                                   torch.autograd.grad(plain, (values, weights), cotangent))
 
 
 def test_batch_shared_delays_only_in_training():

@@ -66,21 +66,37 @@ def _pinv_step(a: Tensor, z: Tensor, eye: Tensor) -> Tensor:
     return 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
 
 
+# Output positions per block of the value convolution's banded (Toeplitz) products
+CONV_BLOCK = 32
+
+
 def depthwise_value_conv(value: Tensor, weight: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """Depth-wise conv of V along the sequence, one [kernel] filter per head: weight [H, 1, kernel, 1]
-    (the layout of a grouped Conv2d(H, H, (kernel, 1), groups=H)); V is read as zero at the padded
-    positions of ``attention_mask`` (bool [B, N], True = real)."""
+    (the layout of a grouped Conv2d(H, H, (kernel, 1), groups=H)), zero-padded by kernel // 2 on each side
+    (odd kernels: the output has V's length); V is read as zero at the padded positions of ``attention_mask``
+    (bool [B, N], True = real).
+
+    Each head's filter is the same for all its (batch, feature) rows, so the convolution of a block of
+    CONV_BLOCK outputs is one product of those rows' input windows (CONV_BLOCK + kernel - 1 positions) with a
+    banded [CONV_BLOCK + kernel - 1, CONV_BLOCK] Toeplitz matrix of the filter: one batched product over the
+    heads, ~3x less CPU forward + backward than the grouped convolution (one channel per (head, feature)) at
+    the forecasters' sizes. The same sums, in another order (float rounding)."""
     b, h, n, d = value.shape
     kernel = weight.shape[-2]
-    # As a 1-d conv with one channel per (head, feature) and each head's filter repeated over its
-    # features: the same sum, about 2.5x faster on CPU than the (kernel, 1) 2-d convolution.
-    channels = value.transpose(-1, -2)
+    half = kernel // 2
     if attention_mask is not None:
-        channels = channels.masked_fill(~attention_mask[:, None, None, :], 0.0)
-    channels = channels.reshape(b, h * d, n)
-    filters = weight[..., 0].to(value.dtype).repeat_interleave(d, dim=0)  # [H * Dh, 1, kernel]
-    out = F.conv1d(channels, filters, padding=kernel // 2, groups=h * d)
-    return out.reshape(b, h, d, n).transpose(-1, -2)
+        value = value.masked_fill(~attention_mask[:, None, :, None], 0.0)
+    blocks = -(-n // CONV_BLOCK)
+    span = CONV_BLOCK + kernel - 1
+    rows = value.permute(1, 0, 3, 2).reshape(h, b * d, n)  # per head, one row per (batch, feature)
+    padded = F.pad(rows, (half, kernel - 1 - half + blocks * CONV_BLOCK - n))
+    windows = padded.unfold(-1, span, CONV_BLOCK).reshape(h, b * d * blocks, span)
+    # toeplitz[h, i, o] = filter_h[i - o] for 0 <= i - o < kernel, else 0 (index kernel: the appended zero)
+    lag = torch.arange(span, device=value.device)[:, None] - torch.arange(CONV_BLOCK, device=value.device)
+    lag = torch.where((lag >= 0) & (lag < kernel), lag, kernel)
+    toeplitz = F.pad(weight[:, 0, :, 0].to(value.dtype), (0, 1))[:, lag]
+    out = torch.bmm(windows, toeplitz).view(h, b, d, blocks * CONV_BLOCK)[..., :n]
+    return out.permute(1, 0, 3, 2)
 
 
 def _masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:

@@ -44,7 +44,8 @@ def autocorrelation(queries: Tensor, keys: Tensor) -> Tensor:
 
 
 def time_delay_aggregation(values: Tensor, delays: Tensor, weights: Tensor) -> Tensor:
-    """eq. 6: sum_i weights[b, i] * Roll(V, delays[b, i]); values [B, H, E, L], delays/weights [B, k]."""
+    """eq. 6: sum_i weights[b, i] * Roll(V, delays[b, i]); values [B, H, E, L], delays/weights [B, k]. The plain
+    form (an element gather along time), the reference of :func:`time_delay_aggregation_rows`."""
     b, h, e, n = values.shape
     doubled = torch.cat([values, values], dim=-1)  # Roll(V, tau)_t = V_{(t + tau) mod L}
     out = torch.zeros_like(values)
@@ -52,6 +53,23 @@ def time_delay_aggregation(values: Tensor, delays: Tensor, weights: Tensor) -> T
     for i in range(delays.shape[1]):
         index = (steps[None, :] + delays[:, i : i + 1])[:, None, None, :].expand(b, h, e, n)
         out = out + doubled.gather(-1, index) * weights[:, i, None, None, None].to(values.dtype)
+    return out
+
+
+def time_delay_aggregation_rows(values: Tensor, delays: Tensor, weights: Tensor) -> Tensor:
+    """:func:`time_delay_aggregation` on token-major values [B, L, H, E] -> [B, L, H, E]: Roll(V, tau) of one
+    sample is its L rows of H * E values taken from (t + tau) mod L, so each delay is one ``index_select`` of
+    whole rows (and its backward an ``index_add_`` of rows) instead of an element gather (and scatter) along
+    the last axis of the [B, H, E, L] transpose (~3x less CPU forward + backward at the forecasters' sizes).
+    The same products and sums in the same order: equal to the plain form bit for bit."""
+    b, n, h, e = values.shape
+    rows = values.reshape(b * n, h * e)
+    sample_start = torch.arange(b, device=values.device)[:, None] * n
+    steps = torch.arange(n, device=values.device)
+    out = torch.zeros_like(values)
+    for i in range(delays.shape[1]):
+        index = (sample_start + (steps[None, :] + delays[:, i : i + 1]) % n).flatten()
+        out = out + rows.index_select(0, index).view(b, n, h, e) * weights[:, i, None, None, None].to(values.dtype)
     return out
 
 
@@ -76,8 +94,7 @@ class AutoCorrelation(nn.Module):
             scores = correlation.gather(1, delays)
         else:
             scores, delays = correlation.topk(top_k, dim=-1)
-        aggregated = time_delay_aggregation(values.permute(0, 2, 3, 1), delays, torch.softmax(scores, dim=-1))
-        return aggregated.permute(0, 3, 1, 2)
+        return time_delay_aggregation_rows(values, delays, torch.softmax(scores, dim=-1))
 
 
 @register_model("autoformer", family="forecaster")
