@@ -11,6 +11,7 @@ import torch
 from forecaster_checks import (check_forward_and_gradients, check_matches_reference_with_dropout,
                                check_rejects_bad_input, overfit_ratio, tiny)
 from longattn.attention.base import merge_heads, split_heads
+from longattn.models import logtrans
 from longattn.models.logtrans import LogSparseConvAttention, logsparse_gaps, logsparse_mask
 from longattn.testing import LargestTensorRecorder
 
@@ -97,10 +98,48 @@ def test_pattern_scores_match_the_reference_without_dropout_draws(n, dropout, tr
         torch.testing.assert_close(a, r)
 
 
-def test_no_length_squared_tensor_without_dropout():
-    """Scores of the pattern only: without dropout's keep-mask nothing of B * H * L * L elements is formed,
-    forward or backward."""
-    layer = LogSparseConvAttention(16, 2, kernel_size=3).eval()
+@pytest.mark.parametrize("rows, with_noise", [(1, True), (2, False), (3, True)])
+def test_pattern_attention_passes_gradcheck_in_groups_of_rows(monkeypatch, rows, with_noise):
+    """Finite differences of _PatternAttention itself in float64 (its backward is written out), groups of 1, 2
+    (a shorter last group) and 3 of 3 batch rows, with and without a dropout factor, 11 positions (past a power of
+    two), a local window of 2; and the same numbers as the whole batch at once."""
+    g = torch.Generator().manual_seed(rows)
+    q, k, v = (torch.randn(3, 2, 4, 11, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    gaps = logsparse_gaps(11, 2)
+    noise = (torch.rand(3, len(gaps), 2, 11, generator=g) > 0.3).double() / 0.7 if with_noise else None
+    monkeypatch.setattr(logtrans, "PATTERN_GROUP_ELEMENTS", rows * 2 * 4 * 11)
+    assert torch.autograd.gradcheck(lambda *t: logtrans._PatternAttention.apply(*t, gaps, noise), (q, k, v))
+    grouped = logtrans._PatternAttention.apply(q, k, v, gaps, noise)
+    monkeypatch.setattr(logtrans, "PATTERN_GROUP_ELEMENTS", 3 * 2 * 4 * 11)
+    torch.testing.assert_close(grouped, logtrans._PatternAttention.apply(q, k, v, gaps, noise), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_evaluation_in_slices_of_rows_matches_the_whole_batch(monkeypatch, rows):
+    """Without gradients in evaluation the layer attends slices of 1 and 2 of 5 batch rows (a shorter last slice)
+    and the whole batch (5): the same output as the whole batch with gradients; in training it never slices (the
+    dropout draw is over the whole batch)."""
+    torch.manual_seed(0)
+    layer = LogSparseConvAttention(8, 2, kernel_size=3, local_window=1, dropout=0.3).double().eval()
+    x = torch.randn(5, 19, 8, dtype=torch.float64)
+    monkeypatch.setattr(logtrans, "EVALUATION_SLICE_ELEMENTS", rows * 19 * 8 + rows - 1)
+    sliced, attend = [], layer.attend
+    monkeypatch.setattr(layer, "attend", lambda t: sliced.append(t.shape[0]) or attend(t))
+    with torch.no_grad():
+        out = layer(x)
+    assert sliced == [rows] * (5 // rows) + [5 % rows] * (5 % rows > 0)
+    torch.testing.assert_close(out, layer(x.requires_grad_()).detach(), rtol=1e-13, atol=1e-15)
+    sliced.clear()
+    with torch.no_grad():
+        layer.train()(x)
+    assert sliced == [5]
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_no_length_squared_tensor_without_dropout(train):
+    """Scores of the pattern only: without dropout's keep-mask (evaluation, or training with p = 0) nothing of
+    B * H * L * L elements is formed, forward or backward."""
+    layer = LogSparseConvAttention(16, 2, kernel_size=3).train(train)
     x = torch.randn(2, 256, 16, requires_grad=True)
     with LargestTensorRecorder() as rec:
         layer(x).sum().backward()

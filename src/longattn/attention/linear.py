@@ -61,6 +61,13 @@ def kernel_sums(
     return phi_q @ context, phi_q @ key_sum.transpose(-1, -2)
 
 
+def causal_chunks(n: int, chunk: int = CAUSAL_CHUNK) -> tuple[int, int]:
+    """How the causal sums cut N tokens: (number of chunks, tokens per chunk), equal chunks of at most ``chunk``
+    tokens, so that less than one token per chunk is padding (144 = 3 x 48, 145 = 3 x 49 - 2)."""
+    count = max(1, -(-n // chunk))
+    return count, -(-n // count)
+
+
 def causal_kernel_sums(phi_q: Tensor, phi_k: Tensor, value: Tensor, chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
     """Causal numerator and normaliser (eq. 8-9): query i sees keys j <= i.
 
@@ -72,8 +79,7 @@ def causal_kernel_sums(phi_q: Tensor, phi_k: Tensor, value: Tensor, chunk: int =
     """
     b, h, n, f = phi_q.shape
     dv = value.shape[-1]
-    c = max(1, -(-n // chunk))
-    chunk = -(-n // c)
+    c, chunk = causal_chunks(n, chunk)
     pad = c * chunk - n
     value = torch.cat([value, value.new_ones(b, h, n, 1)], dim=-1)
     if pad:

@@ -22,6 +22,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -34,7 +35,7 @@ from longattn.attention.base import (
     padding_safe,
     register_attention,
 )
-from longattn.attention.linear import causal_kernel_attention
+from longattn.attention.linear import causal_chunks, causal_kernel_attention
 
 
 def orthogonal_random_features(
@@ -99,6 +100,39 @@ def _feature_shift(x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ..
         return _stabiliser(_project(x, projection), _half_square_norm(x), stabiliser_dims, real)
 
 
+def _features_and_shift(x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None,
+                        shift: Tensor | None,
+                        max_over_shards: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """phi(x) = exp(w.x - |x|^2/2 - shift) / sqrt(m) (zero on padded rows) and its shift (the stabiliser over
+    ``stabiliser_dims`` unless given), without autograd."""
+    projected = _project(x, projection)
+    half_sq_norm = _half_square_norm(x)
+    if shift is None:
+        shift = _stabiliser(projected, half_sq_norm, stabiliser_dims, real)
+        if max_over_shards is not None:  # keys split across processes: one shift for all of them
+            shift = max_over_shards(shift)
+    # every per-row term folded into one [.., N, 1] offset
+    offset = half_sq_norm + (shift + 0.5 * math.log(projection.shape[0]))
+    features = projected.sub_(offset).exp_()
+    if real is not None:
+        features.mul_(real.to(features.dtype))
+    return features, shift
+
+
+def _feature_grads(weighted: Tensor, x: Tensor, projection: Tensor, needs_x: bool,
+                   needs_projection: bool) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients of phi(x) for x and W from G = grad * phi ([.., N, m], laid out as phi):
+    d/dx = G W - x sum_i G_i and d/dW = G^T x."""
+    weighted = weighted.reshape(-1, weighted.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
+    grad_x = grad_projection = None
+    if needs_x:
+        grad_x = (weighted @ projection.to(x.dtype) - rows * weighted.sum(dim=-1, keepdim=True)).view_as(x)
+    if needs_projection:
+        grad_projection = (weighted.T @ rows).to(projection.dtype)
+    return grad_x, grad_projection
+
+
 class _PositiveFeatures(torch.autograd.Function):
     """phi(x) = exp(w.x - |x|^2/2 - shift) / sqrt(m) with its gradient written out: with G = grad * phi,
     d/dx = G W - x sum_i G_i and d/dW = G^T x. Autograd of the same expression would also keep the
@@ -108,17 +142,7 @@ class _PositiveFeatures(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, projection: Tensor, stabiliser_dims: tuple[int, ...], real: Tensor | None,
                 shift: Tensor | None, max_over_shards: Callable[[Tensor], Tensor] | None) -> Tensor:
-        projected = _project(x, projection)
-        half_sq_norm = _half_square_norm(x)
-        if shift is None:
-            shift = _stabiliser(projected, half_sq_norm, stabiliser_dims, real)
-            if max_over_shards is not None:  # keys split across processes: one shift for all of them
-                shift = max_over_shards(shift)
-        # every per-row term folded into one [.., N, 1] offset
-        offset = half_sq_norm + (shift + 0.5 * math.log(projection.shape[0]))
-        features = projected.sub_(offset).exp_()
-        if real is not None:
-            features.mul_(real.to(features.dtype))
+        features, _ = _features_and_shift(x, projection, stabiliser_dims, real, shift, max_over_shards)
         ctx.save_for_backward(x, projection, features)
         return features
 
@@ -126,15 +150,9 @@ class _PositiveFeatures(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         x, projection, features = ctx.saved_tensors
-        # G, laid out as phi whatever the layout of grad (so that the reshape below is a view); zero on
-        # padded rows (phi = 0 there)
-        weighted = torch.mul(grad, features, out=torch.empty_like(features)).view(-1, features.shape[-1])
-        rows = x.reshape(-1, x.shape[-1])
-        grad_x = grad_projection = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (weighted @ projection.to(x.dtype) - rows * weighted.sum(dim=-1, keepdim=True)).view_as(x)
-        if ctx.needs_input_grad[1]:
-            grad_projection = (weighted.T @ rows).to(projection.dtype)
+        # G, laid out as phi whatever the layout of grad (so that the reshape is a view); zero on padded rows
+        weighted = torch.mul(grad, features, out=torch.empty_like(features))
+        grad_x, grad_projection = _feature_grads(weighted, x, projection, *ctx.needs_input_grad[:2])
         return grad_x, grad_projection, None, None, None, None
 
 
@@ -185,6 +203,8 @@ def performer_attention(
     if is_causal and query.shape[-2] != key.shape[-2]:
         raise AttentionError("causal Performer attention needs as many queries as keys")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, projection)):
+        if is_causal:  # training: the causal sums and the features in cache, a group of (batch, head) pairs at a time
+            return _grouped_causal_favor(query, key, value, attention_mask, projection)
         return _favor(query, key, value, attention_mask, projection, is_causal)
     # Forward only (evaluation): a few batch rows at a time, so that one slice's features stay in cache instead of
     # [B, H, N, m] tensors (800 MB each for the Performer forecaster's decoder at batch 256, N = 384). Every
@@ -222,6 +242,149 @@ FAVOR_KEEP_ELEMENTS = 1 << 23
 # Without gradients, batch rows per slice such that a slice's [rows, H, N, m] features hold at most this many
 # elements (at least one row): 4 MiB in float32, a few times the L2 cache (performer_attention).
 FAVOR_SLICE_ELEMENTS = 1 << 20
+
+
+def _grouped_causal_favor(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                          projection: Tensor) -> Tensor:
+    """Causal FAVOR+ as :func:`_favor` computes it (the same features, stabilisers and chunked prefix sums), through
+    :class:`_CausalFavor`: [B, H, N, d] flattened to B * H (batch, head) pairs."""
+    b, h, n, _ = query.shape
+    if attention_mask is not None:
+        value = value * attention_mask[:, None, :, None].to(value.dtype)
+    data_scale = query.shape[-1] ** -0.25  # x.y = q.k / sqrt(d)
+    real = None if attention_mask is None else attention_mask[:, None, :, None].expand(b, h, n, 1).reshape(b * h, n, 1)
+    pairs = (t.reshape(b * h, n, t.shape[-1]) for t in (query * data_scale, key * data_scale, value))
+    out = _CausalFavor.apply(*pairs, projection, real, torch.finfo(query.dtype).tiny)
+    return out.view(b, h, n, value.shape[-1])
+
+
+class _CausalFavor(torch.autograd.Function):
+    """Causal FAVOR+ (eq. 4-5 with the prefix sums of eq. 8-9 of the linear transformer, Lemma 1's features) on
+    [P, N, d] (batch, head) pairs with its backward written out, a group of pairs at a time: a group's
+    [pairs, N, m] features hold at most FAVOR_SLICE_ELEMENTS elements, so that the chunk products, the prefix
+    sums and their gradients run on features in cache instead of on [B, H, N, m] tensors in memory (200 MB each
+    at the Performer forecaster's decoder at horizon 720), and no gradient of a sum or product is formed by
+    itself and added to another (autograd of the chunked sums adds two [B, H, N, m] gradients per feature map).
+    Saved per group: the chunked features, the within-chunk products and the prefix states.
+
+    The numbers are those of :func:`_favor`: phi(Q) with a per-row stabiliser, phi(K) with one per (batch, head)
+    over its real keys (both within one pair, so a group computes what the whole batch would), the chunks of
+    :func:`~longattn.attention.linear.causal_chunks`, within a chunk the masked product, across chunks the
+    exclusive prefix sum of the states phi(K_c)^T [V_c, 1] (the normaliser is the numerator of a value column of
+    ones). With S = [num, den] per query: S_c = phi(Q_c) P_c + tril(phi(Q_c) phi(K_c)^T) V1_c, P_c = sum_{c' < c}
+    phi(K_c')^T V1_c', out = num / (den + eps); the backward pass is the chain rule of these products."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, projection: Tensor, real: Tensor | None,
+                eps: float) -> Tensor:
+        pairs, n, dv = value.shape
+        out, denominator = value.new_empty(pairs, n, dv), value.new_empty(pairs, n, 1)
+        ctx.groups = []
+        for group in _pair_groups(pairs, n, projection.shape[0]):
+            sums = _CausalFavorGroup(query[group], key[group], value[group], projection,
+                                     None if real is None else real[group])
+            both = sums.sums()
+            torch.add(both[..., dv:], eps, out=denominator[group])
+            torch.div(both[..., :dv], denominator[group], out=out[group])
+            ctx.groups.append((group, sums))
+        ctx.save_for_backward(query, key, projection, out, denominator)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        query, key, projection, out, denominator = ctx.saved_tensors
+        needs_q, needs_k, needs_v, needs_w = ctx.needs_input_grad[:4]
+        grad_q = torch.empty_like(query) if needs_q else None
+        grad_k = torch.empty_like(key) if needs_k else None
+        grad_v = torch.empty_like(out) if needs_v else None
+        grad_w = torch.zeros_like(projection) if needs_w else None
+        for group, sums in ctx.groups:
+            # out = num / (den + eps): d/dnum = g / (den + eps), d/dden = -sum_j g_j out_j / (den + eps)
+            g, group_denominator = grad[group], denominator[group]
+            grad_sums = torch.cat([g / group_denominator,
+                                   -(g * out[group]).sum(-1, keepdim=True) / group_denominator], dim=-1)
+            grad_phi_q, grad_phi_k, grad_v1 = sums.backward(grad_sums)
+            if needs_v:
+                grad_v[group] = grad_v1[..., :-1]
+            for x, phi, grad_phi, grad_x in ((query[group], sums.phi_q, grad_phi_q, grad_q),
+                                            (key[group], sums.phi_k, grad_phi_k, grad_k)):
+                if grad_x is None and not needs_w:
+                    continue
+                group_grad_x, grad_projection = _feature_grads(grad_phi.mul_(phi), x, projection, grad_x is not None,
+                                                               needs_w)
+                if grad_x is not None:
+                    grad_x[group] = group_grad_x
+                if needs_w:
+                    grad_w += grad_projection
+        return grad_q, grad_k, grad_v, grad_w, None, None
+
+
+def _pair_groups(pairs: int, n: int, features: int) -> list[slice]:
+    """Groups of (batch, head) pairs whose [pairs, N, m] features hold at most FAVOR_SLICE_ELEMENTS elements (at
+    least one pair per group)."""
+    size = max(1, FAVOR_SLICE_ELEMENTS // (n * features))
+    return [slice(start, min(start + size, pairs)) for start in range(0, pairs, size)]
+
+
+class _CausalFavorGroup:
+    """One group's causal FAVOR+: the features and the chunked products that the sums S = [num, den] and their
+    backward pass are made of (see :class:`_CausalFavor`)."""
+
+    def __init__(self, query: Tensor, key: Tensor, value: Tensor, projection: Tensor, real: Tensor | None) -> None:
+        pairs, n, _ = query.shape
+        count, length = causal_chunks(n)
+        self.n, self.shape = n, (pairs, count, length)
+        phi_q, _ = _features_and_shift(query, projection, (-1,), None, None)
+        phi_k, _ = _features_and_shift(key, projection, (-1, -2), real, None)
+        # [P * chunks, chunk, .], zero features (and values) on a padded tail: they add nothing to any sum
+        self.q_c, self.k_c = self._chunked(phi_q), self._chunked(phi_k)
+        self.value = value
+        v_c = self._values()
+        states = torch.bmm(self.k_c.transpose(1, 2), v_c).view(pairs, count, -1, v_c.shape[-1])
+        self.past = (states.cumsum(dim=1) - states).view(pairs * count, -1, v_c.shape[-1])  # chunks strictly before
+        self.within = torch.bmm(self.q_c, self.k_c.transpose(1, 2)).tril_()  # j <= i inside a chunk
+
+    @property
+    def phi_q(self) -> Tensor:
+        return self._unchunked(self.q_c)
+
+    @property
+    def phi_k(self) -> Tensor:
+        return self._unchunked(self.k_c)
+
+    def _values(self) -> Tensor:
+        """[V, 1] chunked."""
+        return self._chunked(torch.cat([self.value, self.value.new_ones(*self.value.shape[:-1], 1)], dim=-1))
+
+    def _chunked(self, x: Tensor) -> Tensor:
+        """[P, N, k] -> [P * chunks, chunk, k], zero-padded at the end."""
+        pairs, count, length = self.shape
+        if count * length > self.n:
+            x = F.pad(x, (0, 0, 0, count * length - self.n))
+        return x.reshape(pairs * count, length, x.shape[-1])
+
+    def _unchunked(self, x: Tensor) -> Tensor:
+        """[P * chunks, chunk, k] -> [P, N, k] (a view)."""
+        pairs, count, length = self.shape
+        return x.view(pairs, count * length, -1)[:, :self.n]
+
+    def sums(self) -> Tensor:
+        """S = [num, den]: [P, N, Dv + 1]."""
+        return self._unchunked(torch.bmm(self.within, self._values()).baddbmm_(self.q_c, self.past))
+
+    def backward(self, grad_sums: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The gradients of phi(Q), phi(K) ([P, N, m], fresh tensors) and of [V, 1] ([P, N, Dv + 1]) from that of S."""
+        pairs, count, length = self.shape
+        grad_c, v_c = self._chunked(grad_sums), self._values()
+        grad_within = torch.bmm(grad_c, v_c.transpose(1, 2)).tril_()
+        grad_q = torch.bmm(grad_within, self.k_c).baddbmm_(grad_c, self.past.transpose(1, 2))
+        grad_past = torch.bmm(self.q_c.transpose(1, 2), grad_c).view(pairs, count, *self.past.shape[1:])
+        # each chunk's state reaches the sums of every later chunk: the reverse exclusive prefix sum
+        grad_states = (grad_past.flip(1).cumsum(dim=1).flip(1) - grad_past).view(self.past.shape)
+        grad_k = torch.bmm(grad_within.transpose(1, 2), self.q_c).baddbmm_(v_c, grad_states.transpose(1, 2))
+        grad_v = torch.bmm(self.within.transpose(1, 2), grad_c).baddbmm_(self.k_c, grad_states)
+        return self._unchunked(grad_q), self._unchunked(grad_k), self._unchunked(grad_v)
 
 
 def _chunked_favor(query: Tensor, key: Tensor, value: Tensor, projection: Tensor, attention_mask: Tensor | None,

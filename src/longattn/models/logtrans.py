@@ -13,7 +13,7 @@ Forecasting", NeurIPS 2019).
 
 The pattern is a set of diagonals: cell i attends to i - g for every allowed gap g (0, the powers of two, and
 1 .. ``local_window``), O(log L) of them. :class:`LogSparseConvAttention` computes the scores of those diagonals
-only ([#gaps, B, H, L]), which gives the same numbers as the authors' dense form, a mask on the [L, L] score
+only ([B, #gaps, H, L]), which gives the same numbers as the authors' dense form, a mask on the [L, L] score
 matrix (scores outside the pattern are -inf and get softmax weight exactly 0); tests compare it with that dense
 form. The one [L, L] tensor left is the attention dropout's keep-mask in training: it is drawn over all L x L
 cells, as dropout on the dense weights draws it, so the random numbers are consumed exactly as before.
@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention.base import merge_heads, split_heads
 from longattn.models.forecast_blocks import GenerativeTransformer
 from longattn.models.registry import register_model
 
@@ -52,8 +51,11 @@ class CausalConv1d(nn.Conv1d):
         super().__init__(d_model, d_model, kernel_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        padded = F.pad(x.transpose(1, 2), (self.kernel_size[0] - 1, 0))
-        return super().forward(padded).transpose(1, 2)
+        return self.channels_first(x).transpose(1, 2)
+
+    def channels_first(self, x: Tensor) -> Tensor:
+        """The convolution of x [B, L, d] in its own layout [B, d, L]."""
+        return super().forward(F.pad(x.transpose(1, 2), (self.kernel_size[0] - 1, 0)))
 
 
 class LogSparseConvAttention(nn.Module):
@@ -72,36 +74,135 @@ class LogSparseConvAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, n, d = x.shape
-        q, k, v = (split_heads(f(x), self.heads) for f in (self.to_q, self.to_k, self.to_v))
-        q = q * (d // self.heads) ** -0.5
-        gaps = logsparse_gaps(n, self.local_window)
-        # scores[m, ..., i] = q_i . k_(i - g_m): the pattern's diagonals of Q K^T / sqrt(d_head), gaps first (the
-        # softmax over them then runs across whole [B, H, L] slices, not along rows of ~10); -inf where i < g_m,
-        # so the softmax over a row's gaps equals the dense masked softmax on the pattern
-        scores = torch.stack([F.pad((q[:, :, g:] * k[:, :, : n - g]).sum(-1), (g, 0), value=float("-inf"))
-                              for g in gaps])
-        weights = self.dropout_on_pattern(torch.softmax(scores, dim=0), gaps)
-        out = weights[0, ..., None] * v  # gap 0 first, then each diagonal added onto the rows it reaches
-        for m, g in enumerate(gaps[1:], start=1):
-            out[:, :, g:] += weights[m, :, :, g:, None] * v[:, :, : n - g]
-        return self.to_out(merge_heads(out))
+        rows = max(1, EVALUATION_SLICE_ELEMENTS // x[0].numel())
+        if self.training or torch.is_grad_enabled() or rows >= x.shape[0]:
+            return self.attend(x)
+        # evaluation: a slice of batch rows at a time (each row's output depends on that row only; no dropout draws),
+        # so that the layer's [rows, L, d]-sized buffers stay below glibc's mmap threshold (32 MiB) and come from the
+        # heap instead of fresh page-faulting maps (at batch 256 and L = 432 each was 56 MB)
+        return torch.cat([self.attend(x[start:start + rows]) for start in range(0, x.shape[0], rows)])
 
-    def dropout_on_pattern(self, weights: Tensor, gaps: list[int]) -> Tensor:
-        """``self.dropout`` as it acts on the dense [B, H, L, L] weights, applied to their pattern diagonals
-        [#gaps, B, H, L]: the keep-mask is drawn over all L x L cells (the same draws, the same order) and read
-        on the pattern's diagonals; kept weights are scaled by 1 / (1 - p) as nn.Dropout scales them."""
+    def attend(self, x: Tensor) -> Tensor:
+        """The layer on x [B, L, d]."""
+        b, n, d = x.shape
+        # [B, H, Dh, L] operands (see _PatternAttention): the convolutions' own layout for q and k, the value and
+        # output projections as batched products in and out of it (nn.Linear's numbers up to rounding, no copy to
+        # and from [B, L, d]; at evaluation batches each copy is a fresh mmap that page-faults)
+        heads_major = (b, self.heads, d // self.heads, n)
+        q = self.to_q.channels_first(x).view(heads_major) * (d // self.heads) ** -0.5
+        k = self.to_k.channels_first(x).view(heads_major)
+        v = torch.baddbmm(self.to_v.bias[None, :, None].expand(b, d, n), self.to_v.weight.expand(b, d, d),
+                          x.transpose(1, 2)).view(heads_major)
+        gaps = logsparse_gaps(n, self.local_window)
+        out = _PatternAttention.apply(q, k, v, gaps, self.dropout_noise(b, n, gaps, x)).view(b, d, n)
+        return torch.baddbmm(self.to_out.bias.expand(b, n, d), out.transpose(1, 2), self.to_out.weight.T.expand(b, d, d))
+
+    def dropout_noise(self, batch: int, n: int, gaps: list[int], x: Tensor) -> Tensor | None:
+        """``self.dropout`` as it acts on the dense [B, H, L, L] weights, read on the pattern's diagonals: the
+        factor [B, #gaps, H, L] that multiplies the weights (None without dropout). The keep-mask is drawn over all
+        L x L cells (the same draws, the same order) and read on the diagonals; kept weights are scaled by
+        1 / (1 - p) as nn.Dropout scales them."""
         p = self.dropout.p
         if not self.training or p == 0:
-            return weights
+            return None
+        noise = x.new_zeros(batch, len(gaps), self.heads, n)
         if p == 1:
-            return weights * 0  # nn.Dropout(1) draws nothing and zeroes everything
-        _, b, h, n = weights.shape
-        keep = torch.empty(b, h, n, n, dtype=torch.bool, device=weights.device).bernoulli_(1 - p)
-        noise = torch.zeros_like(weights)
+            return noise  # nn.Dropout(1) draws nothing and zeroes everything
+        keep = torch.empty(batch, self.heads, n, n, dtype=torch.bool, device=x.device).bernoulli_(1 - p)
         for m, g in enumerate(gaps):
-            noise[m, :, :, g:] = keep.diagonal(-g, dim1=-2, dim2=-1)
-        return weights * noise.div_(1 - p)
+            noise[:, m, :, g:] = keep.diagonal(-g, dim1=-2, dim2=-1)
+        return noise.div_(1 - p)
+
+
+# Without gradients in evaluation, LogSparseConvAttention attends slices of batch rows of at most this many input
+# elements (at least one row): 16 MiB in float32.
+EVALUATION_SLICE_ELEMENTS = 1 << 22
+# Batch rows per group of _PatternAttention: a group's [rows, H, Dh, L] operands hold at most this many elements (at
+# least one row; 2 MiB in float32), so that the few passes over them per diagonal run in cache. Measured at the
+# forecaster's sizes (L = 192-816, training batch 32, evaluation batch 256): 2^17 - 2^21 cost about the same in
+# training, smaller groups cost more in evaluation (the per-call overhead of ~40 small operations per group).
+PATTERN_GROUP_ELEMENTS = 1 << 19
+
+
+class _PatternAttention(torch.autograd.Function):
+    """Softmax attention on the LogSparse pattern's diagonals (gaps g_m, ``gaps[0]`` = 0), with the dropout factor
+    ``noise`` [B, #gaps, H, L] (or None) on the weights, on [B, H, Dh, L] queries (already scaled), keys and values,
+    with its backward written out, a group of batch rows at a time:
+
+        s_m[i] = q_i . k_(i - g_m)  (-inf where i < g_m),   w = softmax over m of s,   out_i = sum_m (w_m noise_m)[i] v_(i - g_m)
+
+    Dh-major, a diagonal's products are element-wise over contiguous rows of the sequence and the sums over Dh
+    run across rows (not along rows of Dh = 16); autograd of the same slices formed a zero-filled full-size
+    gradient per slice and diagonal. The products go through one scratch buffer of a group's size. Saved: the
+    inputs and w ([B, #gaps, H, L])."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, gaps: list[int], noise: Tensor | None) -> Tensor:
+        weights = query.new_empty(query.shape[0], len(gaps), query.shape[1], query.shape[-1])
+        out = torch.empty_like(value)
+        groups = _row_groups(query)
+        scratch = query.new_empty(groups[0].stop, *query.shape[1:])
+        for rows in groups:
+            w = weights[rows]
+            _diagonal_products(query[rows], key[rows], gaps, scratch, out=w, before=float("-inf"))
+            torch.softmax(w, dim=1, out=w)
+            _sum_over_diagonals(w if noise is None else w * noise[rows], value[rows], gaps, out=out[rows])
+        ctx.save_for_backward(query, key, value, weights, noise)
+        ctx.gaps = gaps
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        query, key, value, weights, noise = ctx.saved_tensors
+        gaps = ctx.gaps
+        grad_query, grad_key, grad_value = (torch.empty_like(t) for t in (query, key, value))
+        groups = _row_groups(query)
+        scratch = query.new_empty(groups[0].stop, *query.shape[1:])
+        for rows in groups:
+            q, k, w, g_out = query[rows], key[rows], weights[rows], grad[rows]
+            # out_i = sum_m dropped_m[i] v_(i - g_m): the gradients of dropped and of v
+            grad_w = _diagonal_products(g_out, value[rows], gaps, scratch, out=torch.empty_like(w), before=0.0)
+            _sum_over_diagonals(w if noise is None else w * noise[rows], g_out, gaps, out=grad_value[rows],
+                                transpose=True)
+            if noise is not None:
+                grad_w.mul_(noise[rows])
+            # softmax over the diagonals: ds = w (dw - sum_m w_m dw_m); zero where i < g_m (w = 0 there)
+            grad_s = grad_w.sub_((w * grad_w).sum(1, keepdim=True)).mul_(w)
+            _sum_over_diagonals(grad_s, k, gaps, out=grad_query[rows])
+            _sum_over_diagonals(grad_s, q, gaps, out=grad_key[rows], transpose=True)
+        return grad_query, grad_key, grad_value, None, None
+
+
+def _diagonal_products(x: Tensor, y: Tensor, gaps: list[int], scratch: Tensor, out: Tensor, before: float) -> Tensor:
+    """out[:, m, :, i] = x_i . y_(i - g_m) over Dh (``before`` where i < g_m), x, y [rows, H, Dh, L], out
+    [rows, #gaps, H, L]; the products go through ``scratch`` (at least [rows, H, Dh, L])."""
+    rows, n = x.shape[0], x.shape[-1]
+    for m, g in enumerate(gaps):
+        out[:, m, :, :g] = before
+        product = torch.mul(x[..., g:], y[..., :n - g], out=scratch[:rows, ..., :n - g])
+        torch.sum(product, dim=-2, out=out[:, m, :, g:])
+    return out
+
+
+def _row_groups(x: Tensor) -> list[slice]:
+    """Groups of batch rows of [B, H, Dh, L] holding at most PATTERN_GROUP_ELEMENTS elements (at least one row)."""
+    size = max(1, PATTERN_GROUP_ELEMENTS // x[0].numel())
+    return [slice(start, min(start + size, x.shape[0])) for start in range(0, x.shape[0], size)]
+
+
+def _sum_over_diagonals(diagonals: Tensor, x: Tensor, gaps: list[int], out: Tensor, transpose: bool = False) -> Tensor:
+    """out[..., i] = sum_m diagonals[:, m, ..., i] x[..., i - g_m] (an L x L matrix given by its diagonals, times x),
+    or with ``transpose`` out[..., j] = sum_m diagonals[:, m, ..., j + g_m] x[..., j + g_m] (its transpose); x, out
+    [rows, H, Dh, L], diagonals [rows, #gaps, H, L] (gap 0 first)."""
+    n = x.shape[-1]
+    torch.mul(diagonals[:, 0, :, None], x, out=out)
+    for m, g in enumerate(gaps[1:], start=1):
+        if transpose:
+            out[..., :n - g].addcmul_(diagonals[:, m, :, None, g:], x[..., g:])
+        else:
+            out[..., g:].addcmul_(diagonals[:, m, :, None, g:], x[..., :n - g])
+    return out
 
 
 @register_model("logtrans", family="forecaster")
