@@ -4,6 +4,7 @@ import torch
 from longattn.attention import reformer
 from longattn.attention.base import AttentionError
 from longattn.attention.reformer import hash_buckets, hash_buckets_blocked, lsh_attention, lsh_attention_reference, num_buckets
+from longattn.testing import LargestTensorRecorder
 
 
 def inputs(n, rounds, bucket_size, d=8, seed=0):
@@ -129,6 +130,74 @@ def test_blocked_hashing_equals_argmax_over_both_signs(monkeypatch, block_elemen
     x[:, :, 7] = 0.0  # all projections tie at zero: both must pick bucket 0
     rot = torch.randn(8, 4, 5)
     assert torch.equal(hash_buckets_blocked(x, rot), hash_buckets(x, rot))
+
+
+@pytest.mark.parametrize("half", [6, reformer.VECTOR_ARGMAX_MIN_HALF, 51])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_blocked_hashing_with_exact_ties_equals_argmax_over_both_signs(half, dtype):
+    """Ties within xR (equal rotation columns), between xR and -xR (a negated column: the first half wins),
+    zero rows; float32 and float64 with few projections (max / min with indices) and many (the float passes),
+    bfloat16 (max / min with indices): the same buckets as argmax over [xR; -xR]."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 40, 8, generator=g, dtype=dtype)
+    x[:, :, 3] = 0.0
+    rot = torch.randn(8, 3, half, generator=g, dtype=dtype)
+    rot[:, :, 4] = rot[:, :, 1]  # xR_4 == xR_1: the first of them
+    rot[:, :, 5] = -rot[:, :, 2]  # xR_5 == -xR_2: bucket 5 over bucket half + 2 when that value wins
+    buckets = hash_buckets_blocked(x, rot)
+    assert torch.equal(buckets, hash_buckets(x, rot))
+    assert (buckets == 4).sum() == 0 and (buckets == half + 2).sum() == 0 and (buckets == half + 5).sum() == 0
+    assert (buckets[:, :, :, 3] == 0).all()
+
+
+def test_blocked_hashing_of_nan_rows_takes_the_indexed_max_and_min():
+    """A NaN projection equals nothing; such blocks take max / min with indices (NaN wins both), as before."""
+    half = reformer.VECTOR_ARGMAX_MIN_HALF
+    x = torch.randn(1, 1, 6, 4)
+    x[0, 0, 2, 1] = float("nan")
+    rot = torch.randn(4, 2, half)
+    rotated = torch.einsum("bhnd,drk->bhrnk", x, rot)
+    high, arg_high = rotated.max(-1)
+    low, arg_low = rotated.min(-1)
+    assert torch.equal(hash_buckets_blocked(x, rot), torch.where(high >= -low, arg_high, arg_low + half))
+
+
+@pytest.mark.parametrize("block_elements", [2 * 8 * 8 * 2, 1 << 18])
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_weights_kept_for_backward_give_the_recomputed_gradients(monkeypatch, block_elements, across, causal):
+    """Weights kept by the forward pass (KEEP_WEIGHTS_ELEMENTS) or recomputed in backward (0): the same
+    gradients bit for bit, both the dense reference's, padded and odd lengths, blocks of 2 chunks or all."""
+    monkeypatch.setattr(reformer, "BLOCK_ELEMENTS", block_elements)
+    qk, v, rot = inputs(61, rounds=3, bucket_size=8)
+    mask = torch.rand(2, 61, generator=torch.Generator().manual_seed(4)) > 0.2
+    kw = dict(rotations=rot, bucket_size=8, attend_across_buckets=across, is_causal=causal)
+    cotangent = torch.randn(2, 2, 61, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = []
+    for keep_elements in (0, reformer.KEEP_WEIGHTS_ELEMENTS):
+        monkeypatch.setattr(reformer, "KEEP_WEIGHTS_ELEMENTS", keep_elements)
+        grads.append(torch.autograd.grad(lsh_attention(qk, v, mask, **kw), (qk, v), cotangent))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    ref = lsh_attention_reference(qk, v, mask, **kw)
+    torch.testing.assert_close(grads[1], torch.autograd.grad(ref, (qk, v), cotangent))
+
+
+def test_weights_are_kept_only_for_a_backward_pass(monkeypatch):
+    """The kept weights [chunks, m, 2m] are the largest tensor of a step with gradients (blocks of 2 chunks),
+    and are not formed without gradients (evaluation) or above KEEP_WEIGHTS_ELEMENTS."""
+    monkeypatch.setattr(reformer, "BLOCK_ELEMENTS", 2 * 8 * 8 * 2)
+    qk, v, rot = inputs(61, rounds=3, bucket_size=8)
+    kept = 4 * (3 * 64 // 8) * 8 * 16  # (batch, head) pairs x chunks per head x m x 2m
+    with LargestTensorRecorder() as recorder:
+        lsh_attention(qk, v, rotations=rot, bucket_size=8)
+    assert recorder.max_numel == kept
+    with torch.no_grad(), LargestTensorRecorder() as recorder:
+        lsh_attention(qk, v, rotations=rot, bucket_size=8)
+    assert recorder.max_numel < kept
+    monkeypatch.setattr(reformer, "KEEP_WEIGHTS_ELEMENTS", kept - 1)
+    with LargestTensorRecorder() as recorder:
+        lsh_attention(qk, v, rotations=rot, bucket_size=8)
+    assert recorder.max_numel < kept
 
 
 def test_one_bucket_one_chunk_is_shared_qk_attention_without_self():

@@ -106,6 +106,22 @@ def test_moving_average_matches_loop(k, front, back):
         moving_average(x, 0)
 
 
+@pytest.mark.parametrize("k", [1, 4, 5, 25])
+@pytest.mark.parametrize("length", [1, 11, 30])
+def test_moving_average_gradient_matches_autograd_of_the_window_means(k, length):
+    """The written-out backward (a sliding mean of the zero-padded gradient) against autograd of the plain
+    window means of the edge-padded series, float64, kernels longer than the series; time-major and
+    channel-major output gradients (the layouts the forecasters pass back)."""
+    back = (k - 1) // 2
+    x = torch.randn(2, length, 3, dtype=torch.float64, requires_grad=True)
+    padded = torch.cat([x[:, :1].repeat(1, k - 1 - back, 1), x, x[:, -1:].repeat(1, back, 1)], dim=1)
+    plain = torch.stack([padded[:, i : i + k].mean(1) for i in range(length)], dim=1)
+    for cotangent in (torch.randn(2, length, 3, dtype=torch.float64),
+                      torch.randn(2, 3, length, dtype=torch.float64).transpose(1, 2)):
+        torch.testing.assert_close(torch.autograd.grad(moving_average(x, k), x, cotangent),
+                                   torch.autograd.grad(plain, x, cotangent))
+
+
 @pytest.mark.parametrize("individual", [False, True])
 def test_dlinear_is_two_linear_maps_over_time(individual):
     torch.manual_seed(0)

@@ -12,7 +12,9 @@ The fast path works block by block over the sorted chunks (a block: any range of
 heads, gathering its queries, keys and values from the token-major rows) and recomputes scores in the
 backward pass, so it keeps O(rounds * N * head_dim) and never holds more than a block of scores
 (BLOCK_ELEMENTS on CPU, sized for the cache; GPU_BLOCK_ELEMENTS on GPUs, where fewer, larger
-kernels pay off).
+kernels pay off). Short sequences under autograd are the exception: when all blocks' softmax weights
+(rounds * N * 2 * bucket_size per head, still linear in N) hold at most KEEP_WEIGHTS_ELEMENTS, the
+forward pass keeps them for the backward pass instead of recomputing them.
 
 Padding: padded tokens are put in a bucket of their own after all real buckets, so where real
 tokens land in the sort never depends on padded content.
@@ -41,6 +43,11 @@ from longattn.attention.base import (
 SELF_ATTENTION_SCORE = -5e4  # "attend to itself only if nothing else": large negative but finite
 BLOCK_ELEMENTS = 1 << 18  # scores (or hash projections) computed at once: cache-sized, never [N, N]
 GPU_BLOCK_ELEMENTS = 1 << 24
+# under autograd, the forward pass keeps all blocks' softmax weights for the backward pass when they hold at
+# most this many elements (R * N * 2m per head, linear in N; 6.7M for the Reformer forecaster's training step at
+# horizon 720), instead of recomputing the scores, their masks and exp there
+KEEP_WEIGHTS_ELEMENTS = 1 << 23
+VECTOR_ARGMAX_MIN_HALF = 32  # hash projections per round from which _argmax_both_signs uses its float passes
 EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38 is still a normal float32
 
 
@@ -57,20 +64,42 @@ def hash_buckets(vectors: Tensor, rotations: Tensor) -> Tensor:
 def hash_buckets_blocked(vectors: Tensor, rotations: Tensor) -> Tensor:
     """:func:`hash_buckets` without the [N, rounds, n_buckets] tensor: rows of all (batch, head) pairs in
     blocks of at most the block budget of projections (n_buckets grows with N, so a block of tokens of
-    every head at once would not be bounded), and argmax([xR; -xR]) read off the max and min of xR (ties
-    resolve the same way)."""
+    every head at once would not be bounded), and argmax([xR; -xR]) found by :func:`_argmax_both_signs`."""
     b, h, n, d = vectors.shape
     _, rounds, half = rotations.shape
     flat_rotations = rotations.reshape(d, rounds * half)
-    rows = vectors.reshape(-1, d)
+    rows = vectors.detach().reshape(-1, d)  # bucket ids carry no gradient: nothing for autograd to record
     rows_per_block = max(1, block_elements(vectors.device) // (rounds * half))
     buckets = torch.empty(rows.shape[0], rounds, dtype=torch.long, device=vectors.device)
     for start in range(0, rows.shape[0], rows_per_block):
         rotated = (rows[start:start + rows_per_block] @ flat_rotations).unflatten(-1, (rounds, half))
-        high, arg_high = rotated.max(dim=-1)
-        low, arg_low = rotated.min(dim=-1)
-        torch.where(high >= -low, arg_high, arg_low + half, out=buckets[start:start + rows_per_block])
+        _argmax_both_signs(rotated, out=buckets[start:start + rows_per_block])
     return buckets.view(b, h, n, rounds).transpose(2, 3)
+
+
+def _argmax_both_signs(rotated: Tensor, out: Tensor) -> None:
+    """argmax([xR; -xR]) over the last axis of ``rotated`` = xR [rows, rounds, half] into ``out`` [rows, rounds]
+    (``rotated`` may be overwritten): the first position of the winning value, in xR when max(xR) >= -min(xR)
+    (the first half wins ties), else half + its first position in xR as min(xR).
+
+    torch's max / min with indices (and argmax) on a short last axis run element by element; from
+    VECTOR_ARGMAX_MIN_HALF projections on, vectorised float passes are cheaper (~0.3-0.9x the CPU; below it
+    they measured slower): the extremes, then the matches (1.0 / 0.0 in place) weighted half, ..., 1 by
+    position, whose maximum is half - the first match. The same buckets as argmax, ties included; NaN (which
+    equals nothing) and dtypes that do not hold the weights exactly take max / min with indices."""
+    half = rotated.shape[-1]
+    if half >= VECTOR_ARGMAX_MIN_HALF and rotated.dtype in (torch.float32, torch.float64):
+        high, low = rotated.amax(dim=-1, keepdim=True), rotated.amin(dim=-1, keepdim=True)
+        first_half = high >= -low
+        winner = torch.where(first_half, high, low)
+        if not torch.isnan(winner).any():
+            by_position = torch.arange(half, 0, -1, dtype=rotated.dtype, device=rotated.device)
+            first = half - rotated.eq_(winner).mul_(by_position).amax(dim=-1).long()
+            torch.where(first_half.squeeze(-1), first, first + half, out=out)
+            return
+    high, arg_high = rotated.max(dim=-1)
+    low, arg_low = rotated.min(dim=-1)
+    torch.where(high >= -low, arg_high, arg_low + half, out=out)
 
 
 class _SlotLayout:
@@ -92,6 +121,7 @@ class _SlotLayout:
         self.match_id: Tensor | None = None  # [G, m] bucket-match ids (same-bucket attention)
         self.key_valid: Tensor | None = None  # [G, m] real-token flags (attention across buckets)
         self.heads_total, self.rounds, self.n_total, self.causal = heads_total, rounds, n_total, causal
+        self.for_backward = False  # whether autograd will run the backward pass (set by the caller)
         self.m = bucket_size
         self.chunks_per_head = rounds * n_total // bucket_size
         chunk = torch.arange(self.position.shape[0], device=round_token_of.device)
@@ -134,10 +164,11 @@ class _SlotLayout:
         """Rows ``row_index`` of token-major ``t`` [B*H*N, D] as [chunks, per_chunk, D]."""
         return t.index_select(0, row_index).view(-1, per_chunk, t.shape[-1])
 
-    def scores(self, q: Tensor, k: Tensor, start: int, stop: int, slots: Tensor) -> Tensor:
+    def scores(self, q: Tensor, k: Tensor, start: int, stop: int, slots: Tensor, out: Tensor | None = None) -> Tensor:
         """Masked scores [stop - start, m, keys_per_chunk] of a block of chunks (eq. 3's P_i, causality, padding)
-        from its queries [stop - start, m, D] and keys [stop - start, keys_per_chunk, D] (its :meth:`key_slots`)."""
-        scores = torch.bmm(q, k.transpose(1, 2))
+        from its queries [stop - start, m, D] and keys [stop - start, keys_per_chunk, D] (its :meth:`key_slots`),
+        written into ``out`` if given."""
+        scores = torch.bmm(q, k.transpose(1, 2), out=out)
         blocked = None
         if self.match_id is not None:  # same bucket and round; padded slots have ids of their own
             blocked = self.match_id[start:stop, :, None] != self.keys(self.match_id, slots)[:, None, :]
@@ -163,12 +194,14 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
     Combining rounds with weights softmax_r(lse_r) (section 2) is one softmax of query i over the
     union of its slots in all rounds: out_i = sum_{r,j} exp(s_rij - L_i) v_j, L_i = logsumexp_r lse_ri.
     The backward pass is that softmax's, with delta_i = g_i . out_i; it recomputes each block's scores
-    (as flash attention does), so no [C, m, 2m] tensor is ever kept or allocated whole. Scores that a
+    (as flash attention does), so no [C, m, 2m] tensor is kept or allocated whole (but see below). Scores that a
     mask replaced by a constant need no explicit zero gradient: their weight underflows (at most
     exp(EXP_FLOOR)) unless the token sees only itself, and then out_i = v_i makes g_i . v_i - delta_i = 0.
 
     Inputs are token-major [B*H*N, D] rows: each block gathers its queries, keys and values from them
     (and scatters its gradients back), so no sorted copy of all rounds' slots, [B*H*R*N, D], is formed.
+    Under autograd, when all blocks' weights [C, m, 2m] hold at most KEEP_WEIGHTS_ELEMENTS, the forward pass
+    writes them into one tensor kept for the backward pass instead (the same numbers the recomputation gives).
     """
 
     @staticmethod
@@ -177,11 +210,13 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
         d = v.shape[-1]
         per_chunk = layout.keys_per_chunk
         row_max, row_sum, out_slots = q.new_empty(g, m), q.new_empty(g, m), q.new_empty(g, m, d)
+        keep = layout.for_backward and g * m * per_chunk <= KEEP_WEIGHTS_ELEMENTS
+        kept = q.new_empty(g, m, per_chunk) if keep else None
         for start, stop in layout.blocks():
             slots = layout.key_slots(start, stop)
             key_rows, query_rows = layout.token_row[slots], layout.token_row[start * m:stop * m]
             scores = layout.scores(layout.rows(q, query_rows, m), layout.rows(k, key_rows, per_chunk),
-                                   start, stop, slots)
+                                   start, stop, slots, out=None if kept is None else kept[start:stop])
             block_max = torch.amax(scores, dim=-1, keepdim=True, out=row_max[start:stop, :, None])
             weights = _exp_shifted(scores, block_max)
             torch.sum(weights, dim=-1, out=row_sum[start:stop])
@@ -202,13 +237,13 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
             by_round = slot_rows.index_select(0, layout.slot_of[group]).view(last - first, rounds, n_total, d)
             torch.sum(by_round, dim=1, out=out[first:last])
         ctx.layout = layout
-        ctx.save_for_backward(q, k, v, row_max, scale, out)
+        ctx.save_for_backward(q, k, v, row_max, scale, out, kept)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # a second derivative raises instead of being wrong
     def backward(ctx, grad_out: Tensor):
-        q, k, v, row_max, scale, out = ctx.saved_tensors
+        q, k, v, row_max, scale, out, kept = ctx.saved_tensors
         layout: _SlotLayout = ctx.layout
         g, m = layout.position.shape
         per_chunk = layout.keys_per_chunk
@@ -220,7 +255,10 @@ class _ChunkedLSHSoftmax(torch.autograd.Function):
             key_rows, query_rows = layout.token_row[slots], layout.token_row[start * m:stop * m]
             block_q, block_k = layout.rows(q, query_rows, m), layout.rows(k, key_rows, per_chunk)
             block_scale = scale[start:stop, :, None]
-            weights = _exp_shifted(layout.scores(block_q, block_k, start, stop, slots), row_max[start:stop, :, None])
+            if kept is None:
+                weights = _exp_shifted(layout.scores(block_q, block_k, start, stop, slots), row_max[start:stop, :, None])
+            else:
+                weights = kept[start:stop]
             block_grad = layout.rows(grad_rows, query_rows, m).mul_(block_scale)
             grad_scores = torch.bmm(block_grad, layout.rows(v, key_rows, per_chunk).transpose(1, 2))
             grad_scores.sub_(delta_rows[query_rows].view(-1, m, 1).mul_(block_scale)).mul_(weights)
@@ -285,6 +323,7 @@ def lsh_attention(
     order = order.view(bh, -1)
     head_offset = torch.arange(bh, device=device)[:, None] * (rounds * n_total)
     layout = _SlotLayout((order + head_offset).flatten(), m, bh, rounds, n_total, is_causal)
+    layout.for_backward = torch.is_grad_enabled() and (shared_qk.requires_grad or value.requires_grad)
 
     slot_valid = None
     if valid is not None:
