@@ -93,9 +93,9 @@ def test_forward_only_slices_of_the_batch_match_the_gradient_path_and_the_refere
     with torch.no_grad():
         out = performer_attention(q, k, v, mask, projection=w, is_causal=causal)
     assert sliced == [rows] * (b // rows) + [b % rows] * (b % rows > 0)
+    slices = len(sliced)
     with_gradients = performer_attention(q.requires_grad_(), k, v, mask, projection=w, is_causal=causal)
-    # the path with gradients takes the whole batch at once (causal: through the grouped training path)
-    assert sliced[len(sliced) - (not causal):] == ([] if causal else [b])
+    assert len(sliced) == slices  # the path with gradients takes the whole batch through the grouped path
     torch.testing.assert_close(out, with_gradients.detach(), rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(out, performer_attention_reference(q.detach(), k, v, mask, projection=w,
                                                                   is_causal=causal))
@@ -104,56 +104,62 @@ def test_forward_only_slices_of_the_batch_match_the_gradient_path_and_the_refere
 performer_pair_groups = performer._pair_groups
 
 
-def plain_causal_favor(query, key, value, attention_mask, projection):
-    """The causal path before the grouped training path: autograd of favor_features and the chunked sums."""
-    return performer._favor(query, key, value, attention_mask, projection, True)
+def plain_favor(query, key, value, attention_mask, projection, is_causal):
+    """The path with gradients before the grouped one: autograd of the features and the (chunked) sums."""
+    return performer._favor(query, key, value, attention_mask, projection, is_causal)
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("n", [1, 5, 64, 67, 145])
 @pytest.mark.parametrize("pairs_per_group", [1, 2, 4, 6])
 @pytest.mark.parametrize("padded", [False, True])
-def test_causal_training_path_matches_the_plain_path_forward_and_gradients(monkeypatch, n, pairs_per_group, padded):
-    """The grouped causal path (_CausalFavor, its backward written out) against autograd of the plain causal path,
-    float64: groups of 1, 2, 4 of 6 (batch, head) pairs (a shorter last group) and all 6, one chunk, chunks with
-    and without padding (64 = 1 x 64, 67 = 2 x 34 - 1, 145 = 3 x 49 - 2), padded keys; gradients of q, k, v and
-    the projection; and the plain Lemma 1."""
+def test_grouped_training_path_matches_the_plain_path_forward_and_gradients(monkeypatch, causal, n, pairs_per_group,
+                                                                           padded):
+    """The grouped path with gradients (_GroupedFavor, its backward written out) against autograd of the plain path,
+    float64: groups of 1, 2, 4 of 6 (batch, head) pairs (a shorter last group) and all 6; causal: one chunk,
+    chunks with and without padding (64 = 1 x 64, 67 = 2 x 34 - 1, 145 = 3 x 49 - 2); not causal: 3 keys fewer
+    than queries; padded keys; gradients of q, k, v and the projection; and the plain Lemma 1."""
     b, h, m = 3, 2, 20
+    n_key = n if causal else max(1, n - 3)
     monkeypatch.setattr(performer, "FAVOR_SLICE_ELEMENTS", pairs_per_group * n * m + pairs_per_group - 1)
     g = torch.Generator().manual_seed(n + pairs_per_group)
-    q, k, v = (torch.randn(b, h, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q = torch.randn(b, h, n, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, h, n_key, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     w = orthogonal_random_features(m, 8, generator=g, dtype=torch.float64).requires_grad_()
     mask = None
     if padded:
-        mask = torch.rand(b, n, generator=g) > 0.3
+        mask = torch.rand(b, n_key, generator=g) > 0.3
         mask[:, 0] = True
-    groups, grouped = [], performer._grouped_causal_favor
+    groups, grouped = [], performer._grouped_favor
     monkeypatch.setattr(performer, "_pair_groups", lambda *a: groups.append(performer_pair_groups(*a)) or groups[-1])
-    out = performer_attention(q, k, v, mask, projection=w, is_causal=True)
+    out = performer_attention(q, k, v, mask, projection=w, is_causal=causal)
     assert [group.stop - group.start for group in groups[0]] == (
         [pairs_per_group] * (b * h // pairs_per_group) + [b * h % pairs_per_group] * (b * h % pairs_per_group > 0))
-    monkeypatch.setattr(performer, "_grouped_causal_favor", plain_causal_favor)
-    plain = performer_attention(q, k, v, mask, projection=w, is_causal=True)
-    monkeypatch.setattr(performer, "_grouped_causal_favor", grouped)
+    monkeypatch.setattr(performer, "_grouped_favor", plain_favor)
+    plain = performer_attention(q, k, v, mask, projection=w, is_causal=causal)
+    monkeypatch.setattr(performer, "_grouped_favor", grouped)
     torch.testing.assert_close(out, plain, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(out, performer_attention_reference(q, k, v, mask, projection=w, is_causal=True))
+    torch.testing.assert_close(out, performer_attention_reference(q, k, v, mask, projection=w, is_causal=causal))
     grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
     for fast, reference in zip(torch.autograd.grad(out, (q, k, v, w), grad),
                                torch.autograd.grad(plain, (q, k, v, w), grad)):
         torch.testing.assert_close(fast, reference, rtol=1e-11, atol=1e-13)
 
 
-
-def test_causal_training_path_passes_gradcheck(monkeypatch):
-    """Finite differences of _CausalFavor itself in float64: 2 pairs in groups of 1, two chunks with padding,
-    padded keys."""
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_training_path_passes_gradcheck(monkeypatch, causal):
+    """Finite differences of _GroupedFavor itself in float64: 2 pairs in groups of 1, padded keys; causal: two
+    chunks with padding; not causal: fewer keys than queries."""
     monkeypatch.setattr(performer, "FAVOR_SLICE_ELEMENTS", 67 * 3)
     g = torch.Generator().manual_seed(9)
-    q, k, v = (torch.randn(2, 67, 2, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    n_key = 67 if causal else 40
+    q = torch.randn(2, 67, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, n_key, 2, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     w = orthogonal_random_features(3, 2, generator=g, dtype=torch.float64).requires_grad_()
-    real = torch.rand(2, 67, 1, generator=g) > 0.3
+    real = torch.rand(2, n_key, 1, generator=g) > 0.3
     real[:, 0] = True
     assert torch.autograd.gradcheck(
-        lambda *t: performer._CausalFavor.apply(*t, real, torch.finfo(torch.float64).tiny), (q, k, v, w))
+        lambda *t: performer._GroupedFavor.apply(*t, real, torch.finfo(torch.float64).tiny, causal), (q, k, v, w))
 
 
 def test_causal_training_path_has_no_quadratic_intermediate():

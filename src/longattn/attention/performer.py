@@ -203,8 +203,10 @@ def performer_attention(
     if is_causal and query.shape[-2] != key.shape[-2]:
         raise AttentionError("causal Performer attention needs as many queries as keys")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, projection)):
-        if is_causal:  # training: the causal sums and the features in cache, a group of (batch, head) pairs at a time
-            return _grouped_causal_favor(query, key, value, attention_mask, projection)
+        # training: the features and the sums in cache, a group of (batch, head) pairs at a time (causal, or a
+        # sequence whose features are kept for the backward pass anyway)
+        if is_causal or _keeps_features(*query.shape[:3], key.shape[2], projection.shape[0]):
+            return _grouped_favor(query, key, value, attention_mask, projection, is_causal)
         return _favor(query, key, value, attention_mask, projection, is_causal)
     # Forward only (evaluation): a few batch rows at a time, so that one slice's features stay in cache instead of
     # [B, H, N, m] tensors (800 MB each for the Performer forecaster's decoder at batch 256, N = 384). Every
@@ -244,31 +246,39 @@ FAVOR_KEEP_ELEMENTS = 1 << 23
 FAVOR_SLICE_ELEMENTS = 1 << 20
 
 
-def _grouped_causal_favor(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                          projection: Tensor) -> Tensor:
-    """Causal FAVOR+ as :func:`_favor` computes it (the same features, stabilisers and chunked prefix sums), through
-    :class:`_CausalFavor`: [B, H, N, d] flattened to B * H (batch, head) pairs."""
-    b, h, n, _ = query.shape
+def _keeps_features(batch: int, heads: int, n_query: int, n_key: int, features: int) -> bool:
+    """Whether the non-causal path takes the whole sequence as one chunk and keeps its features (see FAVOR_CHUNK)."""
+    n = max(n_query, n_key)
+    return n <= FAVOR_CHUNK and batch * heads * n * features <= FAVOR_KEEP_ELEMENTS
+
+
+def _grouped_favor(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, projection: Tensor,
+                   is_causal: bool) -> Tensor:
+    """FAVOR+ as :func:`_favor` computes it (the same features, stabilisers and sums), through :class:`_GroupedFavor`:
+    [B, H, N, d] flattened to B * H (batch, head) pairs."""
+    b, h, n_query, _ = query.shape
+    n = key.shape[2]
     if attention_mask is not None:
         value = value * attention_mask[:, None, :, None].to(value.dtype)
     data_scale = query.shape[-1] ** -0.25  # x.y = q.k / sqrt(d)
     real = None if attention_mask is None else attention_mask[:, None, :, None].expand(b, h, n, 1).reshape(b * h, n, 1)
-    pairs = (t.reshape(b * h, n, t.shape[-1]) for t in (query * data_scale, key * data_scale, value))
-    out = _CausalFavor.apply(*pairs, projection, real, torch.finfo(query.dtype).tiny)
-    return out.view(b, h, n, value.shape[-1])
+    pairs = (t.reshape(b * h, t.shape[2], t.shape[3]) for t in (query * data_scale, key * data_scale, value))
+    out = _GroupedFavor.apply(*pairs, projection, real, torch.finfo(query.dtype).tiny, is_causal)
+    return out.view(b, h, n_query, value.shape[-1])
 
 
-class _CausalFavor(torch.autograd.Function):
-    """Causal FAVOR+ (eq. 4-5 with the prefix sums of eq. 8-9 of the linear transformer, Lemma 1's features) on
+class _GroupedFavor(torch.autograd.Function):
+    """FAVOR+ (eq. 4-5, Lemma 1's features; causal: with the prefix sums of eq. 8-9 of the linear transformer) on
     [P, N, d] (batch, head) pairs with its backward written out, a group of pairs at a time: a group's
     [pairs, N, m] features hold at most FAVOR_SLICE_ELEMENTS elements, so that the chunk products, the prefix
     sums and their gradients run on features in cache instead of on [B, H, N, m] tensors in memory (200 MB each
     at the Performer forecaster's decoder at horizon 720), and no gradient of a sum or product is formed by
     itself and added to another (autograd of the chunked sums adds two [B, H, N, m] gradients per feature map).
-    Saved per group: the chunked features, the within-chunk products and the prefix states.
+    Saved per group: the features (causal: chunked, with the within-chunk products and the prefix states).
 
     The numbers are those of :func:`_favor`: phi(Q) with a per-row stabiliser, phi(K) with one per (batch, head)
-    over its real keys (both within one pair, so a group computes what the whole batch would), the chunks of
+    over its real keys (both within one pair, so a group computes what the whole batch would); not causal, the
+    context phi(K)^T [V, 1] and S = phi(Q) phi(K)^T [V, 1] (:class:`_FavorGroup`); causal, the chunks of
     :func:`~longattn.attention.linear.causal_chunks`, within a chunk the masked product, across chunks the
     exclusive prefix sum of the states phi(K_c)^T [V_c, 1] (the normaliser is the numerator of a value column of
     ones). With S = [num, den] per query: S_c = phi(Q_c) P_c + tril(phi(Q_c) phi(K_c)^T) V1_c, P_c = sum_{c' < c}
@@ -276,13 +286,14 @@ class _CausalFavor(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, projection: Tensor, real: Tensor | None,
-                eps: float) -> Tensor:
-        pairs, n, dv = value.shape
-        out, denominator = value.new_empty(pairs, n, dv), value.new_empty(pairs, n, 1)
+                eps: float, is_causal: bool) -> Tensor:
+        pairs, n_query, _ = query.shape
+        dv = value.shape[-1]
+        out, denominator = value.new_empty(pairs, n_query, dv), value.new_empty(pairs, n_query, 1)
         ctx.groups = []
-        for group in _pair_groups(pairs, n, projection.shape[0]):
-            sums = _CausalFavorGroup(query[group], key[group], value[group], projection,
-                                     None if real is None else real[group])
+        for group in _pair_groups(pairs, max(n_query, key.shape[1]), projection.shape[0]):
+            sums = (_CausalFavorGroup if is_causal else _FavorGroup)(
+                query[group], key[group], value[group], projection, None if real is None else real[group])
             both = sums.sums()
             torch.add(both[..., dv:], eps, out=denominator[group])
             torch.div(both[..., :dv], denominator[group], out=out[group])
@@ -297,7 +308,7 @@ class _CausalFavor(torch.autograd.Function):
         needs_q, needs_k, needs_v, needs_w = ctx.needs_input_grad[:4]
         grad_q = torch.empty_like(query) if needs_q else None
         grad_k = torch.empty_like(key) if needs_k else None
-        grad_v = torch.empty_like(out) if needs_v else None
+        grad_v = key.new_empty(*key.shape[:2], out.shape[-1]) if needs_v else None
         grad_w = torch.zeros_like(projection) if needs_w else None
         for group, sums in ctx.groups:
             # out = num / (den + eps): d/dnum = g / (den + eps), d/dden = -sum_j g_j out_j / (den + eps)
@@ -317,7 +328,7 @@ class _CausalFavor(torch.autograd.Function):
                     grad_x[group] = group_grad_x
                 if needs_w:
                     grad_w += grad_projection
-        return grad_q, grad_k, grad_v, grad_w, None, None
+        return grad_q, grad_k, grad_v, grad_w, None, None, None
 
 
 def _pair_groups(pairs: int, n: int, features: int) -> list[slice]:
@@ -327,9 +338,30 @@ def _pair_groups(pairs: int, n: int, features: int) -> list[slice]:
     return [slice(start, min(start + size, pairs)) for start in range(0, pairs, size)]
 
 
+class _FavorGroup:
+    """One group's non-causal FAVOR+: the features and the context that the sums S = [num, den] and their backward
+    pass are made of (see :class:`_GroupedFavor`)."""
+
+    def __init__(self, query: Tensor, key: Tensor, value: Tensor, projection: Tensor, real: Tensor | None) -> None:
+        self.phi_q, _ = _features_and_shift(query, projection, (-1,), None, None)
+        self.phi_k, _ = _features_and_shift(key, projection, (-1, -2), real, None)
+        self.value = torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)  # [V, 1]
+        self.context = torch.bmm(self.phi_k.transpose(1, 2), self.value)  # phi(K)^T [V, 1]
+
+    def sums(self) -> Tensor:
+        """S = [num, den]: [P, N_q, Dv + 1]."""
+        return torch.bmm(self.phi_q, self.context)
+
+    def backward(self, grad_sums: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The gradients of phi(Q), phi(K) and [V, 1] (fresh tensors) from that of S."""
+        grad_context = torch.bmm(self.phi_q.transpose(1, 2), grad_sums)
+        return (torch.bmm(grad_sums, self.context.transpose(1, 2)), torch.bmm(self.value, grad_context.transpose(1, 2)),
+                torch.bmm(self.phi_k, grad_context))
+
+
 class _CausalFavorGroup:
     """One group's causal FAVOR+: the features and the chunked products that the sums S = [num, den] and their
-    backward pass are made of (see :class:`_CausalFavor`)."""
+    backward pass are made of (see :class:`_GroupedFavor`)."""
 
     def __init__(self, query: Tensor, key: Tensor, value: Tensor, projection: Tensor, real: Tensor | None) -> None:
         pairs, n, _ = query.shape
@@ -399,7 +431,7 @@ def _chunked_favor(query: Tensor, key: Tensor, value: Tensor, projection: Tensor
     real = None if attention_mask is None else attention_mask[:, None, :, None]
     # the normaliser sum_j phi(K_j) is the context of a value column of ones: one product gives both
     value = torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)
-    if max(n, n_query) <= FAVOR_CHUNK and b * h * max(n, n_query) * projection.shape[0] <= FAVOR_KEEP_ELEMENTS:
+    if _keeps_features(b, h, n_query, n, projection.shape[0]):
         sums = _favor_key_sums(key * data_scale, value, projection, real, None)
         return _favor_query_output(query * data_scale, projection, sums, eps)
 

@@ -53,6 +53,11 @@ def _git() -> dict[str, Any] | None:
     return {"commit": sha, "dirty": bool(status.strip())}
 
 
+# Read now, with the code the process imports: a long run (a forecast grid) on an editable install keeps the code
+# it started with while its checkout moves on, and must record that commit, not the one current at its first write.
+_git()
+
+
 def _device() -> str:
     if torch.cuda.is_available():
         return f"cuda: {torch.cuda.get_device_name(0)}"
