@@ -3,6 +3,7 @@ import torch
 
 from longattn import attention
 from longattn.attention import AttentionError, performer
+from longattn.attention.base import budget_slices
 from longattn.attention.performer import (
     orthogonal_random_features,
     performer_attention,
@@ -101,9 +102,6 @@ def test_forward_only_slices_of_the_batch_match_the_gradient_path_and_the_refere
                                                                   is_causal=causal))
 
 
-performer_pair_groups = performer._pair_groups
-
-
 def plain_favor(query, key, value, attention_mask, projection, is_causal):
     """The path with gradients before the grouped one: autograd of the features and the (chunked) sums."""
     return performer._favor(query, key, value, attention_mask, projection, is_causal)
@@ -131,7 +129,7 @@ def test_grouped_training_path_matches_the_plain_path_forward_and_gradients(monk
         mask = torch.rand(b, n_key, generator=g) > 0.3
         mask[:, 0] = True
     groups, grouped = [], performer._grouped_favor
-    monkeypatch.setattr(performer, "_pair_groups", lambda *a: groups.append(performer_pair_groups(*a)) or groups[-1])
+    monkeypatch.setattr(performer, "budget_slices", lambda *a: groups.append(budget_slices(*a)) or groups[-1])
     out = performer_attention(q, k, v, mask, projection=w, is_causal=causal)
     assert [group.stop - group.start for group in groups[0]] == (
         [pairs_per_group] * (b * h // pairs_per_group) + [b * h % pairs_per_group] * (b * h % pairs_per_group > 0))

@@ -379,6 +379,13 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(b, n, h * dh)
 
 
+def budget_slices(count: int, item_elements: int, budget: int) -> list[slice]:
+    """Consecutive slices of ``count`` items (batch rows, heads) of ``item_elements`` elements each, each slice
+    holding at most ``budget`` elements (at least one item): the groups a cache- or memory-bounded loop takes."""
+    size = max(1, budget // max(1, item_elements))
+    return [slice(start, min(start + size, count)) for start in range(0, count, size)]
+
+
 # ----------------------------------------------------------------------------- base module
 
 

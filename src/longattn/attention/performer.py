@@ -31,6 +31,7 @@ from longattn.attention.base import (
     AttentionError,
     Capabilities,
     QKVProjection,
+    budget_slices,
     check_qkv,
     padding_safe,
     register_attention,
@@ -211,13 +212,14 @@ def performer_attention(
     # Forward only (evaluation): a few batch rows at a time, so that one slice's features stay in cache instead of
     # [B, H, N, m] tensors (800 MB each for the Performer forecaster's decoder at batch 256, N = 384). Every
     # stabiliser is a maximum within one query row or one (batch, head) pair, so slices give the same numbers.
-    rows = max(1, FAVOR_SLICE_ELEMENTS // (query.shape[1] * max(query.shape[2], key.shape[2]) * projection.shape[0]))
-    if rows >= query.shape[0]:
+    slices = budget_slices(query.shape[0], query.shape[1] * max(query.shape[2], key.shape[2]) * projection.shape[0],
+                           FAVOR_SLICE_ELEMENTS)
+    if len(slices) == 1:
         return _favor(query, key, value, attention_mask, projection, is_causal)
     return torch.cat([
-        _favor(query[start:start + rows], key[start:start + rows], value[start:start + rows],
-               None if attention_mask is None else attention_mask[start:start + rows], projection, is_causal)
-        for start in range(0, query.shape[0], rows)])
+        _favor(query[rows], key[rows], value[rows], None if attention_mask is None else attention_mask[rows],
+               projection, is_causal)
+        for rows in slices])
 
 
 def _favor(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, projection: Tensor,
@@ -291,7 +293,7 @@ class _GroupedFavor(torch.autograd.Function):
         dv = value.shape[-1]
         out, denominator = value.new_empty(pairs, n_query, dv), value.new_empty(pairs, n_query, 1)
         ctx.groups = []
-        for group in _pair_groups(pairs, max(n_query, key.shape[1]), projection.shape[0]):
+        for group in budget_slices(pairs, max(n_query, key.shape[1]) * projection.shape[0], FAVOR_SLICE_ELEMENTS):
             sums = (_CausalFavorGroup if is_causal else _FavorGroup)(
                 query[group], key[group], value[group], projection, None if real is None else real[group])
             both = sums.sums()
@@ -329,13 +331,6 @@ class _GroupedFavor(torch.autograd.Function):
                 if needs_w:
                     grad_w += grad_projection
         return grad_q, grad_k, grad_v, grad_w, None, None, None
-
-
-def _pair_groups(pairs: int, n: int, features: int) -> list[slice]:
-    """Groups of (batch, head) pairs whose [pairs, N, m] features hold at most FAVOR_SLICE_ELEMENTS elements (at
-    least one pair per group)."""
-    size = max(1, FAVOR_SLICE_ELEMENTS // (n * features))
-    return [slice(start, min(start + size, pairs)) for start in range(0, pairs, size)]
 
 
 class _FavorGroup:

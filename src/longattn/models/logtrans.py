@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longattn.attention.base import budget_slices
 from longattn.models.forecast_blocks import GenerativeTransformer
 from longattn.models.registry import register_model
 
@@ -74,13 +75,13 @@ class LogSparseConvAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = max(1, EVALUATION_SLICE_ELEMENTS // x[0].numel())
-        if self.training or torch.is_grad_enabled() or rows >= x.shape[0]:
+        slices = budget_slices(x.shape[0], x[0].numel(), EVALUATION_SLICE_ELEMENTS)
+        if self.training or torch.is_grad_enabled() or len(slices) == 1:
             return self.attend(x)
         # evaluation: a slice of batch rows at a time (each row's output depends on that row only; no dropout draws),
         # so that the layer's [rows, L, d]-sized buffers stay below glibc's mmap threshold (32 MiB) and come from the
         # heap instead of fresh page-faulting maps (at batch 256 and L = 432 each was 56 MB)
-        return torch.cat([self.attend(x[start:start + rows]) for start in range(0, x.shape[0], rows)])
+        return torch.cat([self.attend(x[rows]) for rows in slices])
 
     def attend(self, x: Tensor) -> Tensor:
         """The layer on x [B, L, d]."""
@@ -187,8 +188,7 @@ def _diagonal_products(x: Tensor, y: Tensor, gaps: list[int], scratch: Tensor, o
 
 def _row_groups(x: Tensor) -> list[slice]:
     """Groups of batch rows of [B, H, Dh, L] holding at most PATTERN_GROUP_ELEMENTS elements (at least one row)."""
-    size = max(1, PATTERN_GROUP_ELEMENTS // x[0].numel())
-    return [slice(start, min(start + size, x.shape[0])) for start in range(0, x.shape[0], size)]
+    return budget_slices(x.shape[0], x[0].numel(), PATTERN_GROUP_ELEMENTS)
 
 
 def _sum_over_diagonals(diagonals: Tensor, x: Tensor, gaps: list[int], out: Tensor, transpose: bool = False) -> Tensor:
