@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -52,28 +51,26 @@ def main() -> int:
     env = worker_env(args.src.resolve())
     sys.path.insert(0, str(args.src.resolve()))
 
-    def run(out_dir: Path, *worker_args: str) -> tuple[int, float, str]:
-        started = time.perf_counter()
+    def run(out_dir: Path, *worker_args: str) -> tuple[int, str]:
         done = subprocess.run(worker_command(out_dir, *worker_args), env=env, capture_output=True, text=True)
         if done.returncode not in (0, -9, 1):
             print(done.stderr[-2000:], file=sys.stderr)
-        return done.returncode, time.perf_counter() - started, done.stderr
+        return done.returncode, done.stderr
 
-    code, seconds, _ = run(args.out / "full", "run")
+    code, _ = run(args.out / "full", "run")
     if code != 0:
         print(f"uninterrupted run failed (exit {code})", file=sys.stderr)
         return 1
     reference = final_weights(args.out / "full")
-    print(f"uninterrupted run: {seconds:.1f} s wall")
     print("| kill moment | killed run exit | temp files after the kill | resumed from step | resume exit "
           "| bit-identical | max abs weight difference | temp files after resume |")
     print("|---|---|---|---|---|---|---|---|")
     identical_everywhere = True
     for label, how in MOMENTS:
         out = args.out / how.replace("=", "_").replace(":", "_")
-        killed, _, _ = run(out, "run", how)
+        killed, _ = run(out, "run", how)
         left = len(list((out / "checkpoints").glob(".*.tmp")))
-        resumed, _, log = run(out, "resume")
+        resumed, log = run(out, "resume")
         match = re.search(r"resuming from .* at step (\d+)", log)
         start = match.group(1) if match else "scratch"
         weights = final_weights(out) if resumed == 0 else {}
