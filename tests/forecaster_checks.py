@@ -12,6 +12,27 @@ from torch import nn
 from longattn.models.forecasters import build_forecaster
 
 
+_ATTENTION_BLOCK = dict(d_model=16, heads=2, d_ff=16)
+# The small options every forecaster is built with in the tests (one table: a new forecaster is added here).
+SMALL_OPTIONS = {
+    "skt": dict(d_model=16, heads=2),
+    "encoder": dict(d_model=16, heads=2),
+    "dlinear": dict(kernel_size=5),
+    "fedformer": dict(_ATTENTION_BLOCK, modes=4, moving_avg=[5, 4], wavelet_c=2, wavelet_cross_c=2, wavelet_modes=3,
+                      wavelet_skipped_levels=1),
+    "autoformer": dict(_ATTENTION_BLOCK, moving_avg=5, factor=2.0),
+    "informer": dict(_ATTENTION_BLOCK),
+    "logtrans": dict(_ATTENTION_BLOCK),
+    "transformer": dict(_ATTENTION_BLOCK),
+    "performer": dict(_ATTENTION_BLOCK, nb_features=8),
+    "nystromformer": dict(_ATTENTION_BLOCK, num_landmarks=4, conv_kernel=3),
+    "reformer": dict(_ATTENTION_BLOCK, bucket_size=2, n_hashes=2),
+    "s4": dict(d_model=16, layers=2, state_size=8),
+    "patchtst": dict(d_model=16, heads=2, layers=2, d_ff=32, patch_len=6, stride=3),
+    "itransformer": dict(d_model=16, heads=2, layers=2, d_ff=16),
+}
+
+
 def synthetic_batch(batch: int, seq_len: int, pred_len: int, channels: int, seed: int = 0) -> tuple:
     """Noisy sines with channel-specific periods and a trend: (x [B, seq_len, C], y [B, pred_len, C])."""
     g = torch.Generator().manual_seed(seed)

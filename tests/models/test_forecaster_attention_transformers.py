@@ -7,16 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
+from forecaster_checks import (SMALL_OPTIONS, check_forward_and_gradients, check_rejects_bad_input, overfit_ratio,
+                               tiny)
 from longattn.attention.nystrom import NystromAttention
 from longattn.attention.performer import PerformerAttention
 from longattn.attention.reformer import ReformerAttention
 from longattn.attention.softmax import softmax_attention_reference
 from longattn.models.forecast_blocks import FullCrossAttention, dropout_softmax_attention
 
-SMALL = dict(d_model=16, heads=2, d_ff=16)
-OPTIONS = {"transformer": {}, "reformer": {"bucket_size": 2, "n_hashes": 2}, "performer": {"nb_features": 8},
-           "nystromformer": {"num_landmarks": 4, "conv_kernel": 3}}
+NAMES = ["nystromformer", "performer", "reformer", "transformer"]
 
 
 def _attend(module, x, memory=None, causal=False):
@@ -31,7 +30,8 @@ def _attend(module, x, memory=None, causal=False):
 
 def test_transformer_matches_a_plain_encoder_decoder():
     """Informer Section 3.3: decoder input = last label_len steps + zeros; one pass; last pred_len outputs."""
-    model = tiny("transformer", 2, 12, 4, label_len=5, encoder_layers=1, **SMALL).double().eval()
+    model = tiny("transformer", 2, 12, 4, label_len=5, encoder_layers=1, **SMALL_OPTIONS["transformer"])
+    model = model.double().eval()
     x = torch.randn(2, 12, 2, dtype=torch.float64)
 
     def embed(embedding, series):
@@ -58,7 +58,7 @@ def test_transformer_matches_a_plain_encoder_decoder():
     ("reformer", ReformerAttention, None), ("performer", PerformerAttention, True),
     ("nystromformer", NystromAttention, False)])
 def test_registered_mechanisms_fill_the_self_attention_slots(name, mechanism, decoder_causal):
-    model = tiny(name, 3, 16, 8, **SMALL, **OPTIONS[name])
+    model = tiny(name, 3, 16, 8, **SMALL_OPTIONS[name])
     assert all(isinstance(layer.attention, mechanism) for layer in model.encoder)
     if decoder_causal is None:  # encoder-only form of the Autoformer code
         assert model.form == "encoder_only" and not hasattr(model, "decoder")
@@ -66,22 +66,22 @@ def test_registered_mechanisms_fill_the_self_attention_slots(name, mechanism, de
         assert all(layer.self_attention.causal == decoder_causal for layer in model.decoder)
 
 
-@pytest.mark.parametrize("name", sorted(OPTIONS))
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("seq_len, pred_len", [(23, 5), (16, 9)])
 def test_shapes_and_gradients(name, seq_len, pred_len):
-    model = tiny(name, 3, seq_len, pred_len, **SMALL, **OPTIONS[name])
+    model = tiny(name, 3, seq_len, pred_len, **SMALL_OPTIONS[name])
     check_forward_and_gradients(model, seq_len, pred_len, 3)
     check_rejects_bad_input(model, seq_len, 3)
 
 
 def test_reformer_encoder_decoder_form():
-    model = tiny("reformer", 3, 23, 5, form="encoder_decoder", **SMALL, **OPTIONS["reformer"])
+    model = tiny("reformer", 3, 23, 5, form="encoder_decoder", **SMALL_OPTIONS["reformer"])
     check_forward_and_gradients(model, 23, 5, 3)
 
 
 @pytest.mark.parametrize("name", ["transformer", "performer"])
 def test_overfits_a_synthetic_series(name):
-    assert overfit_ratio(tiny(name, 2, 24, 6, **SMALL, **OPTIONS[name]), 24, 6, 2) < 0.5
+    assert overfit_ratio(tiny(name, 2, 24, 6, **SMALL_OPTIONS[name]), 24, 6, 2) < 0.5
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.05, 0.5])

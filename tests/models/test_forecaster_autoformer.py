@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
+from forecaster_checks import SMALL_OPTIONS, check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
 from longattn.models.autoformer import (
     AutoCorrelation,
     autocorrelation,
@@ -105,7 +105,7 @@ def test_decoder_starts_from_the_seasonal_part_of_the_last_label_len_steps():
     torch.testing.assert_close(seen["x"], torch.cat([seasonal[:, -8:], torch.zeros(2, 6, 3, dtype=torch.float64)], 1))
 
 
-SMALL = dict(d_model=16, heads=2, d_ff=16, moving_avg=5, factor=2.0)
+SMALL = SMALL_OPTIONS["autoformer"]
 
 
 @pytest.mark.parametrize("seq_len, pred_len, label_len", [(23, 5, None), (24, 7, 2), (13, 17, 13)])

@@ -13,31 +13,15 @@ import pytest
 import torch
 
 from longattn.models.registry import model_names
-from tests.forecaster_checks import tiny
+from forecaster_checks import SMALL_OPTIONS, tiny
 
-SMALL = {
-    "skt": dict(d_model=16, heads=2),
-    "encoder": dict(d_model=16, heads=2),
-    "dlinear": dict(kernel_size=5),
-    "fedformer": dict(d_model=16, heads=2, d_ff=16, modes=4, moving_avg=[5, 4]),
-    "autoformer": dict(d_model=16, heads=2, d_ff=16, moving_avg=5, factor=2.0),
-    "informer": dict(d_model=16, heads=2, d_ff=16),
-    "logtrans": dict(d_model=16, heads=2, d_ff=16),
-    "transformer": dict(d_model=16, heads=2, d_ff=16),
-    "performer": dict(d_model=16, heads=2, d_ff=16),
-    "nystromformer": dict(d_model=16, heads=2, d_ff=16),
-    "reformer": dict(d_model=16, heads=2, d_ff=16),
-    "s4": dict(d_model=16, layers=2, state_size=8),
-    "patchtst": dict(d_model=16, heads=2, layers=2, d_ff=32, patch_len=6, stride=3),
-    "itransformer": dict(d_model=16, heads=2, layers=2, d_ff=16),
-}
 # sampled keys (Zhou et al. 2021, Sec. 3.1, Eq. 4), random rotations (Kitaev et al. 2020, Sec. 2): drawn per forward
 DRAWS_PER_BATCH = {"informer", "reformer"}
 SEQ_LEN, PRED_LEN, CHANNELS = 48, 12, 3
 
 
 def test_every_forecaster_is_covered():
-    assert sorted(SMALL) == sorted(model_names(family="forecaster"))
+    assert sorted(SMALL_OPTIONS) == sorted(model_names(family="forecaster"))
 
 
 def predict_in_chunks(model: torch.nn.Module, x: torch.Tensor, sizes: list[int], seed: int = 0) -> torch.Tensor:
@@ -46,10 +30,10 @@ def predict_in_chunks(model: torch.nn.Module, x: torch.Tensor, sizes: list[int],
         return torch.cat([model(part) for part in x.split(sizes)])
 
 
-@pytest.mark.parametrize("name", sorted(set(SMALL) - DRAWS_PER_BATCH))
+@pytest.mark.parametrize("name", sorted(set(SMALL_OPTIONS) - DRAWS_PER_BATCH))
 def test_eval_prediction_does_not_depend_on_the_batch(name):
     torch.manual_seed(0)
-    model = tiny(name, CHANNELS, SEQ_LEN, PRED_LEN, **SMALL[name]).eval()
+    model = tiny(name, CHANNELS, SEQ_LEN, PRED_LEN, **SMALL_OPTIONS[name]).eval()
     x = torch.randn(10, SEQ_LEN, CHANNELS)
     whole = predict_in_chunks(model, x, [10])
     assert whole.shape == (10, PRED_LEN, CHANNELS)
@@ -60,7 +44,7 @@ def test_eval_prediction_does_not_depend_on_the_batch(name):
 @pytest.mark.parametrize("name", sorted(DRAWS_PER_BATCH))
 def test_eval_prediction_depends_on_the_draw(name):
     torch.manual_seed(0)
-    model = tiny(name, CHANNELS, SEQ_LEN, PRED_LEN, **SMALL[name]).eval()
+    model = tiny(name, CHANNELS, SEQ_LEN, PRED_LEN, **SMALL_OPTIONS[name]).eval()
     x = torch.randn(10, SEQ_LEN, CHANNELS)
     torch.testing.assert_close(predict_in_chunks(model, x, [10], seed=1), predict_in_chunks(model, x, [10], seed=1))
     assert not torch.allclose(predict_in_chunks(model, x, [10], seed=1), predict_in_chunks(model, x, [10], seed=2))

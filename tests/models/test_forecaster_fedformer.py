@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
+from forecaster_checks import SMALL_OPTIONS, check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
 from longattn.models.fedformer import (
     FourierBlock,
     FourierCrossAttention,
@@ -177,8 +177,7 @@ def test_mixture_decomposition_is_a_softmax_weighted_sum_of_moving_averages(kern
         torch.testing.assert_close(a, r)
 
 
-SMALL = dict(d_model=16, heads=2, d_ff=16, modes=4, moving_avg=[5, 4], wavelet_c=2, wavelet_cross_c=2,
-             wavelet_modes=3, wavelet_skipped_levels=1)
+SMALL = SMALL_OPTIONS["fedformer"]
 
 
 @pytest.mark.parametrize("version", ["fourier", "wavelet"])

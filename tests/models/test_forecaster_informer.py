@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from forecaster_checks import (check_forward_and_gradients, check_matches_reference_with_dropout,
+from forecaster_checks import (SMALL_OPTIONS, check_forward_and_gradients, check_matches_reference_with_dropout,
                                check_rejects_bad_input, overfit_ratio, tiny)
 from longattn.attention.informer import sample_informer_keys
 from longattn.attention.softmax import softmax_attention_reference
@@ -76,7 +76,7 @@ def test_mix_only_changes_the_head_layout():
     assert not torch.allclose(mixed2(x), plain2(x))
 
 
-SMALL = dict(d_model=16, heads=2, d_ff=16)
+SMALL = SMALL_OPTIONS["informer"]
 
 
 @pytest.mark.parametrize("seq_len, pred_len, options", [(23, 5, {}), (24, 7, {"distil": False, "label_len": 5}),

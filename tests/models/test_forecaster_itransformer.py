@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forecaster_checks import check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
+from forecaster_checks import SMALL_OPTIONS, check_forward_and_gradients, check_rejects_bad_input, overfit_ratio, tiny
 
-SMALL = dict(d_model=16, heads=2, layers=2, d_ff=16)
+SMALL = SMALL_OPTIONS["itransformer"]
 
 
 def test_variates_are_tokens_permutation_equivariant():

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from forecaster_checks import (check_forward_and_gradients, check_matches_reference_with_dropout,
+from forecaster_checks import (SMALL_OPTIONS, check_forward_and_gradients, check_matches_reference_with_dropout,
                                check_rejects_bad_input, overfit_ratio, tiny)
 from longattn.attention.base import merge_heads, split_heads
 from longattn.models import logtrans
@@ -146,7 +146,7 @@ def test_no_length_squared_tensor_without_dropout(train):
     assert rec.max_numel < 2 * 2 * 256 * 256 / 4, rec.max_shape
 
 
-SMALL = dict(d_model=16, heads=2, d_ff=16)
+SMALL = SMALL_OPTIONS["logtrans"]
 
 
 @pytest.mark.parametrize("seq_len, pred_len, options", [(23, 5, {}), (24, 7, {"kernel_size": 1, "local_window": 2})])

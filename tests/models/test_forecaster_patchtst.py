@@ -7,13 +7,13 @@ from functools import partial
 import pytest
 import torch
 
-from forecaster_checks import (check_forward_and_gradients, check_matches_reference_with_dropout,
+from forecaster_checks import (SMALL_OPTIONS, check_forward_and_gradients, check_matches_reference_with_dropout,
                                check_rejects_bad_input, overfit_ratio, tiny)
 from longattn.attention.base import merge_heads, split_heads
 from longattn.attention.softmax import softmax_attention_reference
 from longattn.models.patchtst import ResidualAttention, RevIN, make_patches, patch_count
 
-SMALL = dict(d_model=16, heads=2, layers=2, d_ff=32, patch_len=6, stride=3)
+SMALL = SMALL_OPTIONS["patchtst"]
 
 
 def test_patches_match_a_plain_loop():

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forecaster_checks import (check_forward_and_gradients, check_matches_reference_with_dropout,
+from forecaster_checks import (SMALL_OPTIONS, check_forward_and_gradients, check_matches_reference_with_dropout,
                                check_rejects_bad_input, overfit_ratio, tiny)
 from longattn.models.s4 import S4DKernel, S4DLayer, causal_fft_conv, s4d_recurrence
 
@@ -104,7 +104,7 @@ def test_layer_causality(bidirectional):
     assert same != bidirectional  # causal kernels never look ahead; the bidirectional layer does
 
 
-SMALL = dict(d_model=16, layers=2, state_size=8)
+SMALL = SMALL_OPTIONS["s4"]
 
 
 @pytest.mark.parametrize("seq_len, pred_len, options", [(23, 5, {}), (24, 7, {"bidirectional": True})])
