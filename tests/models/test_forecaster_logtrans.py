@@ -50,13 +50,24 @@ def test_conv_attention_matches_a_plain_loop_and_is_causal():
     torch.testing.assert_close(layer(changed)[:, :7], out[:, :7])  # no position sees a later one
 
 
-def masked_dense_reference(layer, x):
+def masked_dense_reference(layer, x, dropout_factor=None):
     """The layer's attention written the plain way: scaled scores, masked_fill outside the pattern, softmax,
-    dropout, values."""
+    dropout (``layer.dropout``, or the given [B, H, L, L] factor), values."""
     q, k, v = (split_heads(f(x), layer.heads) for f in (layer.to_q, layer.to_k, layer.to_v))
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~logsparse_mask(x.shape[1], layer.local_window), float("-inf"))
-    return layer.to_out(merge_heads(layer.dropout(torch.softmax(scores, dim=-1)) @ v))
+    weights = torch.softmax(scores, dim=-1)
+    weights = layer.dropout(weights) if dropout_factor is None else weights * dropout_factor
+    return layer.to_out(merge_heads(weights @ v))
+
+
+def dense_factor(pattern_factor, gaps, n):
+    """A dropout factor on the pattern's cells [B, #gaps, H, L] written on the dense [B, H, L, L] weights (cell
+    (i, i - g_m) = factor[:, m, :, i]; 0 outside the pattern)."""
+    dense = pattern_factor.new_zeros(pattern_factor.shape[0], pattern_factor.shape[2], n, n)
+    for m, g in enumerate(gaps):
+        dense.diagonal(-g, dim1=-2, dim2=-1).copy_(pattern_factor[:, m, :, g:])
+    return dense
 
 
 @pytest.mark.parametrize("n, window", [(1, 0), (2, 0), (13, 0), (16, 0), (17, 0), (30, 2), (33, 5), (6, 9)])
@@ -68,14 +79,37 @@ def test_gaps_are_the_diagonals_of_the_mask(n, window):
 
 @pytest.mark.parametrize("n, window", [(2, 0), (13, 0), (17, 0), (30, 2), (33, 5), (6, 9)])
 def test_pattern_scores_match_the_masked_dense_reference_with_the_same_dropout(n, window):
-    """Forward and gradients in float64, in training mode: the same dropout mask is drawn for the same seed
-    (the random numbers are consumed as by the reference), at odd lengths, just past a power of two, and with
-    a local window longer than the sequence."""
+    """Forward and gradients in float64, in training mode: the layer's output is the dense form's with the layer's
+    own dropout draw (for the same seed) written on the dense weights, at odd lengths, just past a power of two,
+    and with a local window longer than the sequence; another seed, other masks."""
     torch.manual_seed(0)
     layer = LogSparseConvAttention(8, 2, kernel_size=3, local_window=window, dropout=0.3).double().train()
     x = torch.randn(2, n, 8, dtype=torch.float64, requires_grad=True)
-    check_matches_reference_with_dropout(layer, lambda t: masked_dense_reference(layer, t), x,
-                                         list(layer.parameters()))
+    gaps = logsparse_gaps(n, window)
+
+    def reference(t):
+        factor = dense_factor(layer.dropout_noise(t.shape[0], n, gaps, t), gaps, n)
+        return masked_dense_reference(layer, t, factor)
+
+    check_matches_reference_with_dropout(layer, reference, x, list(layer.parameters()))
+
+
+def test_dropout_draws_the_pattern_cells_like_nn_dropout():
+    """Each of the pattern's cells is kept with probability 1 - p and scaled by 1 / (1 - p), independently
+    (nn.Dropout's law on those weights); a draw of B * #gaps * H * L numbers, not B * H * L * L."""
+    layer = LogSparseConvAttention(8, 2, dropout=0.25).train()
+    n, gaps = 4096, logsparse_gaps(4096)
+    x = torch.zeros(4, n, 8)
+    torch.manual_seed(3)
+    factor = layer.dropout_noise(4, n, gaps, x)
+    assert factor.shape == (4, len(gaps), 2, n)
+    kept = factor != 0
+    torch.testing.assert_close(factor[kept], torch.full_like(factor[kept], 1 / 0.75))
+    fraction = kept.double().mean().item()  # 4 * 13 * 2 * 4096 = 425,984 cells: 3 std of the mean is 0.002
+    assert abs(fraction - 0.75) < 0.003, fraction
+    per_gap = kept.double().mean(dim=(0, 2, 3))
+    assert (per_gap - 0.75).abs().max() < 0.012, per_gap  # 32,768 cells per gap: 3 std is 0.0072
+    assert not torch.equal(factor, layer.dropout_noise(4, n, gaps, x))
 
 
 @pytest.mark.parametrize("n, dropout, train", [(21, 0.0, True), (21, 1.0, True), (21, 0.3, False), (1, 0.3, False)])
@@ -135,11 +169,11 @@ def test_evaluation_in_slices_of_rows_matches_the_whole_batch(monkeypatch, rows)
     assert sliced == [5]
 
 
-@pytest.mark.parametrize("train", [False, True])
-def test_no_length_squared_tensor_without_dropout(train):
-    """Scores of the pattern only: without dropout's keep-mask (evaluation, or training with p = 0) nothing of
-    B * H * L * L elements is formed, forward or backward."""
-    layer = LogSparseConvAttention(16, 2, kernel_size=3).train(train)
+@pytest.mark.parametrize("train, dropout", [(False, 0.0), (True, 0.0), (True, 0.1)])
+def test_no_length_squared_tensor(train, dropout):
+    """Scores, weights and dropout draws of the pattern only: in evaluation and in training, with and without
+    dropout, nothing of B * H * L * L elements is formed, forward or backward."""
+    layer = LogSparseConvAttention(16, 2, kernel_size=3, dropout=dropout).train(train)
     x = torch.randn(2, 256, 16, requires_grad=True)
     with LargestTensorRecorder() as rec:
         layer(x).sum().backward()

@@ -15,8 +15,9 @@ The pattern is a set of diagonals: cell i attends to i - g for every allowed gap
 1 .. ``local_window``), O(log L) of them. :class:`LogSparseConvAttention` computes the scores of those diagonals
 only ([B, #gaps, H, L]), which gives the same numbers as the authors' dense form, a mask on the [L, L] score
 matrix (scores outside the pattern are -inf and get softmax weight exactly 0); tests compare it with that dense
-form. The one [L, L] tensor left is the attention dropout's keep-mask in training: it is drawn over all L x L
-cells, as dropout on the dense weights draws it, so the random numbers are consumed exactly as before.
+form. The attention dropout's keep-mask is drawn on the pattern's cells only: dropout on a weight of 0 changes
+nothing, so this is the dense dropout's distribution with O(L log L) draws instead of L^2, and no [L, L] tensor is
+formed in training either.
 """
 
 from __future__ import annotations
@@ -99,20 +100,18 @@ class LogSparseConvAttention(nn.Module):
         return torch.baddbmm(self.to_out.bias.expand(b, n, d), out.transpose(1, 2), self.to_out.weight.T.expand(b, d, d))
 
     def dropout_noise(self, batch: int, n: int, gaps: list[int], x: Tensor) -> Tensor | None:
-        """``self.dropout`` as it acts on the dense [B, H, L, L] weights, read on the pattern's diagonals: the
-        factor [B, #gaps, H, L] that multiplies the weights (None without dropout). The keep-mask is drawn over all
-        L x L cells (the same draws, the same order) and read on the diagonals; kept weights are scaled by
-        1 / (1 - p) as nn.Dropout scales them."""
+        """``self.dropout`` on the weights of the pattern's cells: the factor [B, #gaps, H, L] that multiplies them
+        (None without dropout), each cell kept with probability 1 - p and scaled by 1 / (1 - p), as nn.Dropout
+        does. Cells outside the pattern have weight 0, so drawing only the pattern's cells gives the distribution
+        of dropout on the dense [B, H, L, L] weights. The cells before the sequence's start (i < g) are drawn too;
+        their weight is 0."""
         p = self.dropout.p
         if not self.training or p == 0:
             return None
-        noise = x.new_zeros(batch, len(gaps), self.heads, n)
+        factor = x.new_empty(batch, len(gaps), self.heads, n)
         if p == 1:
-            return noise  # nn.Dropout(1) draws nothing and zeroes everything
-        keep = torch.empty(batch, self.heads, n, n, dtype=torch.bool, device=x.device).bernoulli_(1 - p)
-        for m, g in enumerate(gaps):
-            noise[:, m, :, g:] = keep.diagonal(-g, dim1=-2, dim2=-1)
-        return noise.div_(1 - p)
+            return factor.zero_()  # nn.Dropout(1) draws nothing and zeroes everything
+        return factor.bernoulli_(1 - p).div_(1 - p)
 
 
 # Without gradients in evaluation, LogSparseConvAttention attends slices of batch rows of at most this many input
