@@ -39,6 +39,9 @@ def softmax_attention(
     ``attention_mask``: bool [B, N], True = real key. Queries whose keys are all padded get zeros.
     """
     check_qkv(query, key, value, attention_mask)
+    if (dropout_p > 0 and attention_mask is None and not is_causal and query.device.type == "cpu"
+            and query.dtype in (torch.float32, torch.float64)):
+        return _math_path_with_dropout(query, key, value, dropout_p, scale)
     mask = _sdpa_mask(attention_mask)
     if is_causal and mask is not None:
         n_q, n_k = query.shape[-2], key.shape[-2]
@@ -51,6 +54,20 @@ def softmax_attention(
         # A query row with no valid key is NaN in SDPA's math path; define it as zero.
         out = out.masked_fill(~attention_mask.any(-1)[:, None, None, None], 0.0)
     return out
+
+
+def _math_path_with_dropout(query: Tensor, key: Tensor, value: Tensor, dropout_p: float,
+                            scale: float | None) -> Tensor:
+    """SDPA on CPU with ``dropout_p`` > 0, no mask, not causal: the operations of its math path (which it takes
+    for dropout on CPU), written out, with the same numbers and the same random draws: q and k each scaled by
+    sqrt(scale), softmax, ``F.dropout`` (one ``bernoulli_(1 - p)`` over a tensor of the weights' shape and
+    dtype), the product with v. Left out is the math path's ``_safe_softmax`` guard (``isneginf``, ``all`` and
+    ``where`` over the [B, H, N_q, N_k] scores, and the ``where``'s backward), which zeroes rows whose scores are
+    all -inf: without a mask only non-finite inputs make one. About 0.8x the CPU time of the SDPA call, forward
+    and backward (docs/performance.md, issue 17's fifth pass)."""
+    root_scale = (1.0 / math.sqrt(query.shape[-1]) if scale is None else scale) ** 0.5
+    weights = torch.softmax((query * root_scale) @ (key.transpose(-2, -1) * root_scale), dim=-1)
+    return F.dropout(weights, dropout_p) @ value
 
 
 def softmax_weights(

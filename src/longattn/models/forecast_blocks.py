@@ -209,27 +209,8 @@ class ProjectedInner(nn.Module):
         return self.to_out(out.reshape(b, n, -1))
 
 
-def dropout_softmax_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
-    """softmax(Q K^T / sqrt(E)) V with dropout on the weights, on [B, H, N, E] heads, no mask: the operations of
-    SDPA's math path (which SDPA takes on CPU whenever ``dropout_p`` > 0), written out.
-
-    The same numbers as ``F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)`` and the same random
-    draws (its math path scales q and k by sqrt(scale) each, then softmax, then ``at::dropout``, which is
-    ``F.dropout``: one ``bernoulli_(1 - p)`` over a tensor of the weights' shape and dtype). What it leaves out is
-    the math path's ``_safe_softmax`` guard (``isneginf``, ``all``, ``where`` over the [B, H, N_q, N_k] scores and
-    the ``where``'s backward), which only zeroes rows whose scores are all -inf: without a mask these arise only
-    from non-finite inputs.
-    """
-    root_scale = (1.0 / math.sqrt(q.shape[-1])) ** 0.5
-    weights = torch.softmax((q * root_scale) @ (k.transpose(-2, -1) * root_scale), dim=-1)
-    if dropout_p > 0:
-        weights = F.dropout(weights, dropout_p)
-    return weights @ v
-
-
 class SoftmaxInner(nn.Module):
-    """Multi-head softmax attention on [B, L, H, E] heads (SDPA without dropout; with dropout, which takes SDPA's
-    math path on CPU, the same operations written out: ``dropout_softmax_attention``)."""
+    """Multi-head softmax attention on [B, L, H, E] heads (``softmax_attention``)."""
 
     def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
@@ -237,11 +218,7 @@ class SoftmaxInner(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        dropout_p = self.dropout if self.training else 0.0
-        if dropout_p > 0 and q.device.type == "cpu":
-            out = dropout_softmax_attention(q, k, v, dropout_p)
-        else:
-            out = softmax_attention(q, k, v, dropout_p=dropout_p)
+        out = softmax_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         return out.transpose(1, 2)
 
 
