@@ -65,3 +65,13 @@ def test_identical_runs_differ_by_zero_and_a_constant_shift_is_significant():
     assert same.mean == 0 and not same.significant
     shifted = paired_difference({0: 2.0, 1: 3.0}, {0: 1.0, 1: 2.0})
     assert shifted.low == shifted.high == 1.0 and shifted.significant
+
+
+def test_a_narrow_interval_gets_the_decimals_that_show_it():
+    """Two seeds differing by +0.00026 and +0.00028 (significant) print with the decimals that separate the bounds,
+    not as '+0.000 [+0.000, +0.000]'; a wide interval keeps the digits asked for."""
+    narrow = paired_difference({0: 0.19323, 1: 0.18946}, {0: 0.19297, 1: 0.18918})
+    assert narrow.significant
+    assert format_difference(narrow, digits=3) == f"{narrow.mean:+.4f} [{narrow.low:+.4f}, {narrow.high:+.4f}]"
+    wide = paired_difference({0: 0.5, 1: 0.7, 2: 0.6}, {0: 0.1, 1: 0.2, 2: 0.3})
+    assert format_difference(wide, digits=3) == f"{wide.mean:+.3f} [{wide.low:+.3f}, {wide.high:+.3f}]"
