@@ -113,7 +113,7 @@ class _SlotLayout:
     """
 
     def __init__(self, round_token_of: Tensor, bucket_size: int, heads_total: int, rounds: int, n_total: int,
-                 causal: bool) -> None:
+                 causal: bool, for_backward: bool) -> None:
         self.round_token_of = round_token_of  # [G*m]: index (bh, round, token) of each slot
         self.slot_of = _inverse(round_token_of)  # [B*H*R*N]: slot holding (bh, round, token)
         self.token_row = round_token_of // (rounds * n_total) * n_total + round_token_of % n_total  # row bh*N + token
@@ -121,7 +121,7 @@ class _SlotLayout:
         self.match_id: Tensor | None = None  # [G, m] bucket-match ids (same-bucket attention)
         self.key_valid: Tensor | None = None  # [G, m] real-token flags (attention across buckets)
         self.heads_total, self.rounds, self.n_total, self.causal = heads_total, rounds, n_total, causal
-        self.for_backward = False  # whether autograd will run the backward pass (set by the caller)
+        self.for_backward = for_backward  # whether autograd will run the backward pass
         self.m = bucket_size
         self.chunks_per_head = rounds * n_total // bucket_size
         chunk = torch.arange(self.position.shape[0], device=round_token_of.device)
@@ -322,8 +322,8 @@ def lsh_attention(
     bh = b * h
     order = order.view(bh, -1)
     head_offset = torch.arange(bh, device=device)[:, None] * (rounds * n_total)
-    layout = _SlotLayout((order + head_offset).flatten(), m, bh, rounds, n_total, is_causal)
-    layout.for_backward = torch.is_grad_enabled() and (shared_qk.requires_grad or value.requires_grad)
+    for_backward = torch.is_grad_enabled() and (shared_qk.requires_grad or value.requires_grad)
+    layout = _SlotLayout((order + head_offset).flatten(), m, bh, rounds, n_total, is_causal, for_backward)
 
     slot_valid = None
     if valid is not None:
