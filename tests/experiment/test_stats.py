@@ -65,6 +65,9 @@ def test_identical_runs_differ_by_zero_and_a_constant_shift_is_significant():
     assert same.mean == 0 and not same.significant
     shifted = paired_difference({0: 2.0, 1: 3.0}, {0: 1.0, 1: 2.0})
     assert shifted.low == shifted.high == 1.0 and shifted.significant
+    # a zero-width interval keeps the digits asked for
+    assert format_difference(same) == "+0.00 [+0.00, +0.00] n.s."
+    assert format_difference(shifted) == "+1.00 [+1.00, +1.00]"
 
 
 def test_a_narrow_interval_gets_the_decimals_that_show_it():

@@ -125,14 +125,14 @@ def mean_with_sem(values: Sequence[float], digits: int = 2) -> str:
 def format_difference(difference: PairedDifference | None, digits: int = 2) -> str:
     """'+1.20 [-0.50, +2.90] n.s.': the paired difference, its interval, and the mark when it contains 0.
 
-    At least ``digits`` decimals, more (up to ``digits`` + 4) while the interval is narrower than the last one,
-    so that a small but significant difference does not print as '+0.000 [+0.000, +0.000]'."""
+    At least ``digits`` decimals, more (up to ``digits`` + 4) while a non-empty interval is narrower than the last
+    one, so that a small but significant difference does not print as '+0.000 [+0.000, +0.000]'."""
     if difference is None:
         return "-"
     if difference.n < 2:
         return f"{difference.mean:+.{digits}f} (1 seed: no interval)"
     width, most = difference.high - difference.low, digits + 4
-    while digits < most and width < 10.0 ** -digits:
+    while digits < most and 0 < width < 10.0 ** -digits:  # a zero-width interval is exact as it is
         digits += 1
     mean = f"{difference.mean:+.{digits}f}"
     mark = "" if difference.significant else f" {NOT_SIGNIFICANT}"
