@@ -27,13 +27,14 @@ def test_all_padded_sequence_gives_zeros_not_nan():
     assert torch.all(out == 0)
 
 
-@pytest.mark.parametrize("dropout_p", [0.05, 0.5])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.05, 0.5])
 @pytest.mark.parametrize("scale", [None, 0.3])
 @pytest.mark.parametrize("n_q, n_k, e", [(7, 5, 4), (13, 1, 3), (1, 9, 16)])
 def test_dropout_on_cpu_is_sdpa_with_the_same_draw(dropout_p, scale, n_q, n_k, e):
     """With dropout on CPU and no mask, softmax_attention writes out SDPA's math path: the same output and
     gradients as the SDPA call for the same seed (float64, odd lengths, one key, one query, a given scale), and
-    the generator left in the same state; another seed gives another output."""
+    the generator left in the same state (without dropout: untouched, as SDPA); another seed gives another
+    output."""
     g = torch.Generator().manual_seed(n_q * n_k)
     q, k, v = (torch.randn(3, 2, n, e, generator=g, dtype=torch.float64, requires_grad=True)
                for n in (n_q, n_k, n_k))
