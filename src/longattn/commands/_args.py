@@ -9,7 +9,8 @@ from longattn import attention
 from longattn.config import ConfigError
 from longattn.tasks.base import task_names
 
-__all__ = ["add_config_arguments", "add_run_arguments", "attention_list", "int_list", "seed_list"]
+__all__ = ["add_config_arguments", "add_run_arguments", "add_workers_argument", "attention_list", "int_list",
+           "seed_list"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,24 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, task_required: bool = 
     parser.add_argument("--attention", choices=attention.available(), metavar="ATTENTION",
                         help=f"registered mechanism (default: the config's, else the model's): "
                         f"{', '.join(attention.available())}")
+
+
+def add_workers_argument(parser: argparse.ArgumentParser) -> None:
+    """--workers: how many of a grid's runs train at once (longattn.experiment.workers)."""
+    parser.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                        help="train N runs at once, each in its own process with an even share of the threads "
+                        "(OMP_NUM_THREADS, else torch's default); each run's output goes to log.txt in its "
+                        "folder (default 1: one run at a time, output here)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 def attention_list(text: str) -> list[str]:

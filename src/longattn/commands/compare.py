@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from longattn.commands._args import add_config_arguments, attention_list, no_progress, seed_list
+from longattn.commands._args import add_config_arguments, add_workers_argument, attention_list, no_progress, seed_list
 from longattn.config import ConfigError
 from longattn.experiment.curves import CurveGroup, curve_groups, learning_curves, write_learning_curves
 from longattn.experiment.grid import (DEMO_SEEDS, PAPER_SEEDS, Cell, default_seeds, difference_record, paired_against,
@@ -28,10 +28,10 @@ DEFAULT_REFERENCE = "softmax"
 
 def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: str | None = "demo",
                 config_file: str | None = None, overrides: list[str] = (), seeds: list[int] | None = None,
-                resume: bool = False, reference: str | None = None) -> dict[str, Any]:
+                resume: bool = False, reference: str | None = None, workers: int = 1) -> dict[str, Any]:
     """Train every mechanism of ``attentions`` on ``task`` into ``out_dir/<mechanism>/seed<k>`` (seeds default to
-    :func:`default_seeds` of the preset); table (mean, std, standard error, paired difference from ``reference``),
-    plot with error bars, learning curves."""
+    :func:`default_seeds` of the preset; ``workers`` runs at once); table (mean, std, standard error, paired
+    difference from ``reference``), plot with error bars, learning curves."""
     started = now()
     out_dir = Path(out_dir)
     seeds = list(seeds) if seeds else default_seeds(preset)
@@ -40,7 +40,8 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
     if reference not in attentions:
         raise ConfigError(f"--reference {reference!r} is not among the compared mechanisms ({', '.join(attentions)})")
     cells = [Cell(name, task, task, preset, config_file, list(overrides), {"attention": name}) for name in attentions]
-    run_cells(cells, seeds, out_dir, run_dir=lambda cell, seed: out_dir / cell.row / f"seed{seed}", resume=resume)
+    run_cells(cells, seeds, out_dir, run_dir=lambda cell, seed: out_dir / cell.row / f"seed{seed}", resume=resume,
+              workers=workers)
     base = next(cell for cell in cells if cell.attention == reference)
     table = compare_table(task, cells, base, seeds)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +132,7 @@ def _cmd(args: argparse.Namespace) -> int:
     summary = run_compare(args.task, attention_list(args.attentions), args.out, preset=args.preset,
                           config_file=args.config, overrides=no_progress(args),
                           seeds=seed_list(args.seeds) if args.seeds else None, resume=args.resume,
-                          reference=args.reference)
+                          reference=args.reference, workers=args.workers)
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
@@ -151,4 +152,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/compare", help="output folder")
     p.add_argument("--resume", action="store_true", help="reuse finished runs and resume interrupted ones")
     p.add_argument("--no-progress", action="store_true")
+    add_workers_argument(p)
     p.set_defaults(func=_cmd)

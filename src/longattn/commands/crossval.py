@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from longattn.commands._args import add_config_arguments, int_list, no_progress
+from longattn.commands._args import add_config_arguments, add_workers_argument, int_list, no_progress
 from longattn.config import ConfigError
 from longattn.experiment.crossval import TABLE4_DATASETS, run_crossval, table4_models
 
@@ -23,7 +23,7 @@ def _cmd(args: argparse.Namespace) -> int:
     summary = run_crossval(_names(args.tasks), _names(args.models), args.out, preset=args.preset,
                            config_file=args.config, overrides=overrides, folds=args.folds,
                            only_folds=int_list(args.only_folds) if args.only_folds else None, seed=args.seed,
-                           resume=args.resume, report_only=args.report)
+                           resume=args.resume, report_only=args.report, workers=args.workers)
     return 1 if any(entry["errors"] for entry in summary["entries"]) else 0
 
 
@@ -47,4 +47,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="reuse finished folds and resume interrupted ones")
     p.add_argument("--report", action="store_true", help="train nothing: write the table from the folds finished in --out")
     p.add_argument("--no-progress", action="store_true")
+    add_workers_argument(p)
     p.set_defaults(func=_cmd)

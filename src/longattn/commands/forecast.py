@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from longattn.commands._args import add_workers_argument
 from longattn.data.timeseries import SERIES, download_series
 from longattn.experiment.config import resolve_config
 from longattn.experiment.results import write_results
@@ -33,7 +34,8 @@ def _table(args: argparse.Namespace) -> int:
     if args.reference and args.reference not in args.models:  # say so before hours of training, not after
         raise ValueError(f"--reference {args.reference!r} is not among --models ({', '.join(args.models)})")
     rows = run_table(args.data_dir, args.datasets, args.models, args.out, horizons=args.horizons,
-                     overrides=args.set or [], seeds=args.seeds, device=args.device, collect_only=args.collect_only)
+                     overrides=args.set or [], seeds=args.seeds, device=args.device, collect_only=args.collect_only,
+                     workers=args.workers)
     table = format_table(rows, args.models)
     differences = difference_table(rows, args.models, args.reference)
     if differences:
@@ -99,6 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--collect-only", action="store_true", help="train nothing; tabulate the finished cells")
     t.add_argument("--no-plot", action="store_true", help="skip the per-dataset MSE-against-horizon plots")
     t.add_argument("--out", required=True, help="folder for per-cell results and table.md/table.json")
+    add_workers_argument(t)
     t.set_defaults(func=_table)
 
     s = subparsers.add_parser("forecast-select", help="choose settings the papers do not give, on validation "

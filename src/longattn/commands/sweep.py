@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from longattn.commands._args import attention_list, seed_list
+from longattn.commands._args import add_workers_argument, attention_list, seed_list
 from longattn.experiment.grid import DEMO_SEEDS, PAPER_SEEDS, load_sweep, run_sweep
 
 NOISE_LEVELS = (0, 2, 4, 8)
@@ -20,7 +20,7 @@ def _sweep(args: argparse.Namespace) -> int:
     spec = load_sweep(args.config)
     seeds = seed_list(args.seeds) if args.seeds else None
     summary = run_sweep(spec, args.out, preset=args.preset, tasks=_split(args.tasks), extra_overrides=args.overrides,
-                        seeds=seeds, resume=args.resume, reference=args.reference)
+                        seeds=seeds, resume=args.resume, reference=args.reference, workers=args.workers)
     return 1 if any(cell["error"] for cell in summary["cells"]) else 0
 
 
@@ -55,7 +55,7 @@ def _noise(args: argparse.Namespace) -> int:
     spec = noise_spec(attention_list(args.attentions), levels)
     seeds = seed_list(args.seeds) if args.seeds else None
     summary = run_sweep(spec, args.out, preset=args.preset, extra_overrides=args.overrides, seeds=seeds,
-                        resume=args.resume, reference=args.reference)
+                        resume=args.resume, reference=args.reference, workers=args.workers)
     return 1 if any(cell["error"] for cell in summary["cells"]) else 0
 
 
@@ -74,6 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "file's `reference`, else its first row)")
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true", help="reuse finished runs, resume interrupted ones")
+    add_workers_argument(p)
     p.set_defaults(func=_sweep)
 
     n = subparsers.add_parser("noise", help="noise robustness on Image (SKTformer Table 5)",
@@ -88,4 +89,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     n.add_argument("--reference", help="mechanism the others are compared with (default: the first)")
     n.add_argument("--out", required=True)
     n.add_argument("--resume", action="store_true")
+    add_workers_argument(n)
     n.set_defaults(func=_noise)

@@ -75,12 +75,12 @@ def fold_dir(out_dir: Path, dataset: str, model: str, fold: int) -> Path:
 def run_crossval(datasets: list[str], models: list[str], out_dir: str | Path, *, preset: str | None = "cpu",
                  config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                  folds: int = 5, only_folds: list[int] | None = None, seed: int = 0,
-                 resume: bool = False, report_only: bool = False) -> dict[str, Any]:
+                 resume: bool = False, report_only: bool = False, workers: int = 1) -> dict[str, Any]:
     """Cross-validate every model on every dataset (layout in the module docstring); returns the summary.
 
     ``only_folds`` trains a subset of the ``folds`` folds (e.g. to spread them over machines or commands).
     ``report_only`` trains nothing: the table and summary are made from the folds already finished in
-    ``out_dir`` (a missing fold is counted as not done, "k/5 folds").
+    ``out_dir`` (a missing fold is counted as not done, "k/5 folds"). ``workers`` folds train at once.
     """
     started = now()
     out_dir = Path(out_dir)
@@ -107,7 +107,8 @@ def run_crossval(datasets: list[str], models: list[str], out_dir: str | Path, *,
             if finished.is_file():
                 cell.results.append(json.loads(finished.read_text()))
     else:
-        run_cells(cells, [seed], out_dir, run_dir=lambda cell, _seed: folders[id(cell)], resume=resume, plots=False)
+        run_cells(cells, [seed], out_dir, run_dir=lambda cell, _seed: folders[id(cell)], resume=resume, plots=False,
+                  workers=workers)
     summary = summarize(cells, folders, datasets, models, folds, seed)
     summary.update(preset=str(preset) if preset else None, overrides=list(overrides))
     out_dir.mkdir(parents=True, exist_ok=True)

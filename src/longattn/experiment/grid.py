@@ -19,9 +19,10 @@ from typing import Any, Callable
 
 from longattn import attention as attention_registry
 from longattn.config import ConfigError, read_yaml
-from longattn.experiment.config import resolve_config
+from longattn.experiment.config import RunConfig, resolve_config
 from longattn.experiment.results import markdown_table, now, write_results
 from longattn.experiment.run import run
+from longattn.experiment.workers import RUN_ERRORS, Job, Outcome, run_jobs
 from longattn.experiment.curves import curve_groups, write_learning_curves
 from longattn.experiment.stats import (PairedDifference, format_difference, legend, mean_with_sem, paired_difference,
                                        summarize)
@@ -93,10 +94,16 @@ def default_seeds(preset: str | Path | None) -> list[int]:
 
 def run_cells(cells: list[Cell], seeds: list[int], out_dir: str | Path, *,
               run_dir: Callable[[Cell, int], Path] | None = None, resume: bool = False,
-              log: Callable[[str], Any] | None = None, plots: bool = True) -> list[Cell]:
-    """Train every cell for every seed; runs that share data (same task, seed and data settings) build it once."""
+              log: Callable[[str], Any] | None = None, plots: bool = True, workers: int = 1) -> list[Cell]:
+    """Train every cell for every seed; runs that share data (same task, seed and data settings) build it once.
+
+    ``workers`` > 1 trains that many runs at once, each in its own process with an even share of the threads
+    (:mod:`longattn.experiment.workers`); the runs and their results are the same as with one worker.
+    """
     out_dir = Path(out_dir)
     run_dir = run_dir or (lambda cell, seed: out_dir / _slug(cell.row) / _slug(cell.column) / f"seed{seed}")
+    if workers > 1:
+        return _run_cells_in_workers(cells, seeds, run_dir, resume, log, plots, workers)
     cache: dict[Any, Any] = {}
     for cell in cells:
         print(f"== {cell.row} / {cell.column}", flush=True)
@@ -107,14 +114,48 @@ def run_cells(cells: list[Cell], seeds: list[int], out_dir: str | Path, *,
                 cell.results.append(json.loads(finished.read_text()))
                 continue
             try:
-                config = resolve_config(cell.task, cell.preset, cell.config_file, cell.overrides,
-                                        **{**cell.explicit, "seed": seed})
+                config = _cell_config(cell, seed)
                 cell.results.append(run(config, folder, resume=resume, data_cache=cache, log=log, plots=plots))
-            except (ValueError, RuntimeError, FileNotFoundError, KeyError) as err:
+            except RUN_ERRORS as err:
                 # One broken mechanism or option must not lose the other cells of the table.
                 cell.error = f"{type(err).__name__}: {err}"
                 print(f"  failed: {cell.row} / {cell.column}: {cell.error}", flush=True)
                 break
+    return cells
+
+
+def _cell_config(cell: Cell, seed: int) -> RunConfig:
+    return resolve_config(cell.task, cell.preset, cell.config_file, cell.overrides, **{**cell.explicit, "seed": seed})
+
+
+def _run_cells_in_workers(cells: list[Cell], seeds: list[int], run_dir: Callable[[Cell, int], Path], resume: bool,
+                          log: Callable[[str], Any] | None, plots: bool, workers: int) -> list[Cell]:
+    """:func:`run_cells` with the runs spread over worker processes; each cell's results in seed order, up to
+    its first failed seed (as the sequential runner, which stops a cell there)."""
+    outcomes: dict[tuple[int, int], Outcome] = {}
+    jobs = []
+    for index, cell in enumerate(cells):
+        for seed in seeds:
+            folder = run_dir(cell, seed)
+            finished = folder / "results.json"
+            if resume and finished.is_file():
+                outcomes[(index, seed)] = Outcome(results=json.loads(finished.read_text()))
+                continue
+            try:
+                config = _cell_config(cell, seed)
+            except RUN_ERRORS as err:  # a bad option fails before anything trains
+                outcomes[(index, seed)] = Outcome(error=f"{type(err).__name__}: {err}")
+                print(f"  failed: {cell.row} / {cell.column}: {outcomes[(index, seed)].error}", flush=True)
+                continue
+            jobs.append(Job((index, seed), f"{cell.row} / {cell.column} seed {seed}", config, folder))
+    outcomes.update(run_jobs(jobs, workers, resume=resume, log=log is not None, plots=plots))
+    for index, cell in enumerate(cells):
+        for seed in seeds:
+            outcome = outcomes[(index, seed)]
+            if outcome.error is not None:
+                cell.error = outcome.error
+                break
+            cell.results.append(outcome.results)
     return cells
 
 
@@ -317,13 +358,14 @@ def _metric_label(cells: list[Cell]) -> str:
 
 def run_sweep(spec: dict[str, Any], out_dir: str | Path, preset: str | None = None, tasks: list[str] | None = None,
               extra_overrides: list[str] = (), seeds: list[int] | None = None, resume: bool = False,
-              reference: str | None = None) -> dict[str, Any]:
-    """Train every (row, column) cell of a sweep spec; write ``table.md``, ``results.json`` and learning curves."""
+              reference: str | None = None, workers: int = 1) -> dict[str, Any]:
+    """Train every (row, column) cell of a sweep spec (``workers`` runs at once); write ``table.md``,
+    ``results.json`` and learning curves."""
     started = now()
     seeds = seeds or list(spec.get("seeds") or default_seeds(preset or spec.get("preset", "standard")))
     cells = sweep_cells(spec, preset, tasks, extra_overrides)
     sweep_reference(spec, list(dict.fromkeys(c.row for c in cells)), reference)  # a bad name fails before training
-    run_cells(cells, seeds, out_dir, resume=resume)
+    run_cells(cells, seeds, out_dir, resume=resume, workers=workers)
     summary = write_sweep_table(spec, cells, Path(out_dir), seeds, started, reference)
     write_learning_curves(curve_groups(cells), Path(out_dir))
     return summary

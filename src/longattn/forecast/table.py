@@ -77,8 +77,10 @@ def _rows(cells: list[Cell], seeds: list[int]) -> list[dict[str, Any]]:
 
 def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str], out: str | Path,
               horizons: list[int] | None = None, overrides: list[str] = (), seeds: list[int] | None = None,
-              device: str | None = None, log: Any = print, collect_only: bool = False) -> list[dict[str, Any]]:
-    """Run every (dataset, horizon, model, seed) cell not already done (results.json present); the rows.
+              device: str | None = None, log: Any = print, collect_only: bool = False,
+              workers: int = 1) -> list[dict[str, Any]]:
+    """Run every (dataset, horizon, model, seed) cell not already done (results.json present), ``workers`` at
+    once; the rows.
 
     ``collect_only`` trains nothing: a (cell, seed) without results gives a row marked ``missing``.
     """
@@ -102,7 +104,7 @@ def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str
                     rows.append({"dataset": dataset, "horizon": int(horizon), "model": cell.column, "seed": seed,
                                  "missing": True})
         return rows
-    run_cells(cells, seeds, out, run_dir=run_dir, resume=True, log=log)
+    run_cells(cells, seeds, out, run_dir=run_dir, resume=True, log=log, workers=workers)
     return _rows(cells, seeds)
 
 

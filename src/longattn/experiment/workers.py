@@ -1,0 +1,137 @@
+"""A grid's runs in parallel worker processes (``--workers N`` of the grid commands).
+
+Each (cell, seed) run is still an ordinary :func:`longattn.experiment.run.run` into its own folder, so a run
+trained in a worker is the run the sequential grid would have trained with the same thread count, and resume
+works the same way (a finished ``results.json`` is reused, an interrupted run continues from its last
+checkpoint). The workers are a ``spawn`` process pool from the standard library (no fork of a process that
+holds torch's thread pools); the machine's thread budget, ``torch.get_num_threads()`` of the calling process
+(``OMP_NUM_THREADS``), is split evenly among them. A run's own output (its validation lines, warnings,
+traceback) goes to ``log.txt`` in its folder; the calling process prints one line per finished run and a
+progress bar over the runs. As with any spawn pool, a script that calls the grid with workers must do so under
+``if __name__ == "__main__":`` (the workers import the script); the ``longattn`` commands need nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longattn.experiment.config import RunConfig
+from longattn.experiment.run import run
+from longattn.utils import optional_import
+
+__all__ = ["Job", "Outcome", "run_jobs", "threads_per_worker", "LOG_NAME"]
+
+LOG_NAME = "log.txt"
+
+# The errors a run may raise for its own settings or data (a bad option, a missing file, a NaN loss): one run
+# fails and the grid goes on. Anything else is a bug or a broken pool and stops the grid. The sequential runner
+# (longattn.experiment.grid.run_cells) catches the same ones.
+RUN_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, FileNotFoundError, KeyError)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run to train: ``key`` identifies it to the caller, ``label`` names it in the printed lines."""
+
+    key: Any
+    label: str
+    config: RunConfig
+    folder: Path
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What came back from a job: its results, or the one-line error that stopped it."""
+
+    results: dict[str, Any] | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def threads_per_worker(workers: int, total: int | None = None) -> int:
+    """An even share of ``total`` threads (default: this process's torch thread count) per worker, at least 1."""
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    total = torch.get_num_threads() if total is None else total
+    return max(1, total // workers)
+
+
+# Data built by one run of a worker is reused by its next run when the task's cache key matches (as in the
+# sequential grid, which keeps one task's data at a time).
+_WORKER_DATA_CACHE: dict[Any, Any] = {}
+
+
+def _start_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _train(config: RunConfig, folder: Path, resume: bool, log: bool, plots: bool) -> Outcome:
+    """In a worker: one run, its output appended to ``folder/log.txt``; a run error comes back as text."""
+    started = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOG_NAME, "a", encoding="utf-8") as handle, redirect_stdout(handle), redirect_stderr(handle):
+        try:
+            results = run(config, folder, resume=resume, data_cache=_WORKER_DATA_CACHE,
+                          log=print if log else None, plots=plots)
+        except RUN_ERRORS as err:
+            traceback.print_exc()
+            return Outcome(error=f"{type(err).__name__}: {err}", seconds=time.perf_counter() - started)
+    return Outcome(results=results, seconds=time.perf_counter() - started)
+
+
+def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: bool,
+             threads: int | None = None) -> dict[Any, Outcome]:
+    """Train ``jobs`` in ``workers`` processes of ``threads`` threads each (default: an even share), in the
+    order given (each worker takes the next job when it is free); {job.key: outcome}.
+
+    A run error ends that run only; a crashed worker (e.g. killed for memory) or an unexpected exception
+    stops the grid: the queued runs are cancelled and the error is raised once the runs in progress have
+    ended (they are saved, and resume). Ctrl-C stops the workers' runs as well.
+    """
+    if not jobs:
+        return {}
+    threads = threads or threads_per_worker(workers)
+    workers = min(workers, len(jobs))
+    print(f"{len(jobs)} run(s) in {workers} worker process(es) of {threads} thread(s) each; "
+          f"each run's output goes to {LOG_NAME} in its folder", flush=True)
+    outcomes: dict[Any, Outcome] = {}
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_worker, initargs=(threads,))
+    bar = optional_import("tqdm.auto").tqdm(total=len(jobs), desc="runs", unit="run",
+                                            disable=not sys.stderr.isatty())  # as the trainer's bars
+    pending: dict[Future, Job] = {}
+    try:
+        pending = {pool.submit(_train, job.config, job.folder, resume, log, plots): job
+                                      for job in jobs}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                job = pending.pop(future)
+                outcome = future.result()  # a crashed worker or a bug raises here and stops the grid
+                outcomes[job.key] = outcome
+                if outcome.error is None:
+                    bar.write(f"done: {job.label} ({outcome.seconds:.0f} s)")
+                else:
+                    bar.write(f"  failed: {job.label}: {outcome.error} (traceback in {job.folder / LOG_NAME})")
+                bar.update()
+    except BaseException:
+        running = sum(future.running() for future in pending)
+        pool.shutdown(wait=False, cancel_futures=True)
+        if running:
+            print(f"stopping the grid: waiting for the {running} run(s) in progress to end (Ctrl-C stops them; "
+                  "they resume from their last checkpoint)", flush=True)
+        raise
+    finally:
+        bar.close()
+    pool.shutdown()
+    return outcomes
