@@ -103,3 +103,5 @@ def test_compare_with_workers_gives_the_sequential_results(tmp_path, torch_threa
     assert accuracies(tmp_path / "two") == accuracies(tmp_path / "one")
     assert len(accuracies(tmp_path / "two")) == 4
     assert (tmp_path / "two" / "skein" / "seed1" / LOG_NAME).is_file()
+    assert "measured with up to 2 runs training at once" in (tmp_path / "two" / "table.md").read_text()
+    assert "runs training at once" not in (tmp_path / "one" / "table.md").read_text()

@@ -44,9 +44,12 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
               workers=workers)
     base = next(cell for cell in cells if cell.attention == reference)
     table = compare_table(task, cells, base, seeds)
+    if workers > 1:  # the time and memory columns are then not each mechanism's alone
+        table += (f"\nTrain time, steps/s and peak memory were measured with up to {workers} runs training at once, "
+                  "each beside the others: compare speed with `longattn bench`, not with these columns.\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(table)
-    summary = {"task": task, "preset": preset, "seeds": seeds, "overrides": list(overrides),
+    summary = {"task": task, "preset": preset, "seeds": seeds, "overrides": list(overrides), "workers": workers,
                "metric": get_task(task).select_metric, "reference": reference,
                "runs": [{"attention": c.attention, "error": c.error, "test_summary": c.summary(),
                          "val_summary": c.summary(split="val"), "difference": difference_record(c, base),
