@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         # User errors (bad config key, missing or unwritable file, bad option) get one clear line, not a trace.
         print(f"longattn {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was saved stays (runs resume from their last checkpoint)
+        print(f"longattn {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

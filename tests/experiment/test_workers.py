@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -105,3 +110,43 @@ def test_compare_with_workers_gives_the_sequential_results(tmp_path, torch_threa
     assert (tmp_path / "two" / "skein" / "seed1" / LOG_NAME).is_file()
     assert "measured with up to 2 runs training at once" in (tmp_path / "two" / "table.md").read_text()
     assert "runs training at once" not in (tmp_path / "one" / "table.md").read_text()
+
+
+def _wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_ctrl_c_stops_the_runs_in_progress_and_starts_no_queued_run(tmp_path):
+    """Ctrl-C (SIGINT to the command's process group) ends the command at once: the workers' runs stop (they
+    resume later from their checkpoints) and the queued runs never start."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_periodic_csv(data_dir / "national_illness.csv", rows=300)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "longattn.cli", "forecast-table", "--data-dir", str(data_dir), "--datasets",
+               "ili", "--horizons", "24", "--models", "dlinear", "--seeds", "0", "1", "2", "--out", str(out),
+               "--set", "data.seq_len=24", "--set", "train.epochs=100000", "--set", "train.patience=null",
+               "--no-plot", "--workers", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True,  # its own process group, as a terminal's foreground job
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        logs = [out / "ili" / "dlinear" / f"h24_s{seed}" / LOG_NAME for seed in (0, 1)]
+        _wait_for(lambda: all(log.is_file() and "epoch 0" in log.read_text() for log in logs), 120,
+                  "both workers to finish an epoch")
+        os.killpg(process.pid, signal.SIGINT)
+        printed, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130
+    assert "interrupted: the runs in progress were stopped" in printed
+    assert "leaked" not in printed  # no semaphore left behind by a stopped worker
+    assert not (out / "ili" / "dlinear" / "h24_s2").exists()  # the queued run never started
+    for seed in (0, 1):
+        assert (out / "ili" / "dlinear" / f"h24_s{seed}" / "checkpoints" / "last.pt").is_file()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
+import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -69,23 +70,35 @@ def threads_per_worker(workers: int, total: int | None = None) -> int:
 # Data built by one run of a worker is reused by its next run when the task's cache key matches (as in the
 # sequential grid, which keeps one task's data at a time).
 _WORKER_DATA_CACHE: dict[Any, Any] = {}
+_interrupted = False  # set in a worker once Ctrl-C has reached it
 
 
 def _start_worker(threads: int) -> None:
     torch.set_num_threads(threads)
+    # tqdm's default lock holds a multiprocessing semaphore, which a worker stopped by Ctrl-C would leave behind
+    # (the resource tracker warns of it); a worker's bars never share a terminal, so a thread lock does
+    optional_import("tqdm").tqdm.set_lock(threading.RLock())
 
 
 def _train(config: RunConfig, folder: Path, resume: bool, log: bool, plots: bool) -> Outcome:
     """In a worker: one run, its output appended to ``folder/log.txt``; a run error comes back as text."""
+    global _interrupted
+    if _interrupted:  # a queued run that reached this worker after Ctrl-C: start nothing, write nothing
+        return Outcome(error="KeyboardInterrupt: not started")
     started = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOG_NAME, "a", encoding="utf-8") as handle, redirect_stdout(handle), redirect_stderr(handle):
+    # line-buffered: what a run printed is in its log even if its worker is stopped (Ctrl-C) or killed
+    with (open(folder / LOG_NAME, "a", encoding="utf-8", buffering=1) as handle, redirect_stdout(handle),
+          redirect_stderr(handle)):
         try:
             results = run(config, folder, resume=resume, data_cache=_WORKER_DATA_CACHE,
                           log=print if log else None, plots=plots)
         except RUN_ERRORS as err:
             traceback.print_exc()
             return Outcome(error=f"{type(err).__name__}: {err}", seconds=time.perf_counter() - started)
+        except KeyboardInterrupt:
+            _interrupted = True
+            raise
     return Outcome(results=results, seconds=time.perf_counter() - started)
 
 
@@ -96,7 +109,8 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
 
     A run error ends that run only; a crashed worker (e.g. killed for memory) or an unexpected exception
     stops the grid: the queued runs are cancelled and the error is raised once the runs in progress have
-    ended (they are saved, and resume). Ctrl-C stops the workers' runs as well.
+    ended (they are saved, and resume). Ctrl-C stops the runs in progress at once (they resume from their last
+    checkpoint).
     """
     if not jobs:
         return {}
@@ -105,14 +119,14 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
     print(f"{len(jobs)} run(s) in {workers} worker process(es) of {threads} thread(s) each; "
           f"each run's output goes to {LOG_NAME} in its folder", flush=True)
     outcomes: dict[Any, Outcome] = {}
+    others = set(multiprocessing.active_children())  # the caller's own child processes, not ours to stop
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start_worker, initargs=(threads,))
     bar = optional_import("tqdm.auto").tqdm(total=len(jobs), desc="runs", unit="run",
                                             disable=not sys.stderr.isatty())  # as the trainer's bars
     pending: dict[Future, Job] = {}
     try:
-        pending = {pool.submit(_train, job.config, job.folder, resume, log, plots): job
-                                      for job in jobs}
+        pending = {pool.submit(_train, job.config, job.folder, resume, log, plots): job for job in jobs}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
@@ -124,12 +138,20 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
                 else:
                     bar.write(f"  failed: {job.label}: {outcome.error} (traceback in {job.folder / LOG_NAME})")
                 bar.update()
-    except BaseException:
-        running = sum(future.running() for future in pending)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches the workers too, but a worker whose run it stopped would take the next queued run:
+        # stop them all now. Each interrupted run resumes from its last checkpoint when the grid is run again.
         pool.shutdown(wait=False, cancel_futures=True)
-        if running:
-            print(f"stopping the grid: waiting for the {running} run(s) in progress to end (Ctrl-C stops them; "
-                  "they resume from their last checkpoint)", flush=True)
+        for process in set(multiprocessing.active_children()) - others:
+            process.terminate()
+        pool.shutdown(wait=True)  # the pool sees its workers gone and closes its queues
+        print("interrupted: the runs in progress were stopped; run the command again to resume them from their "
+              "last checkpoint", flush=True)
+        raise
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)  # the queued runs never start
+        print("stopping the grid: waiting for the run(s) in progress to end (Ctrl-C stops them; they resume from "
+              "their last checkpoint)", flush=True)
         raise
     finally:
         bar.close()
