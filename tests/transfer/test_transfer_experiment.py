@@ -108,11 +108,19 @@ def test_table3_grid_end_to_end(corpus, tmp_path):
     assert json.loads((out / "results.json").read_text())["best"] == summary["best"]
 
     # fine-tuning on its own from the pretraining folders: the mechanism comes from each folder
-    again = tmp_path / "finetune"
-    assert main(["finetune", "--pretrained", str(out / "pretrain" / "fnet"), "--config", str(spec),
-                 "--tasks", "sst2", "--glue-dir", str(GLUE_FIXTURES), "--out", str(again)]) == 0
-    rows = json.loads((again / "results.json").read_text())["best"]
+    finetune = ["finetune", "--pretrained", str(out / "pretrain" / "fnet"), "--config", str(spec), "--tasks", "sst2",
+                "--glue-dir", str(GLUE_FIXTURES)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert main([*finetune, "--out", str(tmp_path / "finetune")]) == 0
+        torch.set_num_threads(2)  # two workers of one thread each: the same runs, the same numbers
+        assert main([*finetune, "--out", str(tmp_path / "finetune_workers"), "--workers", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads((tmp_path / "finetune" / "results.json").read_text())["best"]
     assert [(r["mechanism"], r["task"]) for r in rows] == [("fnet", "sst2")]
+    assert json.loads((tmp_path / "finetune_workers" / "results.json").read_text())["best"] == rows
 
 
 def test_glue_batches_are_padded_to_their_longest_example():

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from longattn.commands._args import add_config_arguments, attention_list, no_progress
+from longattn.commands._args import add_config_arguments, add_workers_argument, attention_list, no_progress
 from longattn.config import ConfigError, read_yaml
 from longattn.experiment.config import resolve_config
 from longattn.experiment.results import now
@@ -58,7 +58,7 @@ def _finetune(args: argparse.Namespace) -> int:
     started = now()
     out = Path(args.out)
     cells = finetune_grid(spec, out, starts, [f"data.data_dir={args.glue_dir}"], args.resume,
-                          extra_overrides=args.overrides)
+                          extra_overrides=args.overrides, workers=args.workers)
     reference = "softmax" if args.pretrained == [MINILM] and "softmax" in starts else None
     label = "MiniLM" if args.pretrained == [MINILM] else out.name
     summary = write_transfer_table(spec, cells, out, label=label, reference=reference, started=started)
@@ -68,7 +68,8 @@ def _finetune(args: argparse.Namespace) -> int:
 def _table3(args: argparse.Namespace) -> int:
     spec = load_spec(args.config)
     corpus = [f"data.data_dir={args.corpus_dir}", *args.corpus_set]
-    summary = run_table3(spec, args.out, corpus, [f"data.data_dir={args.glue_dir}"], resume=args.resume)
+    summary = run_table3(spec, args.out, corpus, [f"data.data_dir={args.glue_dir}"], resume=args.resume,
+                         workers=args.workers)
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
@@ -100,6 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="override for every fine-tuning run (repeatable)")
     f.add_argument("--out", required=True)
     f.add_argument("--resume", action="store_true", help="reuse finished runs, resume interrupted ones")
+    add_workers_argument(f)
     f.set_defaults(func=_finetune)
 
     t = subparsers.add_parser("table3", help="the whole Table 3 grid: pretrain every mechanism, fine-tune on GLUE",
@@ -112,4 +114,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--glue-dir", required=True, help="the glue_data/ folder")
     t.add_argument("--out", required=True)
     t.add_argument("--resume", action="store_true", help="reuse finished runs, resume interrupted ones")
+    add_workers_argument(t)
     t.set_defaults(func=_table3)
