@@ -115,11 +115,12 @@ def test_every_table_dataset_has_a_preset_with_the_papers_lengths(dataset):
         resolve_config("forecasting", preset, model_name=model, data={"dataset": dataset})
 
 
-def test_forecast_select_never_scores_the_test_split(tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_forecast_select_never_scores_the_test_split(tmp_path, workers):
     out = tmp_path / "select"
     argv = ["forecast-select", "--dataset", "weather", "--data-dir", str(FIXTURES), "--model", "dlinear",
             "--pred-len", "8", "--grid", "optim.lr=1e-6,1e-2", "--set", "data.seq_len=24", "--set", "data.label_len=12", "--set", "train.epochs=2",
-            "--out", str(out)]
+            "--out", str(out), "--workers", workers]
     assert main(argv) == 0
     selection = json.loads((out / "selection.json").read_text())
     means = {c["candidate"]: c["mean"] for c in selection["candidates"]}

@@ -59,7 +59,7 @@ def _select(args: argparse.Namespace) -> int:
     from longattn.forecast.select import select_settings
 
     select_settings(args.dataset, args.data_dir, args.model, args.pred_len, args.grid or [], args.out,
-                    overrides=args.set or [], seeds=args.seeds, attention=args.attention)
+                    overrides=args.set or [], seeds=args.seeds, attention=args.attention, workers=args.workers)
     return 0
 
 
@@ -116,6 +116,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="fixed override for every candidate")
     s.add_argument("--seeds", nargs="+", type=int, default=[0])
     s.add_argument("--out", required=True, help="folder for the candidates' runs and selection.md/json")
+    add_workers_argument(s)
     s.set_defaults(func=_select)
 
     d = subparsers.add_parser("forecast-download", help="download benchmark CSVs and verify their checksums")

@@ -36,8 +36,9 @@ def candidates(grid: list[str]) -> list[list[str]]:
 
 def select_settings(dataset: str, data_dir: str | None, model: str, pred_len: int, grid: list[str],
                     out: str | Path, overrides: list[str] = (), seeds: list[int] = (0,), attention: str | None = None,
-                    log: Any = print) -> dict[str, Any]:
-    """Train every candidate without a test split; the one with the lowest mean validation MSE wins."""
+                    log: Any = print, workers: int = 1) -> dict[str, Any]:
+    """Train every candidate without a test split (``workers`` runs at once); the one with the lowest mean
+    validation MSE wins."""
     name = dataset_name(dataset)
     source = dataset if dataset.lower().endswith(".csv") else name
     cells = []
@@ -47,7 +48,7 @@ def select_settings(dataset: str, data_dir: str | None, model: str, pred_len: in
                     "data": {"dataset": source, "data_dir": data_dir, "pred_len": pred_len, "use_test": False}}
         cells.append(Cell(label, model, "forecasting", find_preset(dataset), None, [*overrides, *combo], explicit))
     out = Path(out)
-    run_cells(cells, list(seeds), out, resume=True, log=log, plots=False)
+    run_cells(cells, list(seeds), out, resume=True, log=log, plots=False, workers=workers)
     rows = []
     for cell, combo in zip(cells, candidates(grid)):
         values = cell.values("mse", split="val")
