@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,7 +56,8 @@ def test_workers_train_the_same_runs_as_one_at_a_time(tmp_path, torch_threads, c
     assert set(sequential) == {("ili", m, s) for m in ("dlinear", "skt") for s in (0, 1)}
     assert parallel == sequential  # bit for bit
     assert "worker process(es) of 1 thread(s) each" in printed
-    assert "done: ili/24 / skt seed 1" in printed
+    # a line per finished run: its time and score
+    assert re.search(rf"done: ili/24 / skt seed 1 \(\d+ s; test mse {sequential[('ili', 'skt', 1)]:.4g}\)", printed)
     # the run that failed inside a worker: one line here, its traceback in its folder's log
     assert "failed: short/24 / dlinear seed 0: TimeSeriesDataError: need seq_len" in printed
     assert "Traceback" in (tmp_path / "parallel" / "short" / "dlinear" / "h24_s0" / LOG_NAME).read_text()

@@ -28,6 +28,7 @@ import torch
 
 from longattn.experiment.config import RunConfig
 from longattn.experiment.run import run
+from longattn.tasks.base import get_task
 from longattn.utils import optional_import
 
 __all__ = ["Job", "Outcome", "run_jobs", "threads_per_worker", "LOG_NAME"]
@@ -102,6 +103,16 @@ def _train(config: RunConfig, folder: Path, resume: bool, log: bool, plots: bool
     return Outcome(results=results, seconds=time.perf_counter() - started)
 
 
+def _score(job: Job, outcome: Outcome) -> str:
+    """"; test <metric> <value>" of a finished run (the task's selection metric), or nothing."""
+    metric = get_task(job.config.task).select_metric
+    for split in ("test", "val"):
+        value = (outcome.results or {}).get(split) or {}
+        if isinstance(value.get(metric), (int, float)):
+            return f"; {split} {metric} {value[metric]:.4g}"
+    return ""
+
+
 def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: bool,
              threads: int | None = None) -> dict[Any, Outcome]:
     """Train ``jobs`` in ``workers`` processes of ``threads`` threads each (default: an even share), in the
@@ -134,7 +145,7 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
                 outcome = future.result()  # a crashed worker or a bug raises here and stops the grid
                 outcomes[job.key] = outcome
                 if outcome.error is None:
-                    bar.write(f"done: {job.label} ({outcome.seconds:.0f} s)")
+                    bar.write(f"done: {job.label} ({outcome.seconds:.0f} s{_score(job, outcome)})")
                 else:
                     bar.write(f"  failed: {job.label}: {outcome.error} (traceback in {job.folder / LOG_NAME})")
                 bar.update()
