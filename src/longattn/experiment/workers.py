@@ -125,8 +125,8 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
     """
     if not jobs:
         return {}
+    workers = min(workers, len(jobs))  # fewer runs than workers: each gets a larger share of the threads
     threads = threads or threads_per_worker(workers)
-    workers = min(workers, len(jobs))
     print(f"{len(jobs)} run(s) in {workers} worker process(es) of {threads} thread(s) each; "
           f"each run's output goes to {LOG_NAME} in its folder", flush=True)
     outcomes: dict[Any, Outcome] = {}
