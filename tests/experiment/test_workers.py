@@ -138,9 +138,11 @@ def test_ctrl_c_stops_the_runs_in_progress_and_starts_no_queued_run(tmp_path):
                                start_new_session=True,  # its own process group, as a terminal's foreground job
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        logs = [out / "ili" / "dlinear" / f"h24_s{seed}" / LOG_NAME for seed in (0, 1)]
-        _wait_for(lambda: all(log.is_file() and "epoch 0" in log.read_text() for log in logs), 120,
-                  "both workers to finish an epoch")
+        # The epoch's line is logged at validation, just before its checkpoint is written: wait for both.
+        runs = [out / "ili" / "dlinear" / f"h24_s{seed}" for seed in (0, 1)]
+        _wait_for(lambda: all((run / LOG_NAME).is_file() and "epoch 0" in (run / LOG_NAME).read_text()
+                              and (run / "checkpoints" / "last.pt").is_file() for run in runs), 120,
+                  "both workers to finish and checkpoint an epoch")
         os.killpg(process.pid, signal.SIGINT)
         printed, _ = process.communicate(timeout=60)
     finally:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longattn.train.checkpoint import CheckpointError, load_checkpoint, previous_path
+from longattn.train.checkpoint import CheckpointError, load_checkpoint, previous_path, save_atomic
 from longattn.train.loop import Trainer, TrainingError
 from longattn.experiment.run import run
 from ddp_kill_resume import worker_command, worker_env
@@ -164,6 +164,38 @@ def test_stale_temp_files_are_removed_and_checkpoints_are_weights_only(tmp_path)
     raw = torch.load(last, weights_only=True)  # the checksummed container; load_checkpoint loads its
     assert raw["format"] == "longattn-checkpoint-v1"  # payload with weights_only=True as well
     assert len(load_checkpoint(last)["rng"]) == 1  # one random state per rank
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_interrupted_replacement_never_leaves_the_checkpoint_missing(tmp_path, monkeypatch, hard_links):
+    """An interrupt (Ctrl-C) at the final rename leaves ``last.pt`` holding the old state, the previous copy
+    beside it and no temporary file; with or without hard links on the file system."""
+    last = tmp_path / "last.pt"
+    save_atomic({"step": 1}, last, keep_previous=True)
+    save_atomic({"step": 2}, last, keep_previous=True)
+    if not hard_links:
+        monkeypatch.setattr("longattn.train.checkpoint.os.link", _raise(OSError("links not supported")))
+    real_replace = os.replace
+
+    def replace(source, target):
+        if Path(target) == last:
+            raise KeyboardInterrupt
+        real_replace(source, target)
+
+    monkeypatch.setattr("longattn.train.checkpoint.os.replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        save_atomic({"step": 3}, last, keep_previous=True)
+    monkeypatch.undo()
+    assert load_checkpoint(last)["step"] == 2 and load_checkpoint(previous_path(last))["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.prev.pt", "last.pt"]
+    save_atomic({"step": 4}, last, keep_previous=True)  # the next save goes on as usual
+    assert load_checkpoint(last)["step"] == 4 and load_checkpoint(previous_path(last))["step"] == 2
+
+
+def _raise(error: BaseException):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
 
 
 def test_crafted_checkpoint_does_not_execute(tmp_path):

@@ -1,8 +1,9 @@
 """Checkpoints that are atomic, checksummed and safe to load.
 
 * Atomic: written to a temporary file in the same folder, fsynced, then renamed over the target,
-  so a crash mid-write never destroys the previous checkpoint; with ``keep_previous`` the file it
-  replaces is kept as ``<name>.prev.pt`` (the fallback when the newest turns out damaged).
+  so a crash mid-write never destroys the previous checkpoint and the target never goes missing; with
+  ``keep_previous`` the file it replaces is kept as ``<name>.prev.pt`` (the fallback when the newest turns
+  out damaged).
 * Checksummed: the file holds ``{"format", "sha256", "payload"}`` where ``payload`` is the
   ``torch.save`` bytes of the state; a truncated file, or one with bytes changed anywhere, fails
   the check (torch itself does not verify tensor data, so damage there would load silently).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -63,9 +65,26 @@ def save_atomic(obj: Any, path: str | os.PathLike, keep_previous: bool = False) 
             f.flush()
             os.fsync(f.fileno())
         if keep_previous and path.is_file():
-            os.replace(path, previous_path(path))  # between the renames, the previous file is the fallback
-        os.replace(tmp, path)
+            _keep_copy(path, previous_path(path))
+        os.replace(tmp, path)  # ``path`` exists at every instant: an interrupt leaves the old or the new file
         _fsync_folder(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _keep_copy(path: Path, copy: Path) -> None:
+    """Atomically make ``copy`` a copy of ``path``, leaving ``path`` in place: a hard link (free) where the
+    file system has them, else a byte copy, each made under a temporary name and renamed over ``copy``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{copy.name}.", suffix=".tmp", dir=copy.parent)
+    os.close(fd)
+    try:
+        os.unlink(tmp)
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, copy)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
