@@ -76,6 +76,27 @@ def test_workers_train_the_same_runs_as_one_at_a_time(tmp_path, torch_threads, c
     assert "done: ili" not in capsys.readouterr().out
 
 
+def test_a_failed_seed_skips_the_later_seeds_of_its_cell(tmp_path, torch_threads, capsys):
+    """As the sequential grid stops a cell at its first failed seed, the workers start none of the cell's later
+    seeds: seeds 0 and 1 start together and fail, seeds 2 and 3 never start; the other cell trains all."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_periodic_csv(data_dir / "national_illness.csv", rows=300)
+    write_periodic_csv(data_dir / "short.csv", rows=40)  # its runs fail when they build their data
+    out = tmp_path / "out"
+    torch_threads(2)
+    assert main(["forecast-table", "--data-dir", str(data_dir), "--datasets", str(data_dir / "short.csv"), "ili",
+                 "--horizons", "24", "--models", "dlinear", "--out", str(out), "--set", "train.epochs=1",
+                 "--set", "data.seq_len=24", "--seeds", "0", "1", "2", "3", "--no-plot", "--workers", "2"]) == 1
+    printed = capsys.readouterr().out
+    for seed in (0, 1):
+        assert f"failed: short/24 / dlinear seed {seed}: TimeSeriesDataError" in printed
+    for seed in (2, 3):
+        assert f"skipped: short/24 / dlinear seed {seed} (an earlier run of its group failed)" in printed
+        assert not (out / "short" / "dlinear" / f"h24_s{seed}").exists()
+    assert sorted(seed for (dataset, _, seed) in _test_mse(out) if dataset == "ili") == [0, 1, 2, 3]
+
+
 def test_threads_are_shared_evenly():
     assert threads_per_worker(2, total=2) == 1
     assert threads_per_worker(4, total=16) == 4

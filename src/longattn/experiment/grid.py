@@ -131,7 +131,8 @@ def _cell_config(cell: Cell, seed: int) -> RunConfig:
 def _run_cells_in_workers(cells: list[Cell], seeds: list[int], run_dir: Callable[[Cell, int], Path], resume: bool,
                           log: Callable[[str], Any] | None, plots: bool, workers: int) -> list[Cell]:
     """:func:`run_cells` with the runs spread over worker processes; each cell's results in seed order, up to
-    its first failed seed (as the sequential runner, which stops a cell there)."""
+    its first failed seed (as the sequential runner, which stops a cell there: its seeds not started by then
+    are skipped; those already training finish)."""
     outcomes: dict[tuple[int, int], Outcome] = {}
     jobs = []
     for index, cell in enumerate(cells):
@@ -147,7 +148,7 @@ def _run_cells_in_workers(cells: list[Cell], seeds: list[int], run_dir: Callable
                 outcomes[(index, seed)] = Outcome(error=f"{type(err).__name__}: {err}")
                 print(f"  failed: {cell.row} / {cell.column}: {outcomes[(index, seed)].error}", flush=True)
                 continue
-            jobs.append(Job((index, seed), f"{cell.row} / {cell.column} seed {seed}", config, folder))
+            jobs.append(Job((index, seed), f"{cell.row} / {cell.column} seed {seed}", config, folder, group=index))
     outcomes.update(run_jobs(jobs, workers, resume=resume, log=log is not None, plots=plots))
     for index, cell in enumerate(cells):
         for seed in seeds:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
@@ -43,12 +44,15 @@ RUN_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, FileNotFoun
 
 @dataclass(frozen=True)
 class Job:
-    """One run to train: ``key`` identifies it to the caller, ``label`` names it in the printed lines."""
+    """One run to train: ``key`` identifies it to the caller, ``label`` names it in the printed lines. Runs of
+    one ``group`` (a grid cell's seeds) stop at the first that fails: the group's runs not started yet are
+    skipped, as the sequential grid stops a cell at its first failed seed (None: no group)."""
 
     key: Any
     label: str
     config: RunConfig
     folder: Path
+    group: Any = None
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,8 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
     """Train ``jobs`` in ``workers`` processes of ``threads`` threads each (default: an even share), in the
     order given (each worker takes the next job when it is free); {job.key: outcome}.
 
-    A run error ends that run only; a crashed worker (e.g. killed for memory) or an unexpected exception
+    A run error ends that run and skips the runs of its group not started yet (their outcome: an error
+    "not run: ..."); a crashed worker (e.g. killed for memory) or an unexpected exception
     stops the grid: the queued runs are cancelled and the error is raised once the runs in progress have
     ended (they are saved, and resume). Ctrl-C stops the runs in progress at once (they resume from their last
     checkpoint).
@@ -136,8 +141,24 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
     bar = optional_import("tqdm.auto").tqdm(total=len(jobs), desc="runs", unit="run",
                                             disable=not sys.stderr.isatty())  # as the trainer's bars
     pending: dict[Future, Job] = {}
+    queued, failed_groups = deque(jobs), set()
+
+    def start_next() -> None:
+        # Submitted one at a time as workers free up (not all at once), so that a failure can still skip the
+        # later runs of its group, and Ctrl-C finds nothing queued inside the pool.
+        while queued:
+            job = queued.popleft()
+            if job.group is not None and job.group in failed_groups:
+                outcomes[job.key] = Outcome(error="not run: an earlier run of its group failed")
+                bar.write(f"  skipped: {job.label} (an earlier run of its group failed)")
+                bar.update()
+                continue
+            pending[pool.submit(_train, job.config, job.folder, resume, log, plots)] = job
+            return
+
     try:
-        pending = {pool.submit(_train, job.config, job.folder, resume, log, plots): job for job in jobs}
+        for _ in range(workers):
+            start_next()
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
@@ -147,8 +168,11 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
                 if outcome.error is None:
                     bar.write(f"done: {job.label} ({outcome.seconds:.0f} s{_score(job, outcome)})")
                 else:
+                    failed_groups.add(job.group)
                     bar.write(f"  failed: {job.label}: {outcome.error} (traceback in {job.folder / LOG_NAME})")
                 bar.update()
+            for _ in done:  # after every finished run is recorded: a failure among them skips its group
+                start_next()
     except KeyboardInterrupt:
         # Ctrl-C reaches the workers too, but a worker whose run it stopped would take the next queued run:
         # stop them all now. Each interrupted run resumes from its last checkpoint when the grid is run again.
