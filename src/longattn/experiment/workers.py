@@ -149,8 +149,9 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
         while queued:
             job = queued.popleft()
             if job.group is not None and job.group in failed_groups:
-                outcomes[job.key] = Outcome(error="not run: an earlier run of its group failed")
-                bar.write(f"  skipped: {job.label} (an earlier run of its group failed)")
+                reason = "an earlier run of its group failed"
+                outcomes[job.key] = Outcome(error=f"not run: {reason}")
+                bar.write(f"  skipped: {job.label} ({reason})")
                 bar.update()
                 continue
             pending[pool.submit(_train, job.config, job.folder, resume, log, plots)] = job
