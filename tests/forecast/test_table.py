@@ -13,7 +13,7 @@ from longattn.cli import main
 from longattn.experiment.config import resolve_config
 from longattn.forecast import paper
 from longattn.forecast.plots import plot_mse_by_horizon
-from longattn.forecast.table import format_table, summarise
+from longattn.forecast.table import MISPRINT_NOTE, format_table, summarise
 from longattn.tasks.forecasting import find_preset
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "timeseries"
@@ -91,6 +91,22 @@ def test_summary_mean_std_and_the_two_std_mark():
     table = format_table(rows, ["skt"])
     assert "| ETTm2 | 192 | - | - |" in table
     assert table.endswith("Not run yet (dataset H model: missing seeds): ETTm2 192 skt: 3 4.")
+
+
+def test_a_misprinted_published_number_is_shown_and_compared_with_nothing():
+    """Table 16's S4 on ETTm2-720 prints MSE 0.877 with MAE 1.074: below MAE^2, which no errors can give."""
+    misprints = [(dataset, horizon, model) for (dataset, horizon), models in paper.PAPER_RESULTS.items()
+                 for model, pair in models.items() if paper.is_misprint(pair)]
+    assert misprints == [("ETTm2", 720, "S4")]
+    assert paper.is_misprint((0.99, 1.0)) and not paper.is_misprint((1.0, 1.0))
+    rows = _rows("s4", "ETTm2", 720, [2.2, 2.3, 2.1]) + _rows("s4", "ETTm2", 336, [2.2, 2.3, 2.1])
+    summary = {e["horizon"]: e for e in summarise(rows)}
+    assert summary[720]["paper_misprint"] and summary[720]["worse_beyond_2std"] is None
+    assert not summary[336]["paper_misprint"] and summary[336]["worse_beyond_2std"] is True  # 1.364 published
+    table = format_table(rows, ["s4"])
+    assert "(0.877 †)" in table and "(1.364) **!**" in table and table.count(") **!**") == 1
+    assert table.endswith(MISPRINT_NOTE)
+    assert not format_table(_rows("s4", "ETTm2", 336, [1.0, 1.1]), ["s4"]).endswith(MISPRINT_NOTE)
 
 
 def test_plot_per_dataset(tmp_path):

@@ -43,7 +43,8 @@ def plot_forecasts(model: torch.nn.Module, data: ForecastData, path: str | Path,
 
 def plot_mse_by_horizon(summary: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
     """One figure per dataset: test MSE against horizon for every model (mean over seeds, error bars = std),
-    with the published numbers of the same model as hollow markers on a dashed line of the same colour.
+    with the published numbers of the same model as hollow markers on a dashed line of the same colour (a
+    misprinted one, :func:`longattn.forecast.paper.is_misprint`, left out).
     ``summary`` is :func:`longattn.forecast.table.summarise`'s output; returns the written ``<dataset>_mse.png``."""
     import matplotlib
 
@@ -66,7 +67,7 @@ def plot_mse_by_horizon(summary: list[dict[str, Any]], out_dir: str | Path) -> l
             ax.errorbar([e["horizon"] for e in points], [e["mse_mean"] for e in points],
                         yerr=[e["mse_std"] or 0.0 for e in points], color=colour, marker=marker, capsize=3,
                         label=model)
-            published = [e for e in points if e["paper_mse"] is not None]
+            published = [e for e in points if e["paper_mse"] is not None and not e["paper_misprint"]]
             if published:
                 ax.plot([e["horizon"] for e in published], [e["paper_mse"] for e in published], color=colour,
                         linestyle="--", marker=marker, markerfacecolor="none", alpha=0.7)

@@ -17,7 +17,7 @@ from longattn.experiment.grid import PAPER_SEEDS, Cell, run_cells
 from longattn.experiment.results import markdown_table
 from longattn.experiment.stats import format_difference, legend, paired_difference, summarize
 from longattn.data.timeseries import resolve_series
-from longattn.forecast.paper import paper_for_model
+from longattn.forecast.paper import is_misprint, paper_for_model
 from longattn.tasks.forecasting import find_preset
 
 __all__ = ["cell_dir", "difference_table", "format_table", "forecast_cells", "run_table", "split_model_spec",
@@ -129,18 +129,24 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             entry[f"{metric}_sem"] = values.sem if values.n > 1 else None
         paper = paper_for_model(model, dataset, horizon, done[0].get("seq_len") if done else None)
         entry["paper_mse"], entry["paper_mae"] = paper or (None, None)
-        entry["worse_beyond_2std"] = (None if paper is None or entry["mse_std"] is None
+        entry["paper_misprint"] = paper is not None and is_misprint(paper)
+        entry["worse_beyond_2std"] = (None if paper is None or entry["paper_misprint"] or entry["mse_std"] is None
                                       else entry["mse_mean"] - paper[0] > 2 * entry["mse_std"])
         summary.append(entry)
     return summary
 
 
-def _cell(mean: float | None, std: float | None, paper: float | None, flag: bool | None) -> str:
+MISPRINT_NOTE = ("† = the published MSE is below the square of its published MAE, which no forecast can give "
+                 "(a misprint): shown as printed, compared with nothing.")
+
+
+def _cell(mean: float | None, std: float | None, paper: float | None, flag: bool | None,
+          misprint: bool = False) -> str:
     if mean is None:
         return "-"
     text = f"{mean:.3f}" + (f" ± {std:.3f}" if std is not None else "")
     if paper is not None:
-        text += f" ({paper:.3f})"
+        text += f" ({paper:.3f}{' †' if misprint else ''})"
     return text + (" **!**" if flag else "")
 
 
@@ -161,7 +167,8 @@ def format_table(rows: list[dict[str, Any]], models: list[str]) -> str:
             if entry is None or entry["mse_mean"] is None:
                 line += ["failed" if entry and entry["failed"] else "-", "-"]
                 continue
-            line.append(_cell(entry["mse_mean"], entry["mse_std"], entry["paper_mse"], entry["worse_beyond_2std"]))
+            line.append(_cell(entry["mse_mean"], entry["mse_std"], entry["paper_mse"], entry["worse_beyond_2std"],
+                              entry["paper_misprint"]))
             line.append(_cell(entry["mae_mean"], entry["mae_std"], entry["paper_mae"], None))
         lines.append("| " + " | ".join(line) + " |")
     seeds = sorted({e["seeds"] for e in summary.values() if e["mse_mean"] is not None})
@@ -170,6 +177,8 @@ def format_table(rows: list[dict[str, Any]], models: list[str]) -> str:
     lines.append(f"Test MSE / MAE (scaled units), mean ± sample std over {'/'.join(map(str, seeds)) or 0} seed(s); "
                  "(paper) = the published number for that model; **!** = ours worse than the paper by more than "
                  f"2 std. Training time of these runs: {hours:.2f} h.")
+    if any(e["paper_misprint"] and e["mse_mean"] is not None for e in summary.values()):
+        lines[-1] += " " + MISPRINT_NOTE
     incomplete = [e for e in summary.values() if e["missing_seeds"]]
     if incomplete:
         lines.append("")
