@@ -143,6 +143,11 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
     pending: dict[Future, Job] = {}
     queued, failed_groups = deque(jobs), set()
 
+    def report(line: str) -> None:
+        # "[k/n]" on every outcome line: the bar is off without a terminal (a grid under nohup), the count is not.
+        bar.write(f"{line} [{len(outcomes)}/{len(jobs)}]")
+        bar.update()
+
     def start_next() -> None:
         # Submitted one at a time as workers free up (not all at once), so that a failure can still skip the
         # later runs of its group, and Ctrl-C finds nothing queued inside the pool.
@@ -151,8 +156,7 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
             if job.group is not None and job.group in failed_groups:
                 reason = "an earlier run of its group failed"
                 outcomes[job.key] = Outcome(error=f"not run: {reason}")
-                bar.write(f"  skipped: {job.label} ({reason})")
-                bar.update()
+                report(f"  skipped: {job.label} ({reason})")
                 continue
             pending[pool.submit(_train, job.config, job.folder, resume, log, plots)] = job
             return
@@ -167,11 +171,10 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
                 outcome = future.result()  # a crashed worker or a bug raises here and stops the grid
                 outcomes[job.key] = outcome
                 if outcome.error is None:
-                    bar.write(f"done: {job.label} ({outcome.seconds:.0f} s{_score(job, outcome)})")
+                    report(f"done: {job.label} ({outcome.seconds:.0f} s{_score(job, outcome)})")
                 else:
                     failed_groups.add(job.group)
-                    bar.write(f"  failed: {job.label}: {outcome.error} (traceback in {job.folder / LOG_NAME})")
-                bar.update()
+                    report(f"  failed: {job.label}: {outcome.error} (traceback in {job.folder / LOG_NAME})")
             for _ in done:  # after every finished run is recorded: a failure among them skips its group
                 start_next()
     except KeyboardInterrupt:
