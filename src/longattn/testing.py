@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -34,6 +35,30 @@ class LargestTensorRecorder(TorchDispatchMode):
                 self.max_shape = tuple(t.shape)
                 self.max_op = str(func)
         return out
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched inside it, forward and backward: on a GPU each is (at least) one
+    kernel launch, so a count that grows with the sequence length or the batch is a Python loop that
+    launches per block, chunk or row. Runs on any device, ``meta`` included (shapes only, no data,
+    so N = 64k costs nothing)::
+
+        with force_path("gpu"), DispatchCounter() as ops:
+            layer(x).sum().backward()
+        ops.total, ops.counts.most_common(5)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 class LocalFileServer:

@@ -26,12 +26,15 @@ from longattn.attention.base import (
     check_finite,
     check_qkv,
     collect_aux_losses,
+    force_path,
     get_spec,
     merge_heads,
+    output_dtype,
     padding_safe,
     record_attention_maps,
     register_attention,
     split_heads,
+    uses_gpu_path,
 )
 
 for _info in pkgutil.iter_modules(__path__):
@@ -52,10 +55,13 @@ __all__ = [
     "check_finite",
     "check_qkv",
     "collect_aux_losses",
+    "force_path",
     "get_spec",
     "merge_heads",
+    "output_dtype",
     "padding_safe",
     "record_attention_maps",
     "register_attention",
     "split_heads",
+    "uses_gpu_path",
 ]

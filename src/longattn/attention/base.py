@@ -56,6 +56,9 @@ __all__ = [
     "check_qkv",
     "padding_safe",
     "compute_dtype",
+    "force_path",
+    "output_dtype",
+    "uses_gpu_path",
     "AttentionMap",
     "record_attention_maps",
     "split_heads",
@@ -262,6 +265,51 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype to accumulate sums, norms and statistics in: float32 for half inputs (whose range
     and precision do not hold them), the input's own dtype otherwise (float64 stays float64)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# ----------------------------------------------------------------------------- per-device paths
+
+# "gpu" / "cpu" while force_path() is active, None otherwise (the input's device decides).
+_FORCED_PATH: contextvars.ContextVar[str | None] = contextvars.ContextVar("longattn_forced_path", default=None)
+_PATHS = ("cpu", "gpu")
+
+
+def uses_gpu_path(t: Tensor) -> bool:
+    """Whether a mechanism runs its GPU path on ``t``.
+
+    The CPU paths (tiles sized for caches, Python loops over blocks and chunks) and the GPU paths
+    (batched tensor programs with no Python loop over batch, heads, tiles, blocks or chunks;
+    autocast-native) compute the same numbers in different shapes. The input's device picks one:
+    CUDA tensors take the GPU path, every other device the CPU path, unless :func:`force_path` says
+    otherwise (the tests run the GPU path on CPU and meta tensors, comparing it with the float64
+    reference and counting the aten ops it dispatches).
+    """
+    forced = _FORCED_PATH.get()
+    if forced is not None:
+        return forced == "gpu"
+    return t.device.type == "cuda"
+
+
+@contextlib.contextmanager
+def force_path(kind: str) -> Iterator[None]:
+    """Inside ``with force_path("gpu"):`` every mechanism runs its GPU path whatever the device
+    (``"cpu"``: the CPU path, e.g. to compare the two on CUDA)."""
+    if kind not in _PATHS:
+        raise AttentionError(f"force_path takes one of {_PATHS}, got {kind!r}")
+    token = _FORCED_PATH.set(kind)
+    try:
+        yield
+    finally:
+        _FORCED_PATH.reset(token)
+
+
+def output_dtype(t: Tensor) -> torch.dtype:
+    """The dtype a mechanism returns for an input like ``t``: the autocast dtype inside
+    ``torch.autocast`` on ``t``'s device (as SDPA does), ``t``'s own dtype otherwise."""
+    device_type = t.device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
 
 
 def check_qkv(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> None:
