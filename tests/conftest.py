@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Triton kernels run in Triton's interpreter on CPU tensors (longattn.attention._triton): the switch
+# must be set before any kernel is compiled, so before the kernel modules are imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 
