@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from longattn.attention import reformer
+from longattn.attention import force_path, reformer
 from longattn.attention.base import AttentionError
 from longattn.attention.reformer import hash_buckets, hash_buckets_blocked, lsh_attention, lsh_attention_reference, num_buckets
 from longattn.testing import LargestTensorRecorder
@@ -246,3 +246,78 @@ def test_bad_functional_inputs_get_clear_errors():
         lsh_attention(qk, v[:, :, :5], rotations=rot, bucket_size=8)
     with pytest.raises(AttentionError):
         lsh_attention(qk, v, torch.ones(2, 15, dtype=torch.bool), rotations=rot, bucket_size=8)
+
+
+# ----------------------------------------------------------------------------- GPU path (forced on CPU)
+
+
+@pytest.mark.parametrize("n, bucket_size, rounds", [(37, 8, 3), (16, 16, 1), (5, 8, 2)])
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_path_matches_dense_pattern(n, bucket_size, rounds, across, causal):
+    """Odd lengths, one chunk per head (no look-back: 16 tokens, bucket 16, one round), scattered padding."""
+    qk, v, rot = inputs(n, rounds=rounds, bucket_size=bucket_size)
+    mask = torch.rand(2, n, generator=torch.Generator().manual_seed(1)) > 0.25
+    kw = dict(rotations=rot, bucket_size=bucket_size, attend_across_buckets=across, is_causal=causal)
+    with force_path("gpu"):
+        out = lsh_attention(qk, v, mask, **kw)
+    ref = lsh_attention_reference(qk, v, mask, **kw)
+    rows = mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[rows], ref[rows])
+    g = torch.randn_like(out) * rows
+    for a, r in zip(torch.autograd.grad(out, (qk, v), g), torch.autograd.grad(ref, (qk, v), g)):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("across, causal", [(False, False), (True, True)])
+@pytest.mark.parametrize("n, bucket_size, rounds", [(13, 8, 2), (16, 16, 1)])
+def test_gpu_kernels_match_dense_pattern(n, bucket_size, rounds, across, causal):
+    """Hashing and the chunks' attention by the Triton kernels (interpreter), forward and backward; one
+    (batch, head) pair of few chunks keeps the interpreter fast."""
+    pytest.importorskip("triton")
+    from longattn.attention._triton import interpret_triton
+
+    qk, v, rot = (t[:1, :1] if t.dim() == 4 else t for t in inputs(n, rounds=rounds, bucket_size=bucket_size))
+    qk, v = qk.detach().requires_grad_(), v.detach().requires_grad_()
+    mask = torch.rand(1, n, generator=torch.Generator().manual_seed(3)) > 0.25
+    mask[0, 0] = True
+    kw = dict(rotations=rot, bucket_size=bucket_size, attend_across_buckets=across, is_causal=causal)
+    with force_path("gpu"), interpret_triton():
+        out = lsh_attention(qk, v, mask, **kw)
+        g = torch.randn_like(out) * mask[:, None, :, None]
+        got = torch.autograd.grad(out, (qk, v), g)
+    ref = lsh_attention_reference(qk, v, mask, **kw)
+    rows = mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[rows], ref[rows])
+    for a, r in zip(got, torch.autograd.grad(ref, (qk, v), g)):
+        torch.testing.assert_close(a, r)
+
+
+def test_gpu_hash_kernel_matches_argmax_of_both_signs():
+    pytest.importorskip("triton")
+    from longattn.attention._reformer_triton import lsh_hash
+    from longattn.attention._triton import interpret_triton
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 50, 8, generator=g, dtype=torch.float64)
+    rot = torch.randn(8, 3, 70, generator=g, dtype=torch.float64)  # 70 projections: two tiles, one partial
+    x[0, 0, 0] = 0.0  # every projection 0: a tie, won by the first position
+    with interpret_triton():
+        got = lsh_hash(x, rot)
+    assert torch.equal(got, hash_buckets(x, rot))
+    with force_path("gpu"):  # the PyTorch GPU path's max / min with indices
+        assert torch.equal(reformer._hash_gpu(x, rot), hash_buckets(x, rot))
+
+
+def test_gpu_path_half_precision_and_size():
+    n = 1024
+    torch.manual_seed(0)
+    layer = reformer.ReformerAttention(dim=32, heads=2, bucket_size=32)
+    x = torch.randn(1, n, 32, requires_grad=True)
+    with force_path("gpu"), LargestTensorRecorder() as rec:
+        layer(x).sum().backward()
+    # without triton: the [N, n_buckets / 2] projections per round and head, and every chunk's [m, 2m] scores
+    assert rec.max_numel <= 2 * n * 4 * 32 * 2, (rec.max_shape, rec.max_op)
+    with force_path("gpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x[:, :300])
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()

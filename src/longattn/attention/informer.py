@@ -191,8 +191,8 @@ def probsparse_attention(
     m = real.sum(dim=-1)
     counts = probsparse_counts(m, factor)  # u_b = U_b = c * ceil(ln m_b)
     if uses_gpu_path(query):
-        if key_samples is not None:
-            _check_key_samples(key_samples, b, n, probsparse_slots(n, factor))
+        if key_samples is not None:  # given by the caller: checked (a read-back from the device)
+            _check_key_samples(key_samples, b, n, int(counts.max()))
         return _probsparse_gpu(query, key, value, real, m, counts, probsparse_slots(n, factor), scale, dropout_p,
                                key_samples)
     if key_samples is None:
