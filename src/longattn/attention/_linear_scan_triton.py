@@ -77,7 +77,10 @@ def _chunk_states(a_ptr, b_ptr, w_ptr, s_ptr, sw_ptr, N, NC, K, V,
     state = tl.zeros([BK, BV], dtype=ACC)
     state_w = tl.zeros([BK], dtype=ACC)
     for i in range(NC):
-        c = NC - 1 - i if REVERSE else i
+        if REVERSE:
+            c = NC - 1 - i
+        else:
+            c = i
         s_rows = (i_bh * NC + c) * K + offs_k
         tl.store(s_ptr + s_rows[:, None] * V + offs_v[None, :], state.to(s_ptr.dtype.element_ty),
                  mask=mask_k[:, None] & mask_v[None, :])
@@ -193,7 +196,7 @@ def _kernel_dtypes(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     ("ieee", not TF32), float64 (the interpreter) in float64; half inputs on tensor cores, accumulated in float32."""
     if dtype == torch.float64:
         return tl.float64, "ieee"
-    return tl.float32, "ieee" if dtype == torch.float32 else "tf32"
+    return tl.float32, "ieee" if dtype == torch.float32 else None
 
 
 def _states(a: Tensor, b: Tensor, w: Tensor | None, chunk: int, reverse: bool) -> tuple[Tensor, Tensor]:

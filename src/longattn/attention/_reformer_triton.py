@@ -34,7 +34,7 @@ from torch import Tensor
 
 __all__ = ["LSHChunkAttention", "lsh_hash"]
 
-SELF_SCORE = -5e4  # reformer.SELF_ATTENTION_SCORE
+SELF_SCORE = tl.constexpr(-5e4)  # reformer.SELF_ATTENTION_SCORE (a constexpr: a kernel reads no other global)
 
 
 # ----------------------------------------------------------------------------- hashing
@@ -82,7 +82,7 @@ def lsh_hash(vectors: Tensor, rotations: Tensor) -> Tensor:
     rows = vectors.reshape(b * h * n, d).contiguous()
     out = torch.empty(b * h * n, rounds, dtype=torch.long, device=vectors.device)
     acc = tl.float64 if vectors.dtype == torch.float64 else tl.float32
-    precision = "tf32" if vectors.dtype in (torch.float16, torch.bfloat16) else "ieee"
+    precision = None if vectors.dtype in (torch.float16, torch.bfloat16) else "ieee"
     block_m = 64
     _lsh_hash[(triton.cdiv(b * h * n, block_m), rounds)](
         rows, rotations.to(vectors.dtype).contiguous(), out, b * h * n, d, rounds, half,
@@ -277,5 +277,5 @@ class LSHChunkAttention(torch.autograd.Function):
 def _options(q: Tensor, bucket_size: int, chunks: int, across: bool, causal: bool) -> dict:
     return dict(M=bucket_size, BM=max(16, triton.next_power_of_2(bucket_size)),
                 BD=max(16, triton.next_power_of_2(q.shape[1])), LOOKS_BACK=chunks > 1, ACROSS=across, CAUSAL=causal,
-                PRECISION="tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee",
+                PRECISION=None if q.dtype in (torch.float16, torch.bfloat16) else "ieee",
                 ACC=tl.float64 if q.dtype == torch.float64 else tl.float32)

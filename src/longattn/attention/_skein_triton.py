@@ -107,7 +107,7 @@ def pilot_square_sums(query: Tensor, key: Tensor, real: Tensor, pilot_indices: T
     lse = q.new_empty(b, h, slots, dtype=acc)
     out = q.new_empty(b, h, n, dtype=acc)
     block_p = max(16, triton.next_power_of_2(p))
-    precision = "tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee"
+    precision = None if q.dtype in (torch.float16, torch.bfloat16) else "ieee"
     acc_tl = tl.float64 if acc == torch.float64 else tl.float32
     block_d, block_n = 32, 64
     _pilot_log_sums[(triton.cdiv(slots, block_d), b * h)](

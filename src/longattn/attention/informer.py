@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -45,6 +44,7 @@ from longattn.attention.base import (
     register_attention,
     uses_gpu_path,
 )
+from longattn.attention.linear import kernels_run_on
 
 # Budget (elements) of one chunk of gathered sampled keys while scoring the queries.
 _SAMPLE_CHUNK_ELEMENTS = 1 << 20
@@ -128,7 +128,7 @@ def _check_key_samples(key_samples: Tensor, batch: int, length: int, needed: int
 def _sparsity_measure_gpu(query: Tensor, key: Tensor, key_samples: Tensor, counts: Tensor, m: Tensor) -> Tensor:
     """M_bar of eq. 4 on the GPU path, [B, H, N], no gradient: the Triton kernel where it runs, else the
     sampled keys of every query gathered at once ([B, H, N, U, Dh] in the GEMM dtype)."""
-    if triton_runs_on(query) and not (query.device.type == "cuda" and query.dtype == torch.float64):
+    if kernels_run_on(query):
         from longattn.attention._informer_triton import sparsity_measure
 
         return sparsity_measure(query, key, key_samples, counts, m)

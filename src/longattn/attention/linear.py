@@ -150,17 +150,28 @@ def causal_scan_chunked(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHU
     return sums[..., :dv], sums[..., dv]
 
 
+def kernels_run_on(t: Tensor) -> bool:
+    """Whether the Triton kernels of the GPU paths (this family's scan, skein's, informer's and reformer's
+    kernels) take inputs like ``t``: where :func:`~longattn.attention._triton.triton_runs_on` says kernels run,
+    in float16, bfloat16 or float32 on CUDA (float64 there takes the PyTorch GPU path), and in Triton's CPU
+    interpreter in any dtype but bfloat16 (whose ``tl.dot`` the interpreter of triton 3.9 gets wrong)."""
+    if not triton_runs_on(t):
+        return False
+    if t.device.type == "cuda":
+        return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return t.dtype != torch.bfloat16
+
+
 # the values of a head are one tile of the scan kernels: wider values take causal_scan_chunked
 MAX_KERNEL_VALUE_DIM = 256
 
 
 def causal_scan(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
-    """(o, z) of :func:`causal_scan_chunked`, by the Triton kernels where they run (CUDA with triton, or the
-    interpreter; float64 on CUDA and values wider than MAX_KERNEL_VALUE_DIM take the PyTorch form). The
+    """(o, z) of :func:`causal_scan_chunked`, by the Triton kernels where they run (:func:`kernels_run_on`;
+    values wider than MAX_KERNEL_VALUE_DIM take the PyTorch form). The
     kernels' chunk is ``chunk`` when it is a power of two from 16 to 128 (a tile), else CAUSAL_CHUNK: the
     chunking changes only the order of the sums."""
-    if (triton_runs_on(q) and v.shape[-1] <= MAX_KERNEL_VALUE_DIM
-            and not (q.device.type == "cuda" and q.dtype == torch.float64)):
+    if kernels_run_on(q) and v.shape[-1] <= MAX_KERNEL_VALUE_DIM:
         from longattn.attention._linear_scan_triton import CausalScan
 
         tile = chunk if chunk in (16, 32, 64, 128) else CAUSAL_CHUNK

@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -48,6 +47,7 @@ from longattn.attention.base import (
     split_heads,
     uses_gpu_path,
 )
+from longattn.attention.linear import kernels_run_on
 
 SELF_ATTENTION_SCORE = -5e4  # "attend to itself only if nothing else": large negative but finite
 BLOCK_ELEMENTS = 1 << 18  # scores (or hash projections) computed at once: cache-sized, never [N, N]
@@ -359,14 +359,10 @@ def lsh_attention(
 # ----------------------------------------------------------------------------- GPU path
 
 
-def _kernels_run(t: Tensor) -> bool:
-    return triton_runs_on(t) and not (t.device.type == "cuda" and t.dtype == torch.float64)
-
-
 def _hash_gpu(vectors: Tensor, rotations: Tensor) -> Tensor:
     """Buckets [B, H, R, N] on the GPU path: the Triton kernel where it runs, else the projections of all
     tokens at once ([B, H, N, R, n_buckets / 2] in the GEMM dtype) and their max / min with indices."""
-    if _kernels_run(vectors):
+    if kernels_run_on(vectors):
         from longattn.attention._reformer_triton import lsh_hash
 
         return lsh_hash(vectors, rotations)
@@ -447,7 +443,7 @@ def _lsh_gpu(shared_qk: Tensor, value: Tensor, attention_mask: Tensor | None, ro
     keys = F.normalize(qk.to(compute_dtype(dtype)), dim=-1).to(dtype)
     q_rows, k_rows, v_rows = (t.reshape(b * h * n_total, d) for t in (qk, keys, value))
     args = (slot_token, slot_bucket, valid, h, bucket_size, scale, across, causal)
-    if _kernels_run(qk):
+    if kernels_run_on(qk):
         from longattn.attention._reformer_triton import LSHChunkAttention
 
         out = LSHChunkAttention.apply(q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous(), *args)

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -48,7 +47,7 @@ from longattn.attention.base import (
     register_attention,
     uses_gpu_path,
 )
-from longattn.attention.linear import normalised
+from longattn.attention.linear import kernels_run_on, normalised
 
 ColumnSampling = Literal["importance", "uniform"]
 RowNormalization = Literal["adaptive", "simple", "none"]
@@ -422,7 +421,7 @@ def _some_real(real: Tensor) -> Tensor:
 def _pilot_square_sums_gpu(q: Tensor, k: Tensor, real: Tensor, pilot: Tensor, used: Tensor, scale: float) -> Tensor:
     """sum_k b_{j_k i}^2 of eq. (5), [B, H, N], no gradient: the Triton kernels where they run (B_J stays in
     registers), else B_J materialised ([B, H, D, N] in float32)."""
-    if triton_runs_on(q) and not (q.device.type == "cuda" and q.dtype == torch.float64):
+    if kernels_run_on(q):
         from longattn.attention._skein_triton import pilot_square_sums
 
         return pilot_square_sums(q, k, real, pilot, used, scale)
