@@ -128,7 +128,8 @@ def _chunk_output(q_ptr, k_ptr, v_ptr, h_ptr, hk_ptr, o_ptr, z_ptr, N, NC, K, V,
     v = tl.load(v_ptr + rows[:, None] * V + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :], other=0.0)
     out += tl.dot(scores.to(v.dtype), v, input_precision=PRECISION).to(ACC)
     z += tl.sum(scores, 1)
-    tl.store(o_ptr + rows[:, None] * V + offs_v[None, :], out, mask=mask_t[:, None] & mask_v[None, :])
+    tl.store(o_ptr + rows[:, None] * V + offs_v[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & mask_v[None, :])
     tl.store(z_ptr + rows, z, mask=mask_t)
 
 
@@ -216,7 +217,8 @@ def _states(a: Tensor, b: Tensor, w: Tensor | None, chunk: int, reverse: bool) -
 
 class CausalScan(torch.autograd.Function):
     """(o, z) of the causal scan by the Triton kernels, forward and backward; inputs [B, H, N, K|V] of one
-    dtype (float16, bfloat16, float32; float64 in the interpreter), outputs in the accumulation dtype.
+    dtype (float16, bfloat16, float32; float64 in the interpreter); o in that dtype (accumulated in float32,
+    rounded once), z in the accumulation dtype.
     The backward pass recomputes the chunk states (nothing of size N x K x V is kept)."""
 
     @staticmethod
@@ -225,9 +227,8 @@ class CausalScan(torch.autograd.Function):
         v_dim = v.shape[-1]
         q_, k_, v_ = (t.reshape(b * h, n, t.shape[-1]).contiguous() for t in (q, k, v))
         states, key_sums = _states(k_, v_, None, chunk, reverse=False)
-        acc = compute_dtype(q.dtype)
-        out = q.new_empty(b * h, n, v_dim, dtype=acc)
-        normaliser = q.new_empty(b * h, n, dtype=acc)
+        out = torch.empty_like(v_)  # in the input dtype (the GEMM dtype), rounded once from float32
+        normaliser = q.new_empty(b * h, n, dtype=compute_dtype(q.dtype))
         block_k, block_v, blocks_k = _tiles(k_dim, v_dim)
         acc_tl, precision = _kernel_dtypes(q.dtype)
         count = triton.cdiv(n, chunk)

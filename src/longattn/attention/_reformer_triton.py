@@ -234,8 +234,8 @@ class LSHChunkAttention(torch.autograd.Function):
     """The chunked LSH attention with the rounds combined (see the module doc), forward and backward by the
     kernels. q (unscaled), k (unit length), v: token-major rows [P*N, D] of P = B*H (batch, head) pairs in one
     dtype; slot_token, slot_bucket [P, R*N] long: the token and bucket id (distinct across rounds) of each
-    sorted slot, round r's slots being [r*N, (r+1)*N); valid [B, N] bool. Returns [P*N, D] in float32 (float64
-    for float64)."""
+    sorted slot, round r's slots being [r*N, (r+1)*N); valid [B, N] bool. Returns [P*N, D] in q's dtype (summed
+    in float32, float64 for float64)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, slot_token: Tensor, slot_bucket: Tensor, valid: Tensor,
@@ -254,6 +254,7 @@ class LSHChunkAttention(torch.autograd.Function):
         total = torch.empty_like(lse).scatter_(1, round_token, lse).view(pairs, rounds, n).logsumexp(1).contiguous()
         out = torch.zeros(pairs * n, d, dtype=acc, device=q.device)
         _lsh_chunk_out[(chunks, pairs)](q, k, v, tokens, buckets, valid_, total, out, n, heads, d, scale, **options)
+        out = out.to(q.dtype)  # the float32 sums rounded once; the backward pass's delta = dO . out takes this
         ctx.save_for_backward(q, k, v, tokens, buckets, valid_, total, out)
         ctx.config = (heads, bucket_size, scale, across, causal)
         return out
@@ -266,9 +267,11 @@ class LSHChunkAttention(torch.autograd.Function):
         pairs, slots = tokens.shape
         n, d = q.shape[0] // pairs, q.shape[1]
         chunks = slots // bucket_size
-        delta = (grad_out.to(out.dtype) * out).sum(-1).contiguous()
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         do = grad_out.to(q.dtype).contiguous()
-        dq, dk, dv = (torch.zeros_like(out) for _ in range(3))
+        delta = (do.to(acc) * out.to(acc)).sum(-1).contiguous()
+        # float32 rows that the chunks' atomic adds accumulate into (a token's slots sit in several chunks)
+        dq, dk, dv = (torch.zeros(q.shape, dtype=acc, device=q.device) for _ in range(3))
         _lsh_chunk_backward[(chunks, pairs)](q, k, v, tokens, buckets, valid_, total, do, delta, dq, dk, dv, n, heads,
                                              d, scale, **_options(q, bucket_size, chunks, across, causal))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None

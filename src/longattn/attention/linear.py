@@ -129,7 +129,8 @@ def causal_scan_chunked(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHU
     """The causal sums o_i = sum_{j <= i} (q_i . k_j) v_j and z_i = sum_{j <= i} q_i . k_j (eq. 8-9) as one
     batched tensor program, no loop over chunks: per-chunk states k_c^T [v_c, 1] in the input dtype (the
     GEMM dtype), their exclusive prefix sum over chunks in float32 (float64 stays float64), then
-    o_c = q_c h_c + tril(q_c k_c^T) [v_c, 1]. Returns (o, z) in the accumulation dtype.
+    o_c = q_c h_c + tril(q_c k_c^T) [v_c, 1]. Returns o in the input dtype (rounded once from the accumulation
+    dtype) and z in the accumulation dtype.
 
     The GPU path where the Triton kernels do not run; memory: the states of all chunks,
     [B, H, N / chunk, K, V + 1] in float32."""
@@ -147,7 +148,7 @@ def causal_scan_chunked(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHU
     past = (states.cumsum(dim=2) - states).to(q.dtype)  # chunks strictly before, summed in `acc`
     within = (q_c @ k_c.transpose(-1, -2)).tril_()
     sums = ((q_c @ past).to(acc) + (within @ v_c).to(acc)).reshape(b, h, count * chunk, dv + 1)[:, :, :n]
-    return sums[..., :dv], sums[..., dv]
+    return sums[..., :dv].to(q.dtype), sums[..., dv]
 
 
 def kernels_run_on(t: Tensor) -> bool:
@@ -183,9 +184,9 @@ def kernel_sums_gpu(phi_q: Tensor, phi_k: Tensor, value: Tensor, is_causal: bool
                     chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
     """Numerator [B, H, N, Dv] and normaliser [B, H, N] of kernel attention (eq. 5-6, causal eq. 8-9) on the
     GPU path. Features and values must be in the GEMM dtype (the autocast dtype) with padded keys' features
-    zero. Not causal: one GEMM phi(K)^T [V, 1] (float32 accumulation inside the GEMM), then phi(Q) times it,
-    the numerator in the GEMM dtype; causal: :func:`causal_scan`, the numerator in the accumulation dtype.
-    The normaliser is in the accumulation dtype (see :func:`normalised`)."""
+    zero. Not causal: one GEMM phi(K)^T [V, 1] (float32 accumulation inside the GEMM), then phi(Q) times it;
+    causal: :func:`causal_scan`. The numerator is in the GEMM dtype, the normaliser in the accumulation dtype
+    (see :func:`normalised`)."""
     if is_causal:
         return causal_scan(phi_q, phi_k, value, chunk)
     dv = value.shape[-1]
