@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from gpu_path_checks import assert_gpu_result_close, kernel_dtype, running_kernels
 
 from longattn import attention
 from longattn.attention import AttentionError, force_path
@@ -102,21 +103,16 @@ def test_bad_options_raise(bad):
                                      dict(max_positions=60, chunk_size=5)])
 def test_gpu_path_matches_reference_forward_and_backward(options, causal, kernels):
     """The cos / sin split through the shared scan (a chunk size that is no tile takes the kernels' own)."""
-    if kernels:
-        pytest.importorskip("triton")
-    from longattn.attention._triton import interpret_triton
-
-    q, k, v = random_qkv(2, 2, 37, 5)
+    dtype = kernel_dtype(kernels)
+    q, k, v = random_qkv(2, 2, 37, 5, dtype=dtype)
     mask = scattered_mask(2, 37)
+    g = torch.randn(2, 2, 37, 5, dtype=dtype)
     reference_options = {key: value for key, value in options.items() if key != "chunk_size"}
-    with force_path("gpu"), (interpret_triton() if kernels else contextlib.nullcontext()):
-        out = cosformer_attention(q, k, v, mask, is_causal=causal, **options)
-        g = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v), g)
+    with running_kernels() if kernels else contextlib.nullcontext("cpu") as device, force_path("gpu"):
+        out = cosformer_attention(*(t.to(device) for t in (q, k, v, mask)), is_causal=causal, **options)
+        got = torch.autograd.grad(out, (q, k, v), g.to(device))
     ref = cosformer_attention_reference(q, k, v, mask, is_causal=causal, **reference_options)
-    torch.testing.assert_close(out, ref)
-    for a, r in zip(got, torch.autograd.grad(ref, (q, k, v), g)):
-        torch.testing.assert_close(a, r)
+    assert_gpu_result_close(out.cpu(), got, ref, (q, k, v), g, dtype)
 
 
 def test_gpu_path_angles_stay_exact_in_half_precision():

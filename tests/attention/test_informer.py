@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from gpu_path_checks import KERNEL_DEVICE, needs_triton, running_kernels
 
 from longattn import attention
 from longattn.attention import AttentionError, force_path
@@ -130,17 +131,15 @@ def test_module_is_reproducible_under_a_seed_and_rejects_bad_options():
 @pytest.mark.parametrize("n", [1, 37])
 def test_gpu_path_matches_reference_forward_and_backward(n, kernels):
     """Given the key samples (the stochastic part), the GPU path is the reference's computation; with kernels,
-    the sparsity measure runs in Triton's interpreter."""
-    if kernels:
-        pytest.importorskip("triton")
-    from longattn.attention._triton import interpret_triton
-
-    q, k, v = random_qkv(2, 3, n, 8)
+    the sparsity measure runs in the Triton kernel (compiled on CUDA, else interpreted)."""
+    dtype = torch.float32 if kernels else torch.float64  # the kernels' dtype on CUDA
+    q, k, v = random_qkv(2, 3, n, 8, dtype=dtype)
     mask = scattered_mask(2, n, seed=1)
     mask[1, 20:] = False  # sequences of different m: different U_b and u_b in static slots
     samples = sample_informer_keys(mask, 2, n, 2.0, torch.device("cpu"), torch.Generator().manual_seed(2))
-    with force_path("gpu"), (interpret_triton() if kernels else contextlib.nullcontext()):
-        out = probsparse_attention(q, k, v, mask, factor=2.0, key_samples=samples)
+    with running_kernels() if kernels else contextlib.nullcontext("cpu") as device, force_path("gpu"):
+        out = probsparse_attention(*(t.to(device) for t in (q, k, v, mask)), factor=2.0,
+                                   key_samples=samples.to(device)).cpu()
     ref = probsparse_attention_reference(q, k, v, mask, factor=2.0, key_samples=samples)
     torch.testing.assert_close(out, ref)
     grad = torch.randn_like(out)
@@ -169,10 +168,9 @@ def test_gpu_path_draws_static_slots_among_real_tokens_and_handles_empty_sequenc
 
 
 def test_gpu_measure_kernel_matches_its_reference():
-    pytest.importorskip("triton")
+    needs_triton()
     from longattn.attention._informer_triton import sparsity_measure as kernel_measure
     from longattn.attention._informer_triton import sparsity_measure_reference
-    from longattn.attention._triton import interpret_triton
 
     q, k, _ = (t.detach() for t in random_qkv(2, 2, 70, 12))
     mask = scattered_mask(2, 70, seed=4)
@@ -183,8 +181,10 @@ def test_gpu_measure_kernel_matches_its_reference():
     want = sparsity_measure_reference(q, k, samples, counts, m)
     torch.testing.assert_close(want, sparsity_measure(q, k, samples, counts, m))  # the CPU path's measure
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.float16, 1e-2)):
-        with interpret_triton():
-            got = kernel_measure(q.to(dtype), k.to(dtype), samples, counts, m)
+        if dtype == torch.float64 and KERNEL_DEVICE == "cuda":
+            continue  # float64 kernels run only in the interpreter
+        with running_kernels() as device:
+            got = kernel_measure(*(t.to(device) for t in (q.to(dtype), k.to(dtype), samples, counts, m))).cpu()
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 

@@ -2,6 +2,7 @@ import contextlib
 
 import pytest
 import torch
+from gpu_path_checks import assert_gpu_result_close, kernel_dtype, running_kernels
 
 from longattn import attention
 from longattn.attention import AttentionError, force_path
@@ -84,18 +85,14 @@ def test_causal_form_builds_no_quadratic_intermediate(name):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 37])
 def test_gpu_path_matches_reference_forward_and_backward(n, causal, kernels):
-    """Batched GEMMs, the causal sums by the chunked scan: PyTorch, or the Triton kernels in the interpreter."""
-    if kernels:
-        pytest.importorskip("triton")
-    from longattn.attention._triton import interpret_triton
-
-    q, k, v = random_qkv(2, 2, n, 8)
+    """Batched GEMMs, the causal sums by the chunked scan: PyTorch, or the Triton kernels (compiled on CUDA in
+    float32, else interpreted in float64)."""
+    dtype = kernel_dtype(kernels)
+    q, k, v = random_qkv(2, 2, n, 8, dtype=dtype)
     mask = scattered_mask(2, n)
-    with force_path("gpu"), (interpret_triton() if kernels else contextlib.nullcontext()):
-        out = linear_attention(q, k, v, mask, is_causal=causal)
-        g = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v), g)
+    g = torch.randn(2, 2, n, 8, dtype=dtype)
+    with running_kernels() if kernels else contextlib.nullcontext("cpu") as device, force_path("gpu"):
+        out = linear_attention(*(t.to(device) for t in (q, k, v, mask)), is_causal=causal)
+        got = torch.autograd.grad(out, (q, k, v), g.to(device))
     ref = linear_attention_reference(q, k, v, mask, is_causal=causal)
-    torch.testing.assert_close(out, ref)
-    for a, r in zip(got, torch.autograd.grad(ref, (q, k, v), g)):
-        torch.testing.assert_close(a, r)
+    assert_gpu_result_close(out.cpu(), got, ref, (q, k, v), g, dtype)

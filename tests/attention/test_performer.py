@@ -2,6 +2,7 @@ import contextlib
 
 import pytest
 import torch
+from gpu_path_checks import assert_gpu_result_close, kernel_dtype, running_kernels
 
 from longattn import attention
 from longattn.attention import AttentionError, force_path, performer
@@ -272,24 +273,21 @@ def test_matches_performer_pytorch_with_the_same_projection():
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_path_matches_reference_forward_and_backward(causal, kernels):
     """Non-causal: one batched program that recomputes the features in its backward pass; causal: the features
-    through the shared scan (PyTorch, or the Triton kernels in the interpreter). The projection's gradient too."""
-    if kernels:
-        pytest.importorskip("triton")
-    from longattn.attention._triton import interpret_triton
-
-    q, k, v = random_qkv(2, 2, 37, 8)
-    w = orthogonal_random_features(20, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    through the shared scan (PyTorch, or the Triton kernels: compiled on CUDA in float32, else interpreted in
+    float64). The projection's gradient too."""
+    dtype = kernel_dtype(kernels)
+    q, k, v = random_qkv(2, 2, 37, 8, dtype=dtype)
+    w = orthogonal_random_features(20, 8, generator=torch.Generator().manual_seed(5), dtype=dtype)
     w.requires_grad_()
     mask = torch.rand(2, 37, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[:, 0] = True
-    with force_path("gpu"), (interpret_triton() if kernels else contextlib.nullcontext()):
-        out = performer_attention(q, k, v, mask, projection=w, is_causal=causal)
-        g = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v, w), g)
+    g = torch.randn(2, 2, 37, 8, dtype=dtype)
+    with running_kernels() if kernels else contextlib.nullcontext("cpu") as device, force_path("gpu"):
+        out = performer_attention(*(t.to(device) for t in (q, k, v, mask)), projection=w.to(device),
+                                  is_causal=causal)
+        got = torch.autograd.grad(out, (q, k, v, w), g.to(device))
     ref = performer_attention_reference(q, k, v, mask, projection=w, is_causal=causal)
-    torch.testing.assert_close(out, ref)
-    for a, r in zip(got, torch.autograd.grad(ref, (q, k, v, w), g)):
-        torch.testing.assert_close(a, r)
+    assert_gpu_result_close(out.cpu(), got, ref, (q, k, v, w), g, dtype)
 
 
 def test_gpu_path_with_fewer_keys_than_queries_and_a_padded_sequence():

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from gpu_path_checks import KERNEL_DEVICE, running_kernels
 
 from longattn.attention import force_path, reformer
 from longattn.attention.base import AttentionError
@@ -272,38 +273,36 @@ def test_gpu_path_matches_dense_pattern(n, bucket_size, rounds, across, causal):
 @pytest.mark.parametrize("across, causal", [(False, False), (True, True)])
 @pytest.mark.parametrize("n, bucket_size, rounds", [(13, 8, 2), (16, 16, 1)])
 def test_gpu_kernels_match_dense_pattern(n, bucket_size, rounds, across, causal):
-    """Hashing and the chunks' attention by the Triton kernels (interpreter), forward and backward; one
-    (batch, head) pair of few chunks keeps the interpreter fast."""
-    pytest.importorskip("triton")
-    from longattn.attention._triton import interpret_triton
-
+    """Hashing and the chunks' attention by the Triton kernels (compiled on CUDA in float32, else interpreted in
+    float64), forward and backward; one (batch, head) pair of few chunks keeps the interpreter fast."""
+    dtype = torch.float32 if KERNEL_DEVICE == "cuda" else torch.float64
     qk, v, rot = (t[:1, :1] if t.dim() == 4 else t for t in inputs(n, rounds=rounds, bucket_size=bucket_size))
-    qk, v = qk.detach().requires_grad_(), v.detach().requires_grad_()
+    qk, v = qk.detach().to(dtype).requires_grad_(), v.detach().to(dtype).requires_grad_()
     mask = torch.rand(1, n, generator=torch.Generator().manual_seed(3)) > 0.25
     mask[0, 0] = True
-    kw = dict(rotations=rot, bucket_size=bucket_size, attend_across_buckets=across, is_causal=causal)
-    with force_path("gpu"), interpret_triton():
-        out = lsh_attention(qk, v, mask, **kw)
-        g = torch.randn_like(out) * mask[:, None, :, None]
-        got = torch.autograd.grad(out, (qk, v), g)
-    ref = lsh_attention_reference(qk, v, mask, **kw)
-    rows = mask[:, None, :, None].expand_as(out)
-    torch.testing.assert_close(out[rows], ref[rows])
+    kw = dict(bucket_size=bucket_size, attend_across_buckets=across, is_causal=causal)
+    g = torch.randn(qk.shape, dtype=dtype) * mask[:, None, :, None]
+    with running_kernels() as device, force_path("gpu"):
+        out = lsh_attention(qk.to(device), v.to(device), mask.to(device), rotations=rot.to(device, dtype), **kw)
+        got = torch.autograd.grad(out, (qk, v), g.to(device))
+    ref = lsh_attention_reference(qk, v, mask, rotations=rot.to(dtype), **kw)
+    rows = mask[:, None, :, None].expand_as(ref)
+    tol = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.cpu()[rows], ref[rows], **tol)
     for a, r in zip(got, torch.autograd.grad(ref, (qk, v), g)):
-        torch.testing.assert_close(a, r)
+        torch.testing.assert_close(a, r, **tol)
 
 
 def test_gpu_hash_kernel_matches_argmax_of_both_signs():
-    pytest.importorskip("triton")
-    from longattn.attention._reformer_triton import lsh_hash
-    from longattn.attention._triton import interpret_triton
-
+    dtype = torch.float32 if KERNEL_DEVICE == "cuda" else torch.float64
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 2, 50, 8, generator=g, dtype=torch.float64)
-    rot = torch.randn(8, 3, 70, generator=g, dtype=torch.float64)  # 70 projections: two tiles, one partial
+    x = torch.randn(1, 2, 50, 8, generator=g, dtype=dtype)
+    rot = torch.randn(8, 3, 70, generator=g, dtype=dtype)  # 70 projections: two tiles, one partial
     x[0, 0, 0] = 0.0  # every projection 0: a tie, won by the first position
-    with interpret_triton():
-        got = lsh_hash(x, rot)
+    with running_kernels() as device:
+        from longattn.attention._reformer_triton import lsh_hash
+
+        got = lsh_hash(x.to(device), rot.to(device)).cpu()
     assert torch.equal(got, hash_buckets(x, rot))
     with force_path("gpu"):  # the PyTorch GPU path's max / min with indices
         assert torch.equal(reformer._hash_gpu(x, rot), hash_buckets(x, rot))

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from gpu_path_checks import running_kernels
 
 from longattn import attention
 from longattn.attention import AttentionError, force_path
@@ -19,6 +20,7 @@ from longattn.attention.skein import (
     skein_sample,
 )
 from longattn.attention.softmax import softmax_attention
+from longattn.attention._triton import use_triton
 from longattn.testing import LargestTensorRecorder
 
 OPTIONS = list(itertools.product(["adaptive", "simple", "none"], [True, False], ["importance", "uniform"]))
@@ -412,17 +414,17 @@ def test_gpu_path_stable_with_large_scores_in_bfloat16():
 
 
 def test_gpu_kernels_draw_and_compute_what_the_pytorch_gpu_path_does():
-    """The pilot statistics of eq. (5) by the Triton kernels (interpreter): the same draws and output."""
-    pytest.importorskip("triton")
-    from longattn.attention._triton import interpret_triton
-
-    q, k, v = qkv(1, 2, 40, 8, seed=3)
+    """The pilot statistics of eq. (5) by the Triton kernels (compiled on CUDA, else interpreted): the same
+    draws and output as the PyTorch GPU path (float32: the kernels' dtype on CUDA)."""
+    q, k, v = (t.float() for t in qkv(1, 2, 40, 8, seed=3))
     mask = scattered_mask(1, 40, seed=4)
-    with force_path("gpu"):
-        plain = skein_attention(q, k, v, mask, samples=8, generator=torch.Generator().manual_seed(1))
-        with interpret_triton():
-            fused = skein_attention(q, k, v, mask, samples=8, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(fused, plain)
+    with running_kernels() as device:
+        inputs = [t.to(device) for t in (q, k, v, mask)]
+        with force_path("gpu"):
+            fused = skein_attention(*inputs, samples=8, generator=torch.Generator(device).manual_seed(1))
+            with use_triton(False):
+                plain = skein_attention(*inputs, samples=8, generator=torch.Generator(device).manual_seed(1))
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("row_normalization", ["adaptive", "simple"])
