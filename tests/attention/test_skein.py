@@ -49,19 +49,22 @@ def grads_on_real_rows(out, mask, inputs, seed=2):
     return torch.autograd.grad(out, inputs, weight)
 
 
-@pytest.mark.parametrize("n", [37, 101])
+@pytest.mark.parametrize("path, n", [("cpu", 37), ("cpu", 101), ("gpu", 37)])
 @pytest.mark.parametrize("row_normalization, pilot_reuse, column_sampling", OPTIONS)
-def test_fast_path_matches_dense_eq6_forward_and_backward(n, row_normalization, pilot_reuse, column_sampling):
+def test_fast_path_matches_dense_eq6_forward_and_backward(path, n, row_normalization, pilot_reuse, column_sampling):
+    """The CPU path and the GPU path (forced on CPU: static slots, fused attention for eq. 6) given a sample."""
     q, k, v = qkv(2, 3, n, 8)
     mask = scattered_mask(2, n)
-    mask[1, 9:] = False  # the two sequences get different m and d
-    sample = skein_sample(q, k, v, mask, samples=12, column_sampling=column_sampling,
-                          generator=torch.Generator().manual_seed(3))
+    mask[1, 9:] = False  # the two sequences get different m and d (on the GPU path: unused slots past d_b)
+    with force_path(path):
+        sample = skein_sample(q, k, v, mask, samples=12, column_sampling=column_sampling,
+                              generator=torch.Generator().manual_seed(3))
     assert sample.sample_counts[0] != sample.sample_counts[1]
     # a pilot row drawn twice must not have its gradient counted twice
     sample.pilot_indices[0, 0, 1] = sample.pilot_indices[0, 0, 0]
     kwargs = dict(sample=sample, row_normalization=row_normalization, pilot_reuse=pilot_reuse)
-    out = skein_attention_from_sample(q, k, v, mask, **kwargs)
+    with force_path(path):
+        out = skein_attention_from_sample(q, k, v, mask, **kwargs)
     ref = skein_attention_reference(q, k, v, mask, **kwargs)
     rows = real_rows(mask, out)
     torch.testing.assert_close(out[rows], ref[rows])
@@ -324,25 +327,6 @@ def gpu_sample(q, k, v, mask, seed=3, **options):
         return skein_sample(q, k, v, mask, generator=torch.Generator().manual_seed(seed), **options)
 
 
-@pytest.mark.parametrize("row_normalization, pilot_reuse, column_sampling", OPTIONS)
-def test_gpu_path_matches_dense_eq6_forward_and_backward(row_normalization, pilot_reuse, column_sampling):
-    q, k, v = qkv(2, 3, 37, 8)
-    mask = scattered_mask(2, 37)
-    mask[1, 9:] = False  # the two sequences get different m and d: slots past d_b unused
-    sample = gpu_sample(q, k, v, mask, samples=12, column_sampling=column_sampling)
-    assert sample.column_indices.shape[-1] == gpu_slots(37, 12) == 12
-    assert sample.sample_counts[1] < 12
-    sample.pilot_indices[0, 0, 1] = sample.pilot_indices[0, 0, 0]  # a pilot row drawn twice
-    kwargs = dict(sample=sample, row_normalization=row_normalization, pilot_reuse=pilot_reuse)
-    with force_path("gpu"):
-        out = skein_attention_from_sample(q, k, v, mask, **kwargs)
-    ref = skein_attention_reference(q, k, v, mask, **kwargs)
-    rows = real_rows(mask, out)
-    torch.testing.assert_close(out[rows], ref[rows])
-    for a, r in zip(grads_on_real_rows(out, mask, (q, k, v)), grads_on_real_rows(ref, mask, (q, k, v))):
-        torch.testing.assert_close(a, r)
-
-
 @pytest.mark.parametrize("row_normalization", ["adaptive", "none"])
 def test_gpu_path_draws_what_its_sample_draws_and_what_the_cpu_path_draws(row_normalization):
     q, k, v = qkv(2, 2, 45, 4)
@@ -387,7 +371,7 @@ def test_gpu_sample_draws_real_distinct_columns_into_static_slots():
     mask = scattered_mask(3, 211, keep=0.4, seed=10)
     mask[2, 20:] = False
     sample = gpu_sample(q, k, v, mask, samples=64)
-    assert sample.column_indices.shape == (3, 4, 64)
+    assert sample.column_indices.shape == (3, 4, gpu_slots(211, 64)) == (3, 4, 64)
     assert sample.sample_counts.tolist() == sample_counts_for(mask, 64).tolist()
     used = sample.slot_mask().expand_as(sample.column_indices)
     real_heads = mask[:, None, :].expand(3, 4, 211)

@@ -121,14 +121,18 @@ def _chunk_scores(q, k_ptr, tok_ptr, bkt_ptr, valid_ptr, pair, batch, chunk, tq,
 
 
 @triton.jit
-def _chunk_queries(q_ptr, tok_ptr, bkt_ptr, pair, chunk, offs_m, offs_d, N, D, M: tl.constexpr):
-    mask_m = offs_m < M
+def _chunk_queries(q_ptr, tok_ptr, bkt_ptr, N, H, D, M: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """This program's chunk (axis 0) of its (batch, head) pair (axis 1): the chunk's query rows q [BM, BD],
+    their tokens and buckets, slot indices, and the indices and masks of the tile."""
+    chunk, pair = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    offs_m, offs_d = tl.arange(0, BM), tl.arange(0, BD)
+    mask_m, mask_d = offs_m < M, offs_d < D
     slots = chunk * M + offs_m
     tq = tl.load(tok_ptr + pair * (tl.num_programs(0) * M) + slots, mask=mask_m, other=0)
     bq = tl.load(bkt_ptr + pair * (tl.num_programs(0) * M) + slots, mask=mask_m, other=-2)
-    q = tl.load(q_ptr + (pair * N + tq)[:, None] * D + offs_d[None, :], mask=mask_m[:, None] & (offs_d < D)[None, :],
+    q = tl.load(q_ptr + (pair * N + tq)[:, None] * D + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :],
                 other=0.0)
-    return q, tq, bq, slots
+    return q, tq, bq, slots, chunk, pair, pair // H, offs_m, offs_d, mask_m, mask_d
 
 
 @triton.jit
@@ -136,11 +140,9 @@ def _lsh_chunk_lse(q_ptr, k_ptr, tok_ptr, bkt_ptr, valid_ptr, lse_ptr, N, H, D, 
                    BM: tl.constexpr, BD: tl.constexpr, LOOKS_BACK: tl.constexpr, ACROSS: tl.constexpr,
                    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
     """lse of the slots of one chunk over their keys (the chunk's own and, when chunks look back, the previous)."""
-    chunk, pair = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    q, tq, bq, slots, chunk, pair, batch, offs_m, offs_d, mask_m, _ = _chunk_queries(q_ptr, tok_ptr, bkt_ptr, N, H, D,
+                                                                                    M, BM, BD)
     chunks = tl.num_programs(0)
-    batch = pair // H
-    offs_m, offs_d = tl.arange(0, BM), tl.arange(0, BD)
-    q, tq, bq, slots = _chunk_queries(q_ptr, tok_ptr, bkt_ptr, pair, chunk, offs_m, offs_d, N, D, M)
     scores, _, _, _ = _chunk_scores(q, k_ptr, tok_ptr, bkt_ptr, valid_ptr, pair, batch, chunk, tq, bq, offs_m, offs_d,
                                     N, D, scale, M, ACROSS, CAUSAL, PRECISION, ACC)
     row_max = tl.maximum(tl.max(scores, 1), -1.0e30)
@@ -152,7 +154,7 @@ def _lsh_chunk_lse(q_ptr, k_ptr, tok_ptr, bkt_ptr, valid_ptr, lse_ptr, N, H, D, 
     else:
         row_sum = tl.sum(tl.exp(scores - row_max[:, None]), 1)
     # the rows of a tile past the chunk (BM > M) see only -inf: their row_max is kept finite, and not stored
-    tl.store(lse_ptr + pair * (chunks * M) + slots, row_max + tl.log(tl.maximum(row_sum, 1.0e-30)), mask=offs_m < M)
+    tl.store(lse_ptr + pair * (chunks * M) + slots, row_max + tl.log(tl.maximum(row_sum, 1.0e-30)), mask=mask_m)
 
 
 @triton.jit
@@ -160,12 +162,9 @@ def _lsh_chunk_out(q_ptr, k_ptr, v_ptr, tok_ptr, bkt_ptr, valid_ptr, total_ptr, 
                    M: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, LOOKS_BACK: tl.constexpr,
                    ACROSS: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
     """Adds exp(s - L) v of one chunk's slots into their tokens' output rows (L: logsumexp over rounds)."""
-    chunk, pair = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    q, tq, bq, _, chunk, pair, batch, offs_m, offs_d, mask_m, mask_d = _chunk_queries(q_ptr, tok_ptr, bkt_ptr, N, H,
+                                                                                     D, M, BM, BD)
     chunks = tl.num_programs(0)
-    batch = pair // H
-    offs_m, offs_d = tl.arange(0, BM), tl.arange(0, BD)
-    mask_m, mask_d = offs_m < M, offs_d < D
-    q, tq, bq, _ = _chunk_queries(q_ptr, tok_ptr, bkt_ptr, pair, chunk, offs_m, offs_d, N, D, M)
     total = tl.load(total_ptr + pair * N + tq, mask=mask_m, other=0.0)
     scores, tk, _, _ = _chunk_scores(q, k_ptr, tok_ptr, bkt_ptr, valid_ptr, pair, batch, chunk, tq, bq, offs_m,
                                      offs_d, N, D, scale, M, ACROSS, CAUSAL, PRECISION, ACC)
@@ -210,12 +209,9 @@ def _lsh_chunk_backward(q_ptr, k_ptr, v_ptr, tok_ptr, bkt_ptr, valid_ptr, total_
                         LOOKS_BACK: tl.constexpr, ACROSS: tl.constexpr, CAUSAL: tl.constexpr,
                         PRECISION: tl.constexpr, ACC: tl.constexpr):
     """The combined softmax's backward pass for one chunk's slots: ds = p (dO . v - delta), delta = dO . out."""
-    chunk, pair = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    q, tq, bq, _, chunk, pair, batch, offs_m, offs_d, mask_m, mask_d = _chunk_queries(q_ptr, tok_ptr, bkt_ptr, N, H,
+                                                                                     D, M, BM, BD)
     chunks = tl.num_programs(0)
-    batch = pair // H
-    offs_m, offs_d = tl.arange(0, BM), tl.arange(0, BD)
-    mask_m, mask_d = offs_m < M, offs_d < D
-    q, tq, bq, _ = _chunk_queries(q_ptr, tok_ptr, bkt_ptr, pair, chunk, offs_m, offs_d, N, D, M)
     query_rows = (pair * N + tq)[:, None] * D + offs_d[None, :]
     query_tile = mask_m[:, None] & mask_d[None, :]
     total = tl.load(total_ptr + pair * N + tq, mask=mask_m, other=0.0)
