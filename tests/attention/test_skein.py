@@ -337,10 +337,20 @@ def test_gpu_path_draws_what_its_sample_draws_and_what_the_cpu_path_draws(row_no
         expected = skein_attention_from_sample(q, k, v, mask, sample=gpu_sample(q, k, v, mask, seed=7, samples=9),
                                                row_normalization=row_normalization)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    # without padding both paths have D = min(samples, N - 1) slots: the same draws, the same output
-    cpu = skein_attention(q, k, v, samples=9, generator=torch.Generator().manual_seed(7))
+    # both paths draw the same indices from one generator state (the CPU path keeps the slots it uses)
+    mask[:, 6:] = False  # the CPU path's slots (the largest d, 5) fewer than the GPU path's D = 9
+    cpu_sample = skein_sample(q, k, v, mask, samples=9, generator=torch.Generator().manual_seed(7))
+    gpu_draws = gpu_sample(q, k, v, mask, seed=7, samples=9)
+    slots = cpu_sample.column_indices.shape[-1]
+    assert slots < gpu_draws.column_indices.shape[-1]
+    used = cpu_sample.slot_mask().expand_as(cpu_sample.column_indices)  # unused slots hold arbitrary indices
+    for name in ("pilot_indices", "column_indices"):
+        assert torch.equal(getattr(gpu_draws, name)[..., :slots][used], getattr(cpu_sample, name)[used])
+    cpu = skein_attention(q, k, v, mask, samples=9, row_normalization=row_normalization,
+                          generator=torch.Generator().manual_seed(7))
     with force_path("gpu"):
-        gpu = skein_attention(q, k, v, samples=9, generator=torch.Generator().manual_seed(7))
+        gpu = skein_attention(q, k, v, mask, samples=9, row_normalization=row_normalization,
+                              generator=torch.Generator().manual_seed(7))
     torch.testing.assert_close(gpu, cpu)
 
 

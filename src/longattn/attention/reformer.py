@@ -541,7 +541,9 @@ class ReformerAttention(AttentionBase):
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         qk, v = split_heads(self.to_qk(x), self.heads), split_heads(self.to_v(x), self.heads)
         n_b = num_buckets(x.shape[1], self.bucket_size)
-        rotations = torch.randn(self.head_dim, self.n_hashes, n_b // 2, device=x.device, dtype=x.dtype)
+        # drawn in float32 whatever the input's dtype, so that one seed gives the same rotations (and buckets)
+        # in float64, float32 and under autocast
+        rotations = torch.randn(self.head_dim, self.n_hashes, n_b // 2, device=x.device).to(x.dtype)
         out = lsh_attention(qk, v, attention_mask, rotations=rotations, bucket_size=self.bucket_size,
                             attend_across_buckets=self.attend_across_buckets, is_causal=self.causal)
         return self.to_out(merge_heads(out))

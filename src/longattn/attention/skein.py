@@ -582,7 +582,8 @@ def _draw_sample(
     """
     counts = sample_counts_for(real, samples)
     slots = max(int(counts.max()), 1)
-    pilot = _draw_pilot(real, q.shape[1], slots, generator)
+    # the GPU path's draws, cut to the slots in use: both paths draw the same indices from one generator state
+    pilot = _draw_pilot(real, q.shape[1], gpu_slots(real.shape[1], samples), generator)[..., :slots]
     square_sums, pilot_out = _pilot_pass(
         q, k, v, real, pilot, _slot_mask(counts, slots).expand_as(pilot), scale,
         square_sums=column_sampling == "importance", output=keep_pilot_output,
