@@ -131,12 +131,14 @@ def test_padded_content_never_matters_and_padded_rows_are_zero(name, options):
     assert torch.all(out[~mask] == 0) and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["linear", "performer", "cosformer"])
-def test_causal_scan_path_has_no_quadratic_intermediate(name):
-    """The chunked scan without triton: [N / 64, F, Dv + 1] states and [N / 64, 64, 64] intra-chunk products."""
+def test_kernel_family_has_no_quadratic_intermediate(name, causal):
+    """Not causal: [N, F] features and [F, Dv + 1] contexts; causal, the chunked scan without triton:
+    [N / 64, F, Dv + 1] states and [N / 64, 64, 64] intra-chunk products."""
     def largest(n):
         torch.manual_seed(0)
-        layer = attention.build(name, dim=32, heads=1, causal=True)
+        layer = attention.build(name, dim=32, heads=1, causal=causal)
         x = torch.randn(1, n, 32, requires_grad=True)
         with force_path("gpu"), LargestTensorRecorder() as rec:
             layer(x).sum().backward()

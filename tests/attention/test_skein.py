@@ -327,7 +327,7 @@ def gpu_sample(q, k, v, mask, seed=3, **options):
         return skein_sample(q, k, v, mask, generator=torch.Generator().manual_seed(seed), **options)
 
 
-@pytest.mark.parametrize("row_normalization", ["adaptive", "none"])
+@pytest.mark.parametrize("row_normalization", ["adaptive", "simple", "none"])
 def test_gpu_path_draws_what_its_sample_draws_and_what_the_cpu_path_draws(row_normalization):
     q, k, v = qkv(2, 2, 45, 4)
     mask = scattered_mask(2, 45)
@@ -337,6 +337,13 @@ def test_gpu_path_draws_what_its_sample_draws_and_what_the_cpu_path_draws(row_no
         expected = skein_attention_from_sample(q, k, v, mask, sample=gpu_sample(q, k, v, mask, seed=7, samples=9),
                                                row_normalization=row_normalization)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # without padding the fused attention runs without masks (every slot is used): the same output
+    with force_path("gpu"):
+        unmasked = skein_attention(q, k, v, samples=9, row_normalization=row_normalization,
+                                   generator=torch.Generator().manual_seed(7))
+        masked = skein_attention_from_sample(q, k, v, sample=gpu_sample(q, k, v, None, seed=7, samples=9),
+                                             row_normalization=row_normalization)
+    torch.testing.assert_close(unmasked, masked)
     # both paths draw the same indices from one generator state (the CPU path keeps the slots it uses)
     mask[:, 6:] = False  # the CPU path's slots (the largest d, 5) fewer than the GPU path's D = 9
     cpu_sample = skein_sample(q, k, v, mask, samples=9, generator=torch.Generator().manual_seed(7))

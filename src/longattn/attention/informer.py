@@ -143,9 +143,11 @@ def _sparsity_measure_gpu(query: Tensor, key: Tensor, key_samples: Tensor, count
 
 
 def _probsparse_gpu(query: Tensor, key: Tensor, value: Tensor, real: Tensor, m: Tensor, counts: Tensor, slots: int,
-                    scale: float | None, dropout_p: float, key_samples: Tensor | None) -> Tensor:
+                    scale: float | None, dropout_p: float, key_samples: Tensor | None, padded: bool) -> Tensor:
     """ProbSparse attention as batched programs: ``slots`` = the static bound of U and u (each sequence uses
-    its first counts[b]); padded rows of q, k, v must already be zero or masked by ``real``."""
+    its first counts[b]); padded rows of q, k, v must already be zero or masked by ``real``. Without padding the
+    active queries' attention has no mask, so that the flash kernel (which splits the keys of few queries) can
+    run."""
     dtype = output_dtype(query)
     b, h, n, d = query.shape
     q, k, v = (t.to(dtype) for t in (query, key, value))
@@ -161,7 +163,7 @@ def _probsparse_gpu(query: Tensor, key: Tensor, value: Tensor, real: Tensor, m: 
             / m.clamp(min=1)[:, None, None, None]).to(dtype)  # the mean of V over the real tokens
     top_q = q.gather(2, top[..., None].expand(b, h, slots, d))
     keys_real = real | ~real.any(-1, keepdim=True)  # a sequence without real tokens: softmax over zeros, not 0/0
-    attended = F.scaled_dot_product_attention(top_q, k, v, attn_mask=keys_real[:, None, None, :],
+    attended = F.scaled_dot_product_attention(top_q, k, v, attn_mask=keys_real[:, None, None, :] if padded else None,
                                               dropout_p=dropout_p, scale=scale)  # [B, H, u_max, Dv]
     active_out = torch.where(active[:, None, :, None], attended, lazy)
     return lazy.expand(b, h, n, v.shape[-1]).scatter(2, top[..., None].expand(b, h, slots, v.shape[-1]), active_out)
@@ -194,7 +196,7 @@ def probsparse_attention(
         if key_samples is not None:  # given by the caller: checked (a read-back from the device)
             _check_key_samples(key_samples, b, n, int(counts.max()))
         return _probsparse_gpu(query, key, value, real, m, counts, probsparse_slots(n, factor), scale, dropout_p,
-                               key_samples)
+                               key_samples, padded=attention_mask is not None)
     if key_samples is None:
         key_samples = sample_informer_keys(attention_mask, b, n, factor, query.device)
     _check_key_samples(key_samples, b, n, int(counts.max()))

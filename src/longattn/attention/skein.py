@@ -431,22 +431,24 @@ def _pilot_square_sums_gpu(q: Tensor, k: Tensor, real: Tensor, pilot: Tensor, us
     return (weights.square() * used[..., None].to(acc)).sum(2)
 
 
-def _pilot_output_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, pilot: Tensor, scale: float) -> Tensor:
-    """B_J V (line 12, with gradient), [B, H, D, P]: fused attention of the pilot rows over the real keys."""
-    return F.scaled_dot_product_attention(_gather_rows(q, pilot), k, v, attn_mask=_some_real(real)[:, None, None, :],
-                                          scale=scale)
+def _pilot_output_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, pilot: Tensor, scale: float,
+                      padded: bool) -> Tensor:
+    """B_J V (line 12, with gradient), [B, H, D, P]: fused attention of the pilot rows over the real keys. Without
+    padding there is no mask, so that the flash kernel (which splits the keys of few queries) can run."""
+    mask = _some_real(real)[:, None, None, :] if padded else None
+    return F.scaled_dot_product_attention(_gather_rows(q, pilot), k, v, attn_mask=mask, scale=scale)
 
 
 def _draw_sample_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, samples: int, column_sampling: str,
-                     generator: torch.Generator | None, scale: float, keep_pilot_output: bool
+                     generator: torch.Generator | None, scale: float, keep_pilot_output: bool, padded: bool
                      ) -> tuple[SkeinSample, Tensor | None]:
     """:func:`_draw_sample` on the GPU path: the same draws (pilot rows with replacement, columns by
     Gumbel-top-k), with D = :func:`gpu_slots` slots fixed by the length (no read-back of d) and the pilot
-    statistics by :func:`_pilot_square_sums_gpu`."""
+    statistics by :func:`_pilot_square_sums_gpu`. ``padded``: whether ``real`` has padding."""
     counts = sample_counts_for(real, samples)
     slots = gpu_slots(real.shape[1], samples)
     pilot = _draw_pilot(real, q.shape[1], slots, generator)
-    pilot_out = _pilot_output_gpu(q, k, v, real, pilot, scale) if keep_pilot_output else None
+    pilot_out = _pilot_output_gpu(q, k, v, real, pilot, scale, padded) if keep_pilot_output else None
     with torch.no_grad():
         square_sums = None
         if column_sampling == "importance":
@@ -470,7 +472,7 @@ def _with_weight_column(values: Tensor, weights: Tensor) -> Tensor:
 
 
 def _skein_core_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, sample: SkeinSample, row_normalization: str,
-                    pilot_reuse: bool, scale: float, pilot_out: Tensor | None) -> Tensor:
+                    pilot_reuse: bool, scale: float, pilot_out: Tensor | None, dense: bool) -> Tensor:
     """Alg. 1 lines 6-12 as fused attention of every query over the D sampled columns (plus one or N extra
     keys), on GEMM-dtype inputs with zeroed padded rows; result in the GEMM dtype (the ratio below taken in
     float32).
@@ -484,6 +486,8 @@ def _skein_core_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, sample: Skein
     * ``"none"``: D^-1 A S S^T V with exact row sums D (Sec. 4.1), as attention over all N keys (value 0,
       weight 1) and the sampled columns (value v_k, weight 0, score bias -log(d p_k)): the ratio of the two
       returned parts is sum_k a_ik v_k / (d p_k) over sum_j a_ij. O(N^2) time as in the paper, O(N) memory.
+
+    ``dense``: no padding and every slot used (a sample drawn for an unpadded batch), so no mask is needed.
     """
     acc = compute_dtype(q.dtype)
     used = sample.slot_mask()  # [B, 1, D]
@@ -492,7 +496,7 @@ def _skein_core_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, sample: Skein
     key_cols, value_cols = _gather_rows(k, sample.column_indices), _gather_rows(v, sample.column_indices)
     p = v.shape[-1]
     if row_normalization == "simple":
-        mask = (used | ~has_real)[:, :, None, :]
+        mask = None if dense else (used | ~has_real)[:, :, None, :]
         out = F.scaled_dot_product_attention(q, key_cols, value_cols, attn_mask=mask, scale=scale)
     else:
         if row_normalization == "adaptive":
@@ -505,6 +509,7 @@ def _skein_core_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, sample: Skein
             values = torch.cat([_with_weight_column(value_cols, torch.ones_like(value_cols[..., 0])),
                                 _with_weight_column(unselected_sum.to(q.dtype), rest)], dim=2)
             mask = torch.cat([used | ~has_real, torch.ones_like(used[..., :1])], dim=-1)[:, :, None, :]
+            mask = None if dense else mask
         else:
             # padded keys and unused slots are masked; a sequence without real tokens keeps all keys (zeros)
             log_weights = torch.where(used, sample.column_probabilities.to(acc) * counts.to(acc)[:, None, None],
@@ -520,7 +525,7 @@ def _skein_core_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, sample: Skein
         out = normalised(parts[..., :p], torch.where(denominator > 0, denominator, 1.0), q.dtype)
     if pilot_reuse:
         if pilot_out is None:
-            pilot_out = _pilot_output_gpu(q, k, v, real, sample.pilot_indices, scale)
+            pilot_out = _pilot_output_gpu(q, k, v, real, sample.pilot_indices, scale, not dense)
         out = _reuse_pilot_rows(out, pilot_out, sample.pilot_indices, used)
     return out
 
@@ -529,8 +534,10 @@ def _skein_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor
                column_sampling: str, row_normalization: str, pilot_reuse: bool, generator: torch.Generator | None,
                scale: float) -> Tensor:
     q, k, v, real = _gpu_inputs(query, key, value, attention_mask)
-    sample, pilot_out = _draw_sample_gpu(q, k, v, real, samples, column_sampling, generator, scale, pilot_reuse)
-    return _skein_core_gpu(q, k, v, real, sample, row_normalization, pilot_reuse, scale, pilot_out)
+    padded = attention_mask is not None
+    sample, pilot_out = _draw_sample_gpu(q, k, v, real, samples, column_sampling, generator, scale, pilot_reuse,
+                                         padded)
+    return _skein_core_gpu(q, k, v, real, sample, row_normalization, pilot_reuse, scale, pilot_out, not padded)
 
 
 # ----------------------------------------------------------------------------- public functions
@@ -559,7 +566,8 @@ def skein_sample(
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         if uses_gpu_path(query):
             q, k, v, real = _gpu_inputs(query, key, value, attention_mask)
-            return _draw_sample_gpu(q, k, v, real, samples, column_sampling, generator, scale, False)[0]
+            return _draw_sample_gpu(q, k, v, real, samples, column_sampling, generator, scale, False,
+                                    attention_mask is not None)[0]
         q, k, v, real = _prepare(query, key, value, attention_mask)
         return _draw_sample(q, k, v, real, samples, column_sampling, generator, scale, False)[0]
 
@@ -618,7 +626,7 @@ def skein_attention_from_sample(
     if uses_gpu_path(query):
         q, k, v, real = _gpu_inputs(query, key, value, attention_mask)
         _check_sample(sample, real, query.shape[1], row_normalization)
-        return _skein_core_gpu(q, k, v, real, sample, row_normalization, pilot_reuse, scale, None)
+        return _skein_core_gpu(q, k, v, real, sample, row_normalization, pilot_reuse, scale, None, dense=False)
     q, k, v, real = _prepare(query, key, value, attention_mask)
     _check_sample(sample, real, query.shape[1], row_normalization)
     out = _skein_core(q, k, v, real, sample, row_normalization, pilot_reuse, scale, None)
