@@ -197,3 +197,16 @@ def test_gpu_path_dropout_and_no_quadratic_intermediate():
     assert torch.isfinite(out).all()
     # the gathered sampled keys [N, U, Dh] (U = 5 ceil(ln N) = 35) without triton: linear in N
     assert rec.max_numel <= n * probsparse_slots(n, 5.0) * 16, (rec.max_shape, rec.max_op)
+
+
+def test_gpu_path_without_padding_matches_reference():
+    """No mask: the active queries' attention runs without one (the flash kernel's case on CUDA)."""
+    q, k, v = random_qkv(2, 2, 37, 8)
+    samples = sample_informer_keys(None, 2, 37, 2.0, torch.device("cpu"), torch.Generator().manual_seed(2))
+    with force_path("gpu"):
+        out = probsparse_attention(q, k, v, factor=2.0, key_samples=samples)
+    ref = probsparse_attention_reference(q, k, v, factor=2.0, key_samples=samples)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, r)
