@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from longattn import attention as attention_registry
 from longattn.config import ConfigError, read_yaml
+from longattn.registry import nearest
 from longattn.experiment.config import RunConfig, resolve_config
 from longattn.experiment.results import markdown_table, now, write_results
 from longattn.experiment.run import run
@@ -29,7 +30,7 @@ from longattn.experiment.stats import (PairedDifference, format_difference, lege
 from longattn.tasks.base import get_task, task_names
 
 __all__ = ["Cell", "default_seeds", "difference_record", "load_sweep", "markdown_table", "paired_against", "run_cells",
-           "sweep_cells", "write_sweep_table"]
+           "shipped_sweeps", "sweep_cells", "write_sweep_table"]
 
 
 @dataclass
@@ -185,6 +186,13 @@ VARIANT_KEYS = {"name", "attention", "set"}
 COLUMN_KEYS = {"key", "values"}
 
 
+def shipped_sweeps() -> list[str]:
+    """The names of the sweep files shipped in ``configs/lra/sweeps``."""
+    from longattn.tasks.lra import LRA_CONFIGS
+
+    return sorted(p.stem for p in (LRA_CONFIGS / "sweeps").glob("*.yaml"))
+
+
 def sweep_path(path_or_name: str | Path) -> Path:
     """A sweep file, or the name of one shipped in ``configs/lra/sweeps`` (e.g. ``skt_table7_r``)."""
     from longattn.tasks.lra import LRA_CONFIGS
@@ -195,8 +203,9 @@ def sweep_path(path_or_name: str | Path) -> Path:
     shipped = LRA_CONFIGS / "sweeps" / f"{path.stem}.yaml"
     if path.parent == Path(".") and shipped.is_file():
         return shipped
-    found = ", ".join(sorted(p.stem for p in (LRA_CONFIGS / "sweeps").glob("*.yaml")))
-    raise FileNotFoundError(f"sweep file {path} does not exist (shipped sweeps: {found})")
+    found = shipped_sweeps()
+    raise FileNotFoundError(f"sweep file {path} does not exist{nearest(path.stem, found)} (shipped sweeps: "
+                            f"{', '.join(found)})")
 
 
 def _check_keys(node: Any, valid: set[str], where: str) -> None:
