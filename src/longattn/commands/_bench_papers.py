@@ -22,7 +22,7 @@ from pathlib import Path
 from longattn.bench import speed as speed_defaults
 from longattn.bench.speed import MODEL_DEFAULTS
 from longattn.bench.targets import SDPA
-from longattn.commands._args import (add_attentions_argument, add_list_argument, add_resume_argument,
+from longattn.commands._args import (add_attentions_argument, add_data_dir_argument, add_list_argument, add_resume_argument,
                                     add_set_argument, attention_names, name_type, preset_help,
                                     task_data_dirs)
 from longattn.commands.bench import _lengths, _options, _write
@@ -175,8 +175,9 @@ def _lr_batch(args: argparse.Namespace) -> int:
     batches = list(args.batches)
     seeds = _seeds(args)
     out = Path(args.out)
+    overrides = [*([f"data.data_dir={args.data_dir}"] if args.data_dir else []), *args.overrides]
     rows = run_sensitivity(args.task, args.attention, learning_rates, batches, seeds, out / "runs", preset=args.preset,
-                           overrides=args.overrides, resume=args.resume)
+                           overrides=overrides, resume=args.resume)
     _write(out, "lr_batch", rows, sensitivity_table(rows),
            {"task": args.task, "attention": args.attention, "preset": args.preset, "seeds": seeds,
             "set": args.overrides})
@@ -198,6 +199,7 @@ def _lr_batch_arguments(parser: argparse.ArgumentParser) -> None:
     add_list_argument(parser, "--seeds", item=int, kind="seed",
                       help="seeds per point (default: the preset's, 3 for demo and 5 for the papers')")
     parser.add_argument("--preset", default="demo", help=preset_help(["text"]))
+    add_data_dir_argument(parser, help="the task's data folder (same as --set data.data_dir=DIR)")
     add_set_argument(parser)
     add_resume_argument(parser, help="reuse finished runs under --out")
     parser.add_argument("--out", default="runs/bench-lr-batch", help="output folder")

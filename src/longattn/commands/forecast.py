@@ -61,12 +61,12 @@ def _cells(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", help="model the others' MSE is compared with, paired by seed (default: the "
                         "first)")
     parser.add_argument("--no-plot", action="store_true", help="skip the per-dataset MSE-against-horizon plots")
+    add_set_argument(parser, help="override applied to every cell (repeatable)")
 
 
 def _table_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_dir_argument(parser, required=True, help="folder holding the benchmark CSV files")
     _cells(parser)
-    add_set_argument(parser, help="override applied to every cell (repeatable)")
     parser.add_argument("--device", help="cpu (default), cuda, ...")
     parser.add_argument("--out", required=True, help="folder for per-cell results and table.md/table.json")
     deprecated_alias(parser, "--collect-only", "`longattn report forecast-table --run OUT`", "collect_only", nargs=0,
@@ -84,7 +84,7 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="DIR",
                         help="output folder of `longattn paper sktformer-table2` (read; the table is written there)")
     _cells(parser)
-    parser.set_defaults(data_dir=None, overrides=[], device=None, workers=1)
+    parser.set_defaults(data_dir=None, device=None, workers=1)
 
 
 register_paper("sktformer-table2", "SKTformer", "Table 2 / 16", "long-term forecasting: MSE and MAE per dataset, "
