@@ -240,8 +240,8 @@ register_paper("skeinformer-fig1", "Skeinformer", "Figure 1", "approximation err
 register_paper("sktformer-table4", "SKTformer", "Table 4", "training steps/s and peak memory of the LRA text model "
                "against N (= `longattn bench model`)", _model_arguments, _model)
 register_analysis("footprint", "largest intermediate tensor, forward and backward", _footprint_arguments, _footprint)
-register_analysis("forecast-step", "CPU time of a forecaster's training step or evaluation batch (as forecast-table "
-                  "builds it)",
+register_analysis("forecast-step", "CPU time of a forecaster's training step or evaluation batch (as paper "
+                  "sktformer-table2 builds it)",
                   _forecast_step_arguments, _forecast_step)
 
 
