@@ -29,10 +29,13 @@ from torch import Tensor
 __all__ = ["skeleton_core", "core_reference"]
 
 BLOCK_TOKENS = 32  # tokens per program (and per step of a backward program)
+# 8 warps and no software pipelining of the loop over heads: compiled for sm_90, the forward then needs no
+# spill and the backward, launched once per branch, hardly any (4 warps or pipelining spill heavily)
+_LAUNCH = dict(num_warps=8, num_stages=1)
 # the backward runs about this many programs in all (each over consecutive blocks of one sequence), so that
 # the per-program parts of the sampled blocks' gradients stay few
 BACKWARD_PROGRAMS = 512
-_FLOAT32_MIN = -3.4028234663852886e38  # torch.finfo(torch.float32).min, the row softmax's fill
+_FLOAT32_MIN = tl.constexpr(-3.4028234663852886e38)  # torch.finfo(torch.float32).min: the row softmax's fill
 
 
 @triton.jit
@@ -298,7 +301,7 @@ class _SkeletonCore(torch.autograd.Function):
                      BT=BLOCK_TOKENS, S1P=_padded(s1), S2P=_padded(s2), DHP=_padded(head_dim), **_launch_options(query))
         out = torch.empty(batch, length, dim, dtype=query.dtype, device=query.device)
         _core_fwd_kernel[(triton.cdiv(length, BLOCK_TOKENS), batch)](
-            *tensors, g1, b1, g2, b2, out, keep_scale=keep_scale, eps=eps, **shape, **flags)
+            *tensors, g1, b1, g2, b2, out, keep_scale=keep_scale, eps=eps, **shape, **flags, **_LAUNCH)
         ctx.save_for_backward(*tensors, g1, g2)
         ctx.launch = (shape, flags, keep_scale, eps)
         return out
@@ -324,10 +327,14 @@ class _SkeletonCore(torch.autograd.Function):
         grad_values = torch.zeros(parts, heads, s1p, dhp, **f32) if flags["ROW"] else g1
         grad_weights = torch.zeros(parts, heads, dhp, s2p, **f32) if flags["COLUMN"] else g1
         grad_norms = torch.zeros(parts, 4, dim, **f32)
-        _core_bwd_kernel[(programs, batch)](
-            query, column_values, row_keys, row_values, column_weights, valid, keep, g1, g2, grad, grad_query,
-            grad_columns, grad_keys, grad_values, grad_weights, grad_norms, go_sb=grad.stride(0), go_sn=grad.stride(1),
-            keep_scale=keep_scale, eps=eps, BLOCKS=per_program, **shape, **flags)
+        # one launch per branch (their LayerNorms are independent: each needs only its own statistics), which
+        # halves the state a program keeps
+        for branch in [name for name in ("ROW", "COLUMN") if flags[name]]:
+            _core_bwd_kernel[(programs, batch)](
+                query, column_values, row_keys, row_values, column_weights, valid, keep, g1, g2, grad, grad_query,
+                grad_columns, grad_keys, grad_values, grad_weights, grad_norms, go_sb=grad.stride(0),
+                go_sn=grad.stride(1), keep_scale=keep_scale, eps=eps, BLOCKS=per_program,
+                **shape, **dict(flags, ROW=branch == "ROW", COLUMN=branch == "COLUMN"), **_LAUNCH)
         s1, s2, head_dim = shape["S1"], shape["S2"], shape["DH"]
 
         def summed(parts_grad: Tensor, rows: int, cols: int, dtype: torch.dtype) -> Tensor:

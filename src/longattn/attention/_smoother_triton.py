@@ -59,10 +59,12 @@ def _real_rows(mask_ptr, b, n, N, HAS_MASK: tl.constexpr):
 
 @triton.jit
 def _channel(ptr, n, f, N, D, PER_POSITION: tl.constexpr):
-    """A per-channel float32 vector as [rows, 1] (channels = positions) or [1, features]."""
+    """A per-channel float32 vector broadcast over a [rows, features] tile (channels = positions or features)."""
     if PER_POSITION:
-        return tl.load(ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-    return tl.load(ptr + f, mask=f < D, other=0.0).to(tl.float32)[None, :]
+        values = tl.load(ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None] + tl.zeros_like(f)[None, :]
+    else:
+        values = tl.load(ptr + f, mask=f < D, other=0.0).to(tl.float32)[None, :] + tl.zeros_like(n)[:, None]
+    return values
 
 
 @triton.jit

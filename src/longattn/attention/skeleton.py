@@ -829,10 +829,10 @@ def gpu_core_torch(query: Tensor, column_values: Tensor | None, row_keys: Tensor
         if row_keep is not None:
             weights = weights * (row_keep.to(stats_dtype) * keep_scale)
         mixed = weights.view(batch, length, heads * s1).to(dtype) @ _block_diagonal(row_values)  # V_1: [B, N, H*Dh]
-        out = F.layer_norm(mixed.to(stats_dtype), (dim,), *norms[0], eps)
+        out = F.layer_norm(mixed.to(stats_dtype), (dim,), *(t.to(stats_dtype) for t in norms[0]), eps)
     if column_weights is not None:
         mixed = column_values @ _block_diagonal(column_weights.transpose(-1, -2).to(dtype))  # V_2: [B, N, H*Dh]
-        column_half = F.layer_norm(mixed.to(stats_dtype), (dim,), *norms[1], eps)
+        column_half = F.layer_norm(mixed.to(stats_dtype), (dim,), *(t.to(stats_dtype) for t in norms[1]), eps)
         out = column_half if out is None else out + column_half
     return out.to(dtype)
 
