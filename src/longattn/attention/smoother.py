@@ -744,9 +744,28 @@ def stem_steps(x: Tensor, gemm_dtype: torch.dtype):
     return TorchStemSteps
 
 
-class _GpuStem(torch.autograd.Function):
-    """The convolution stem on the GPU path: Conv1d over [X^smooth, X] (kernel k, Section 3.2.2) -> masked
-    BatchNorm -> activation -> dropout -> zero padding, with a hand-written backward.
+class _StemInput(torch.autograd.Function):
+    """The stem's input [X^smooth, X] in the GEMM dtype, zero at padded tokens (``steps.stem_input``). Its own
+    function so that the float32 X^smooth is freed before the convolution's GEMM output is allocated."""
+
+    @staticmethod
+    def forward(ctx, x, smoothed, mask, dtype, steps):  # type: ignore[override]
+        ctx.save_for_backward(mask)
+        ctx.config = (steps, smoothed is not None, (x.dtype if smoothed is None else smoothed.dtype, x.dtype))
+        return steps.stem_input(x, smoothed, mask, dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        steps, has_smoothed, dtypes = ctx.config
+        grad_smoothed, grad_x = steps.stem_input_backward(grad, mask, has_smoothed, dtypes)
+        return grad_x, grad_smoothed, None, None, None
+
+
+class _StemConvolution(torch.autograd.Function):
+    """The convolution stem on the GPU path after its input: Conv1d (kernel k, Section 3.2.2) -> masked BatchNorm
+    -> activation -> dropout -> zero padding, with a hand-written backward.
 
     The convolution is GEMMs over all B N tokens at once. Forward: Y = inp [W_0 .. W_{k-1}] (every tap's
     product in one [B N, C] x [C, k dim] GEMM, W_j = W[:, :, j]^T) and h[n] = bias + sum_j Y_j[n + j - k//2]
@@ -758,12 +777,10 @@ class _GpuStem(torch.autograd.Function):
     dropout mask. ``on_statistics(mean, var, count)`` receives the batch statistics in training."""
 
     @staticmethod
-    def forward(ctx, x, smoothed, conv_weight, conv_bias, bn_weight, bn_bias, mask, keep, running_mean, running_var,
-                cfg, steps, on_statistics):  # type: ignore[override]
-        batch, length, dim = x.shape
-        with no_autocast(x):
-            inp = steps.stem_input(x, smoothed, mask, cfg.gemm_dtype)
-            channels = inp.shape[-1]
+    def forward(ctx, inp, conv_weight, conv_bias, bn_weight, bn_bias, mask, keep, running_mean, running_var, cfg,
+                steps, on_statistics):  # type: ignore[override]
+        batch, length, channels = inp.shape
+        with no_autocast(inp):
             taps = conv_weight.permute(1, 2, 0).reshape(channels, -1).to(cfg.gemm_dtype)  # column j dim + o: W[o, :, j]
             with exact_products(cfg.gemm_dtype):
                 taps_out = torch.mm(inp.view(-1, channels), taps).view(batch, length, -1)
@@ -776,14 +793,14 @@ class _GpuStem(torch.autograd.Function):
             rstd = torch.rsqrt(var + cfg.eps)
             out = steps.normalise(h, mean, rstd, bn_weight, bn_bias, keep, mask, cfg)
         ctx.save_for_backward(inp, h, mean, rstd, count, bn_weight, bn_bias, taps, keep, mask)
-        ctx.config = (cfg, steps, smoothed is not None, (x.dtype if smoothed is None else smoothed.dtype, x.dtype))
+        ctx.config = (cfg, steps)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         inp, h, mean, rstd, count, bn_weight, bn_bias, taps, keep, mask = ctx.saved_tensors
-        cfg, steps, has_smoothed, dtypes = ctx.config
+        cfg, steps = ctx.config
         channels, dim, k = inp.shape[-1], h.shape[-1], cfg.kernel_size
         with no_autocast(grad):
             sums = steps.backward_sums(grad, h, mean, rstd, bn_weight, bn_bias, keep, mask, cfg)
@@ -791,12 +808,11 @@ class _GpuStem(torch.autograd.Function):
                                                            sums if cfg.training else None, count, cfg)
             flat = shifted.view(-1, k * dim)
             with exact_products(cfg.gemm_dtype):
-                grad_inp = torch.mm(flat, taps.t()).view(inp.shape)
+                grad_inp = torch.mm(flat, taps.t()).view(inp.shape) if ctx.needs_input_grad[0] else None
                 grad_taps = torch.mm(inp.view(-1, channels).t(), flat)
-            grad_smoothed, grad_x = steps.stem_input_backward(grad_inp, mask, has_smoothed, dtypes)
         grad_conv_weight = grad_taps.view(channels, k, dim).permute(2, 0, 1)
-        return (grad_x, grad_smoothed, grad_conv_weight, grad_conv_bias, sums[1], sums[0],
-                None, None, None, None, None, None, None)
+        return (grad_inp, grad_conv_weight, grad_conv_bias, sums[1], sums[0], None, None, None, None, None, None,
+                None)
 
 
 class MaskedBatchNorm(nn.Module):
@@ -1113,8 +1129,10 @@ class Smoother(nn.Module):
         def on_statistics(mean: Tensor, var: Tensor, count: Tensor) -> None:
             norm.update_running_statistics(mean, var, count, *running)
 
-        return _GpuStem.apply(x, smoothed, self.stem_conv.weight, self.stem_conv.bias, norm.weight[channels],
-                              norm.bias[channels], attention_mask, keep, *running, cfg, steps, on_statistics)
+        inp = _StemInput.apply(x, smoothed, attention_mask, gemm_dtype, steps)
+        del smoothed  # float32 [B, N, dim]: gone before the convolution's GEMM output exists
+        return _StemConvolution.apply(inp, self.stem_conv.weight, self.stem_conv.bias, norm.weight[channels],
+                                      norm.bias[channels], attention_mask, keep, *running, cfg, steps, on_statistics)
 
     def _gpu_fourier(self, x: Tensor, attention_mask: Tensor | None, steps) -> Tensor:
         """X^smooth of eq. (5) on the GPU path, [B, N, dim] in float32 (float64 for float64): the segment means
