@@ -162,9 +162,12 @@ def rms_ratio(got, want):
 
 
 # RMS(error) / RMS(float64 result) allowed under autocast (bfloat16 keeps 8 bits, float16 11): output, gradients,
-# and the gradients of the position-wise BatchNorm's affine parameters, sums over batch and features that cancel
-# (the module-by-module CPU path under autocast measures the same: 7.1e-2 for bfloat16 on this layer, 7.3e-2 here)
-AUTOCAST_RATIOS = {torch.bfloat16: (1e-2, 5e-2, 1.5e-1), torch.float16: (2e-3, 1e-2, 3e-2)}
+# and the gradients of the position-wise BatchNorm's affine parameters. Measured here: bfloat16 4.9e-3, 4.8e-2,
+# 7.3e-2; float16 6.4e-4, 9.2e-3, 1.5e-2 (the module-by-module CPU path under the same autocast: 5.1e-3, 4.7e-2,
+# 7.1e-2 and, its output and the gradient it receives staying float32, 6.8e-4, 2.6e-3, 1.4e-3). The Smoother's
+# gradients carry the rounding of the half-precision gradient the layer receives through a BatchNorm backward
+# that subtracts per-position means of it: where a position's conv outputs vary little, that cancels.
+AUTOCAST_RATIOS = {torch.bfloat16: (1e-2, 8e-2, 1.5e-1), torch.float16: (2e-3, 2.5e-2, 5e-2)}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
