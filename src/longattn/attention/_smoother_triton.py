@@ -30,6 +30,7 @@ __all__ = ["TritonStemSteps"]
 
 _ACTIVATION_CODES = {"relu": 0, "elu": 1, "gelu": 2}
 _TILE_ELEMENTS = 4096  # entries of a program's tile
+_TRANSPOSE_TILE = 64  # square tiles of the stem input's kernels: one operand is channel-first, the other token-major
 
 
 def _tile(dim: int) -> tuple[int, int]:
@@ -149,11 +150,12 @@ class _SegmentMean(torch.autograd.Function):
 
 
 @triton.jit
-def _stem_input_fwd(s_ptr, x_ptr, mask_ptr, inp_ptr, N, D, s_sb, s_sn, x_sb, x_sn, HAS_SMOOTHED: tl.constexpr,
+def _stem_input_fwd(s_ptr, x_ptr, mask_ptr, inp_ptr, N, D, s_sb, s_sn, s_sf, x_sb, x_sn, HAS_SMOOTHED: tl.constexpr,
                     HAS_MASK: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    pid, b = tl.program_id(0), tl.program_id(1)
+    """X^smooth may be channel-first (the FFT's layout: unit stride along the tokens), X token-major."""
+    pid, pid_f, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid * BR + tl.arange(0, BR)
-    f = tl.arange(0, BD)
+    f = pid_f * BD + tl.arange(0, BD)
     real = _real_rows(mask_ptr, b, n, N, HAS_MASK)
     load = real[:, None] & (f < D)[None, :]
     write = (n < N)[:, None] & (f < D)[None, :]
@@ -162,7 +164,7 @@ def _stem_input_fwd(s_ptr, x_ptr, mask_ptr, inp_ptr, N, D, s_sb, s_sn, x_sb, x_s
     out = inp_ptr + (b64 * N + n64) * C + f[None, :]
     x = tl.load(x_ptr + b64 * x_sb + n64 * x_sn + f[None, :], mask=load, other=0.0)
     if HAS_SMOOTHED:
-        s = tl.load(s_ptr + b64 * s_sb + n64 * s_sn + f[None, :], mask=load, other=0.0)
+        s = tl.load(s_ptr + b64 * s_sb + n64 * s_sn + f[None, :].to(tl.int64) * s_sf, mask=load, other=0.0)
         tl.store(out, s.to(inp_ptr.dtype.element_ty), mask=write)
         tl.store(out + D, x.to(inp_ptr.dtype.element_ty), mask=write)
     else:
@@ -170,11 +172,12 @@ def _stem_input_fwd(s_ptr, x_ptr, mask_ptr, inp_ptr, N, D, s_sb, s_sn, x_sb, x_s
 
 
 @triton.jit
-def _stem_input_bwd(g_ptr, mask_ptr, ds_ptr, dx_ptr, N, D, HAS_SMOOTHED: tl.constexpr, HAS_MASK: tl.constexpr,
-                    BR: tl.constexpr, BD: tl.constexpr):
-    pid, b = tl.program_id(0), tl.program_id(1)
+def _stem_input_bwd(g_ptr, mask_ptr, ds_ptr, dx_ptr, N, D, ds_sb, ds_sn, ds_sf, HAS_SMOOTHED: tl.constexpr,
+                    HAS_MASK: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """The gradient of X^smooth written with the given strides (channel-first for the FFT), that of X token-major."""
+    pid, pid_f, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid * BR + tl.arange(0, BR)
-    f = tl.arange(0, BD)
+    f = pid_f * BD + tl.arange(0, BD)
     real = _real_rows(mask_ptr, b, n, N, HAS_MASK)
     load = real[:, None] & (f < D)[None, :]
     write = (n < N)[:, None] & (f < D)[None, :]
@@ -182,8 +185,8 @@ def _stem_input_bwd(g_ptr, mask_ptr, ds_ptr, dx_ptr, N, D, HAS_SMOOTHED: tl.cons
     C = 2 * D if HAS_SMOOTHED else D
     grad = g_ptr + rows * C + f[None, :]
     if HAS_SMOOTHED:
-        tl.store(ds_ptr + rows * D + f[None, :], tl.load(grad, mask=load, other=0.0).to(ds_ptr.dtype.element_ty),
-                 mask=write)
+        smoothed = ds_ptr + b.to(tl.int64) * ds_sb + n[:, None].to(tl.int64) * ds_sn + f[None, :].to(tl.int64) * ds_sf
+        tl.store(smoothed, tl.load(grad, mask=load, other=0.0).to(ds_ptr.dtype.element_ty), mask=write)
         grad += D
     tl.store(dx_ptr + rows * D + f[None, :], tl.load(grad, mask=load, other=0.0).to(dx_ptr.dtype.element_ty),
              mask=write)
@@ -329,28 +332,31 @@ class TritonStemSteps:
     @staticmethod
     def stem_input(x: Tensor, smoothed: Tensor | None, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
         x = _rows(x)
-        smoothed = x if smoothed is None else _rows(smoothed)
+        smoothed = x if smoothed is None else smoothed
         batch, length, dim = x.shape
         has_smoothed = smoothed is not x
         inp = torch.empty(batch, length, (2 if has_smoothed else 1) * dim, dtype=dtype, device=x.device)
-        rows, columns = _tile(dim)
-        _stem_input_fwd[(triton.cdiv(length, rows), batch)](
-            smoothed, x, _mask_bytes(mask, x), inp, length, dim, smoothed.stride(0), smoothed.stride(1), x.stride(0),
-            x.stride(1), HAS_SMOOTHED=has_smoothed, HAS_MASK=mask is not None, BR=rows, BD=columns)
+        _stem_input_fwd[(triton.cdiv(length, _TRANSPOSE_TILE), triton.cdiv(dim, _TRANSPOSE_TILE), batch)](
+            smoothed, x, _mask_bytes(mask, x), inp, length, dim, *smoothed.stride(), x.stride(0), x.stride(1),
+            HAS_SMOOTHED=has_smoothed, HAS_MASK=mask is not None, BR=_TRANSPOSE_TILE, BD=_TRANSPOSE_TILE)
         return inp
 
     @staticmethod
     def stem_input_backward(grad: Tensor, mask: Tensor | None, has_smoothed: bool,
                             dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[Tensor | None, Tensor]:
+        """The gradient of X^smooth comes back channel-first (a [B, N, dim] view of [B, dim, N]): the layout
+        the FFT's backward transforms along."""
         grad = grad.contiguous()
         batch, length, channels = grad.shape
         dim = channels // 2 if has_smoothed else channels
         grad_x = torch.empty(batch, length, dim, dtype=dtypes[1], device=grad.device)
-        grad_smoothed = torch.empty(batch, length, dim, dtype=dtypes[0], device=grad.device) if has_smoothed else None
-        rows, columns = _tile(dim)
-        _stem_input_bwd[(triton.cdiv(length, rows), batch)](
-            grad, _mask_bytes(mask, grad), grad_x if grad_smoothed is None else grad_smoothed, grad_x, length, dim,
-            HAS_SMOOTHED=has_smoothed, HAS_MASK=mask is not None, BR=rows, BD=columns)
+        grad_smoothed = None
+        if has_smoothed:
+            grad_smoothed = torch.empty(batch, dim, length, dtype=dtypes[0], device=grad.device).transpose(1, 2)
+        target = grad_x if grad_smoothed is None else grad_smoothed
+        _stem_input_bwd[(triton.cdiv(length, _TRANSPOSE_TILE), triton.cdiv(dim, _TRANSPOSE_TILE), batch)](
+            grad, _mask_bytes(mask, grad), target, grad_x, length, dim, *target.stride(), HAS_SMOOTHED=has_smoothed,
+            HAS_MASK=mask is not None, BR=_TRANSPOSE_TILE, BD=_TRANSPOSE_TILE)
         return grad_smoothed, grad_x
 
     @staticmethod

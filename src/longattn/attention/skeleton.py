@@ -43,7 +43,7 @@ from longattn.attention.base import (
     split_heads,
     uses_gpu_path,
 )
-from longattn.attention.smoother import KERNEL_DTYPES, PRECISIONS, Smoother, draw_keep, mask_factor
+from longattn.attention.smoother import KERNEL_DTYPES, PRECISIONS, Smoother, draw_keep, mask_factor, no_autocast
 
 __all__ = ["SkeletonAttention", "skeleton_attention", "skeleton_attention_reference", "draw_skeleton_indices"]
 
@@ -606,6 +606,34 @@ class _CoreTiles:
         grad_bias_out = None if self.bias_out is None else grad_out_sum
         return (grad_weight_q, grad_bias_q, g("weight_v"), g("bias_v"), column_weights, row_keys, row_values,
                 row[1], row[2], column[1], column[2], grad_weight_out, grad_bias_out)
+
+
+class _ProjectAndSample(torch.autograd.Function):
+    """s W^T + b in ``dtype`` (one GEMM for the stacked [Q | K P2 | V P2] weights) and the sampled token rows
+    s[:, rows] (None without rows), with one backward: the rows' gradient is added in place into the GEMM's
+    input gradient (autograd would make a zero tensor of the whole sequence for it, then add the two)."""
+
+    @staticmethod
+    def forward(ctx, s, weight, bias, rows, dtype):  # type: ignore[override]
+        with no_autocast(s):
+            gemm_input = s.to(dtype)
+            projected = F.linear(gemm_input, weight.to(dtype), None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(gemm_input, weight, rows)
+        ctx.has_bias = bias is not None
+        return projected, None if rows is None else s[:, rows]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, grad_sampled):  # type: ignore[override]
+        gemm_input, weight, rows = ctx.saved_tensors
+        with no_autocast(grad):
+            grad = grad.to(gemm_input.dtype)
+            flat = grad.reshape(-1, grad.shape[-1])
+            grad_s = (flat @ weight.to(grad.dtype)).view(gemm_input.shape)
+            if grad_sampled is not None:
+                grad_s.index_add_(1, rows, grad_sampled.to(grad_s.dtype))
+            grad_weight = flat.t() @ gemm_input.reshape(-1, gemm_input.shape[-1])
+        return grad_s, grad_weight, flat.sum(0) if ctx.has_bias else None, None, None
 
 
 def _stacked_linear(parts: list[tuple[nn.Module, Tensor | None]]) -> tuple[Tensor, Tensor | None]:
@@ -1188,13 +1216,13 @@ class SkeletonAttention(AttentionBase):
             head_offsets = torch.arange(heads, device=s.device)[:, None] * self.head_dim
             features = (head_offsets + self.column_indices).flatten()  # h*Dh + the P2 columns
             parts += [(proj.to_k, features), (proj.to_v, features)]
-        projected = F.linear(s, *_stacked_linear(parts))
+        rows = self.row_indices.clamp(max=length - 1) if self.row_attention else None
+        projected, sampled = _ProjectAndSample.apply(s, *_stacked_linear(parts), rows, output_dtype(s))
         width = (projected.shape[-1] - dim) // 2
         query, column_keys, column_values = (projected.split([dim, width, width], -1) if width
                                              else (projected, None, None))
         row_keys = row_values = None
         if self.row_attention:
-            sampled = s[:, self.row_indices.clamp(max=length - 1)]  # [B, s1, dim]
             sampled_keys_values = F.linear(sampled, *_stacked_linear([(proj.to_k, None), (proj.to_v, None)]))
             row_keys, row_values = (split_heads(t, heads) for t in sampled_keys_values.split(dim, -1))
         out = self.combine_samples(s, query, row_keys, row_values, column_keys, column_values, attention_mask)

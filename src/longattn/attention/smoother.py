@@ -1137,14 +1137,17 @@ class Smoother(nn.Module):
     def _gpu_fourier(self, x: Tensor, attention_mask: Tensor | None, steps) -> Tensor:
         """X^smooth of eq. (5) on the GPU path, [B, N, dim] in float32 (float64 for float64): the segment means
         (``steps.segment_mean``, padded tokens as zeros), their rFFT at max_len, the product with L and the
-        irFFT of the dim columns, each one batched operation (autograd differentiates them)."""
+        irFFT of the dim columns, each one batched operation (autograd differentiates them). Channel-first
+        ([B, dim, F] and [B, dim, max_len], the layout torch's FFTs run in): no transposed copy before or after
+        a transform, forward or backward; the result is a [B, N, dim] view of it (the stem input reads it so)."""
         batch, length, dim = x.shape
         fft_dtype = compute_dtype(x.dtype)
         means = steps.segment_mean(x, attention_mask, self.segments, fft_dtype)  # [B, N, r]
-        spectrum = torch.fft.rfft(means, n=self.max_len, dim=1, norm=self.fft_norm)  # [B, F, r]
-        weight = torch.view_as_complex(self.frequency_weight.to(fft_dtype))  # [F, dim]
-        product = weight.view(-1, self.segments, dim // self.segments) * spectrum.unsqueeze(-1)
-        smoothed = torch.fft.irfft(product.reshape(batch, -1, dim), n=self.max_len, dim=1, norm=self.fft_norm)
+        spectrum = torch.fft.rfft(means, n=self.max_len, dim=1, norm=self.fft_norm).transpose(1, 2)  # [B, r, F]
+        # L is stored channel-first: its [dim, F] transpose is contiguous
+        weight = torch.view_as_complex(self.frequency_weight.to(fft_dtype)).t()
+        product = weight.view(self.segments, dim // self.segments, -1) * spectrum.unsqueeze(2)  # [B, r, dim/r, F]
+        smoothed = torch.fft.irfft(product.flatten(1, 2), n=self.max_len, dim=-1, norm=self.fft_norm).transpose(1, 2)
         return smoothed if length == self.max_len else smoothed[:, :length]
 
     def _dropout_and_zero_padding(self, h: Tensor, keep: Tensor) -> Tensor:
