@@ -16,6 +16,10 @@ Per head, with Q, K, V of shape [N, Dh]:
 The sampled indices are drawn once per layer at construction (shared by the batch and the heads)
 and stored as buffers, so they are saved with the model. The cost is O(N (s1 + s2) Dh) per head:
 no N x N tensor exists at any step.
+
+Two paths compute the same layer: on a CPU, tiles sized for the caches (``_SkeletonCore``, the Smoother's
+fused stem); on a GPU (``uses_gpu_path``), one batched program with no host synchronisation, autocast-native,
+with the Triton kernels of ``_skeleton_triton`` and ``_smoother_triton`` where they run (``_gpu_attend``).
 """
 
 from __future__ import annotations
