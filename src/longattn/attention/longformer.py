@@ -24,17 +24,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
     Capabilities,
     QKVProjection,
     check_qkv,
+    output_dtype,
     padding_safe,
     register_attention,
     split_heads,
+    uses_gpu_path,
 )
-from longattn.attention.chunked import Chunk, chunked_attention, chunked_projected_attention
+from longattn.attention.chunked import (
+    Band,
+    Chunk,
+    SparsePattern,
+    chunked_attention,
+    chunked_projected_attention,
+    window_chunk,
+    windowed_attention,
+)
 
 __all__ = ["LongformerAttention", "longformer_attention", "longformer_attention_reference"]
 
@@ -192,10 +203,66 @@ def longformer_attention(
             )
     options = _Options(attention_window // 2, dilation, is_causal, 1.0 / math.sqrt(d) if scale is None else scale,
                        dropout_p)
+    if uses_gpu_path(query):
+        gidx = _global_index_on(global_positions, n, query.device)
+        return longformer_attention_gpu(query, key, value, global_query.index_select(2, gidx), global_key,
+                                        global_value, attention_mask, gidx, options).transpose(1, 2)
     real = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
     chunks = _plan(real, _global_index(global_positions, n, query.device), options)
     return chunked_attention(_longformer_chunk, chunks, [(query, key, value), (global_query, global_key, global_value)],
                              replay_random=dropout_p > 0)
+
+
+def _global_index_on(global_positions: Sequence[int], length: int, device: torch.device) -> Tensor:
+    """:func:`_global_index` built on the host and copied without waiting for the device."""
+    return _global_index(global_positions, length, torch.device("cpu")).to(device, non_blocking=True)
+
+
+def longformer_attention_gpu(query: Tensor, key: Tensor, value: Tensor, global_query_rows: Tensor, global_key: Tensor,
+                             global_value: Tensor, attention_mask: Tensor | None, gidx: Tensor,
+                             options: _Options) -> Tensor:
+    """The GPU path, all rows at once. The sliding window (Q_s, K_s, V_s) runs through the
+    block-sparse Triton kernel where it runs (the window as a band, the global tokens' keys as
+    extra keys, kept out of the band so a global key inside the window counts once), else through
+    one SDPA call over every chunk's window (chunked.windowed_attention). The global rows
+    ``global_query_rows`` [B, H, G, Dh] (Q_g at the positions ``gidx``) attend to every key
+    (K_g, V_g) in one SDPA call and replace those rows. Output token-major [B, N, H, Dv] in the
+    autocast dtype."""
+    o = options
+    dtype = output_dtype(query)
+    query, key, value, global_query_rows, global_key, global_value = (
+        t.to(dtype) for t in (query, key, value, global_query_rows, global_key, global_value))
+    b, h, n, _ = query.shape
+    g = gidx.numel()
+    key_valid, extra_key, extra_value, extra_valid = attention_mask, None, None, None
+    if g:
+        is_global = torch.zeros(n, dtype=torch.bool, device=query.device).index_fill_(0, gidx, True)
+        key_valid = (~is_global).expand(b, n) if attention_mask is None else attention_mask & ~is_global
+        extra_key, extra_value = key.index_select(2, gidx), value.index_select(2, gidx)
+        extra_valid = None if attention_mask is None else attention_mask.index_select(1, gidx)
+    band = Band(1, -o.reach, o.reach + 1, o.dilation)
+    pattern = SparsePattern(band, o.is_causal, key_valid=key_valid, extra_pos=gidx, extra_valid=extra_valid)
+    out = None
+    if triton_runs_on(query):
+        from longattn.attention import _blocksparse_triton as kernels
+
+        if kernels.kernel_supports(query, pattern):
+            out = kernels.blocksparse_attention(query, key, value, pattern, extra_key=extra_key,
+                                                extra_value=extra_value, scale=o.scale, dropout_p=o.dropout_p)
+    if out is None:
+        out = windowed_attention(query, key, value, pattern, window_chunk(band), extra_key=extra_key,
+                                 extra_value=extra_value, scale=o.scale, dropout_p=o.dropout_p)
+    if not g:
+        return out
+    visible = None if attention_mask is None else attention_mask[:, None, None, :]
+    if o.is_causal:
+        before = torch.arange(n, device=query.device) <= gidx[:, None]  # [G, N]
+        visible = before if visible is None else visible & before
+    glob = F.scaled_dot_product_attention(global_query_rows, global_key, global_value, attn_mask=visible,
+                                          dropout_p=o.dropout_p, scale=o.scale)
+    if visible is not None:
+        glob = torch.where(visible.any(-1, keepdim=True), glob, 0.0)  # queries that see no key output zeros
+    return out.index_copy(1, gidx, glob.transpose(1, 2))
 
 
 @padding_safe
@@ -313,6 +380,8 @@ class LongformerAttention(AttentionBase):
                 q, k, v, attention_mask, attention_window=self.attention_window, dilation=self.dilation,
                 global_positions=self.global_positions, global_query=gq, global_key=gk, global_value=gv,
                 is_causal=self.causal, scale=self.scale, dropout_p=options.dropout_p))
+        if uses_gpu_path(x):
+            return self.proj.out(self._attend_gpu(x, attention_mask, options).transpose(1, 2))
         # the functional form's chunks, with the projections inside them (see chunked.py)
         b, n, _ = x.shape
         real = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
@@ -322,6 +391,17 @@ class LongformerAttention(AttentionBase):
         out = chunked_projected_attention(_longformer_chunk, chunks, x, [local, glob], self.heads,
                                           replay_random=options.dropout_p > 0)
         return self.proj.out(out)
+
+    def _attend_gpu(self, x: Tensor, attention_mask: Tensor | None, options: _Options) -> Tensor:
+        """The GPU path of the module: Q_g projected at the global rows only."""
+        q, k, v = self.proj.qkv(x)
+        gidx = _global_index_on(self.global_positions, x.shape[1], x.device)
+        if self.global_proj is None or not gidx.numel():
+            gq_rows, gk, gv = q.index_select(2, gidx), k, v
+        else:
+            gq_rows = split_heads(self.global_proj["query"](x.index_select(1, gidx)), self.heads)
+            gk, gv = (split_heads(self.global_proj[name](x), self.heads) for name in ("key", "value"))
+        return longformer_attention_gpu(q, k, v, gq_rows, gk, gv, attention_mask, gidx, options)
 
     def extra_repr(self) -> str:
         return (

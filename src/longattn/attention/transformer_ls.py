@@ -27,7 +27,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -35,10 +37,13 @@ from longattn.attention.base import (
     QKVProjection,
     check_qkv,
     merge_heads,
+    output_dtype,
     padding_safe,
     register_attention,
     split_heads,
+    uses_gpu_path,
 )
+from longattn.attention.chunked import Band, SparsePattern, window_chunk, windowed_attention
 
 __all__ = [
     "LongShortAttention",
@@ -112,11 +117,11 @@ def _short_term_windows(
     return k_win, v_win, visible
 
 
-def _causal_long_term(
-    key: Tensor, value: Tensor, projection_logits: Tensor, real: Tensor, chunk_size: int, queries: int
+def _chunk_projection(
+    key: Tensor, value: Tensor, projection_logits: Tensor, real: Tensor, chunk_size: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-chunk dynamic projection for autoregressive models: [B, H, C r, d] keys/values and
-    visible [B, 1, queries, C r]: query t sees chunk c once the chunk is complete, (c + 1) l <= t + 1."""
+    """Per-chunk dynamic projection for autoregressive models: [B, H, C r, d] keys and values, and
+    whether each chunk holds a real token, [B, C]."""
     b, h, n, d = key.shape
     rank = projection_logits.shape[-1]
     chunks = -(-n // chunk_size)
@@ -127,11 +132,23 @@ def _causal_long_term(
     proj = torch.softmax(logits.masked_fill(~real_c, torch.finfo(logits.dtype).min), dim=3) * real_c
     key_c = proj.transpose(-1, -2) @ F.pad(key, (0, 0, 0, tail)).view(b, h, chunks, chunk_size, d)
     value_c = proj.transpose(-1, -2) @ F.pad(value, (0, 0, 0, tail)).view(b, h, chunks, chunk_size, d)
+    return key_c.flatten(2, 3), value_c.flatten(2, 3), real_c.any(3).view(b, chunks)
+
+
+def _causal_long_term(
+    key: Tensor, value: Tensor, projection_logits: Tensor, real: Tensor, chunk_size: int, queries: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_chunk_projection` and which projected tokens each query sees, visible [B, 1, queries,
+    C r]: query t sees chunk c once the chunk is complete, (c + 1) l <= t + 1."""
+    b = key.shape[0]
+    rank = projection_logits.shape[-1]
+    key_c, value_c, chunk_real = _chunk_projection(key, value, projection_logits, real, chunk_size)
+    chunks = chunk_real.shape[1]
     chunk_end = (torch.arange(chunks, device=key.device) + 1) * chunk_size
     done = chunk_end <= torch.arange(queries, device=key.device)[:, None] + 1
-    visible = done[None, None] & real_c.any(3).view(b, 1, 1, chunks)  # an all-padding chunk is never seen
+    visible = done[None, None] & chunk_real.view(b, 1, 1, chunks)  # an all-padding chunk is never seen
     visible = visible[..., None].expand(b, 1, queries, chunks, rank).flatten(-2)
-    return key_c.flatten(2, 3), value_c.flatten(2, 3), visible
+    return key_c, value_c, visible
 
 
 @padding_safe
@@ -168,6 +185,9 @@ def long_short_attention(
     short_norm = short_norm or _identity
     long_norm = long_norm or _identity
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if uses_gpu_path(query):
+        return long_short_attention_gpu(query, key, value, attention_mask, projection_logits, window_size, short_norm,
+                                        long_norm, is_causal, chunk_size, scale, dropout_p).transpose(1, 2)
     real = attention_mask
     if real is None:
         real = torch.ones(b, n, dtype=torch.bool, device=query.device)
@@ -202,6 +222,59 @@ def long_short_attention(
         sees_something = visible_short.any(-1, keepdim=True) | visible_long.any(-1, keepdim=True)
         out = out.masked_fill(~sees_something, 0.0)
     return out.reshape(b, h, segments * w, d)[:, :, :n]
+
+
+def long_short_attention_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                             projection_logits: Tensor, window_size: int, short_norm: Norm, long_norm: Norm,
+                             is_causal: bool, chunk_size: int, scale: float, dropout_p: float) -> Tensor:
+    """The GPU path (eq. 5, all segments at once): the short-term window as a band of keys around
+    each segment (or the w keys ending at the query, causal) and the projected tokens as extra keys
+    seen by every query (causal: once their chunk is complete), under one softmax, through the
+    block-sparse Triton kernel where it runs, else one SDPA call over every chunk's window
+    (chunked.windowed_attention). The keys of both terms (DualLN, the dynamic projection) are
+    recomputed in backward rather than stored, so what is kept for backward is q, k, v, the
+    projection logits and the normalised short-term keys and values. Output token-major
+    [B, N, H, Dh] in the autocast dtype."""
+    dtype = output_dtype(query)
+    b, _, n, _ = query.shape
+    w = window_size
+    rank = projection_logits.shape[-1]
+
+    def keys_of_both_terms(key: Tensor, value: Tensor, logits: Tensor) -> tuple[Tensor, ...]:
+        if is_causal:
+            real = torch.ones(b, n, dtype=torch.bool, device=key.device) if attention_mask is None else attention_mask
+            key_long, value_long, _ = _chunk_projection(key, value, logits, real, chunk_size)
+        else:  # r projected tokens shared by every query (eq. 3-4)
+            proj = dynamic_projection(logits, attention_mask).transpose(-1, -2)
+            key_long, value_long = proj @ key, proj @ value
+        return tuple(t.to(dtype) for t in (short_norm(key), short_norm(value), long_norm(key_long),
+                                           long_norm(value_long)))
+
+    key_short, value_short, key_long, value_long = checkpoint(
+        keys_of_both_terms, key, value, projection_logits, use_reentrant=False, preserve_rng_state=False)
+    extra_pos = extra_valid = None
+    if is_causal:
+        # projected token t of chunk c is seen from the chunk's last position on, if the chunk holds a real token
+        chunks = -(-n // chunk_size)
+        chunk_last = (torch.arange(chunks, device=query.device) + 1) * chunk_size - 1
+        extra_pos = chunk_last[:, None].expand(chunks, rank).flatten()
+        if attention_mask is not None:
+            chunk_real = F.pad(attention_mask, (0, chunks * chunk_size - n)).view(b, chunks, chunk_size).any(-1)
+            extra_valid = chunk_real[:, :, None].expand(b, chunks, rank).flatten(1)
+        band = Band(1, 1 - w, 1)  # the w keys ending at the query
+    else:
+        half = _half_window(w)
+        band = Band(w, -half, w + half)  # the query's segment and w/2 on each side
+    pattern = SparsePattern(band, is_causal, key_valid=attention_mask, extra_pos=extra_pos, extra_valid=extra_valid)
+    query = query.to(dtype)
+    if triton_runs_on(query):
+        from longattn.attention import _blocksparse_triton as kernels
+
+        if kernels.kernel_supports(query, pattern):
+            return kernels.blocksparse_attention(query, key_short, value_short, pattern, extra_key=key_long,
+                                                 extra_value=value_long, scale=scale, dropout_p=dropout_p)
+    return windowed_attention(query, key_short, value_short, pattern, window_chunk(band), extra_key=key_long,
+                              extra_value=value_long, scale=scale, dropout_p=dropout_p)
 
 
 @padding_safe
