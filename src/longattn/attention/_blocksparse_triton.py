@@ -132,7 +132,7 @@ def _fwd_kernel(Q, K, V, KE, VE, O, LSE, KVALID, EPOS, EVALID, EEND, BLOCKS,
                 LIST_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     tile = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x stride may pass 2^31
     b = bh // H
     h = bh % H
     rows = tile * BM + tl.arange(0, BM)
@@ -199,7 +199,7 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, str
                   H, NQ, DV, BM: tl.constexpr, BDV: tl.constexpr):
     """delta = rowsum(dO * O), the softmax backward's correction term (float32)."""
     tile = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x stride may pass 2^31
     b = bh // H
     h = bh % H
     rows = tile * BM + tl.arange(0, BM)
@@ -247,7 +247,7 @@ def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, DKE, DVE, KVALID, EPOS, 
                    LIST_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     tile = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x stride may pass 2^31
     b = bh // H
     h = bh % H
     rows = tile * BM + tl.arange(0, BM)
@@ -354,7 +354,7 @@ def _bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, KVALID, BLOCKS_T,
                     LIST_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     tile = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x stride may pass 2^31
     b = bh // H
     h = bh % H
     cols = tile * BN + tl.arange(0, BN)

@@ -281,6 +281,10 @@ def bigbird_attention_reference(
     return torch.softmax(scores, -1).nan_to_num(0.0) @ value
 
 
+def _refresh_seed(module: "BigBirdAttention", incompatible_keys: object) -> None:
+    module._seed_value = int(module.seed)
+
+
 @register_attention(
     "bigbird",
     capabilities=Capabilities(),
@@ -316,11 +320,14 @@ class BigBirdAttention(AttentionBase):
         # each number of blocks met, so eval is deterministic and a reloaded model is identical.
         seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed
         self.register_buffer("seed", torch.tensor(seed), persistent=True)
+        # the seed as a host int: reading the buffer (on the GPU with the model) would wait for the device
+        self._seed_value = seed
+        self.register_load_state_dict_post_hook(_refresh_seed)
         self._random_cache: dict[tuple[int, int], Tensor] = {}
         self._gpu_cache: dict[tuple[int, int, torch.device], GpuTables] = {}
 
     def random_idx(self, num_blocks: int) -> Tensor:
-        key = (int(self.seed), num_blocks)  # keyed by seed too: loading a state dict changes it
+        key = (self._seed_value, num_blocks)  # keyed by seed too: loading a state dict changes it
         if key not in self._random_cache:
             g = torch.Generator().manual_seed(key[0] * 100003 + num_blocks)
             self._random_cache[key] = random_block_indices(
@@ -330,7 +337,7 @@ class BigBirdAttention(AttentionBase):
 
     def gpu_tables(self, num_blocks: int, device: torch.device) -> GpuTables:
         """The pattern's tables on ``device`` (built on the first call for each number of blocks)."""
-        key = (int(self.seed), num_blocks, device)
+        key = (self._seed_value, num_blocks, device)
         if key not in self._gpu_cache:
             self._gpu_cache[key] = gpu_tables(self.random_idx(num_blocks), self.window_blocks, device)
         return self._gpu_cache[key]
