@@ -195,8 +195,17 @@ def _fwd_kernel(Q, K, V, KE, VE, O, LSE, KVALID, EPOS, EVALID, EEND, BLOCKS,
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-                  H, NQ, DV, BM: tl.constexpr, BDV: tl.constexpr):
+def _rows_used(SKIP, rows, NQ, HAS_SKIP: tl.constexpr):
+    """Rows whose output is this kernel's (not replaced by other rows after it ran)."""
+    ok = rows < NQ
+    if HAS_SKIP:
+        ok = ok & (tl.load(SKIP + rows, mask=rows < NQ, other=1) == 0)
+    return ok
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, SKIP, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+                  H, NQ, DV, HAS_SKIP: tl.constexpr, BM: tl.constexpr, BDV: tl.constexpr):
     """delta = rowsum(dO * O), the softmax backward's correction term (float32)."""
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x stride may pass 2^31
@@ -204,7 +213,7 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, str
     h = bh % H
     rows = tile * BM + tl.arange(0, BM)
     offs = tl.arange(0, BDV)
-    mask = (rows < NQ)[:, None] & (offs < DV)[None, :]
+    mask = _rows_used(SKIP, rows, NQ, HAS_SKIP)[:, None] & (offs < DV)[None, :]
     o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs[None, :], mask=mask,
                  other=0.0)
@@ -235,7 +244,7 @@ def _bwd_dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, cols
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, DKE, DVE, KVALID, EPOS, EVALID, EEND, BLOCKS,
+def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, DKE, DVE, KVALID, EPOS, EVALID, EEND, BLOCKS, SKIP,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                    stride_keb, stride_keh, stride_ken, stride_veb, stride_veh, stride_ven,
                    stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
@@ -244,8 +253,9 @@ def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, DKE, DVE, KVALID, EPOS, 
                    qk_scale, sm_scale, dropout_p, seed,
                    CAUSAL: tl.constexpr, HAS_KVALID: tl.constexpr, HAS_EXTRA: tl.constexpr,
                    HAS_EVALID: tl.constexpr, HAS_EEND: tl.constexpr, HAS_LIST: tl.constexpr,
-                   LIST_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                   LIST_BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr, DROPOUT: tl.constexpr,
+                   PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                   BDV: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x stride may pass 2^31
     b = bh // H
@@ -258,7 +268,7 @@ def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, DKE, DVE, KVALID, EPOS, 
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                 mask=_rows_used(SKIP, rows, NQ, HAS_SKIP)[:, None] & (offs_dv[None, :] < DV), other=0.0)
     lse = tl.load(LSE + bh * NQ + rows, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh * NQ + rows, mask=row_ok, other=0.0)
     k_ptr = K + b * stride_kb + h * stride_kh
@@ -318,15 +328,15 @@ def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, DKE, DVE, KVALID, EPOS, 
 
 
 @triton.jit
-def _bwd_dkv_tile(dk, dv, k, v, q_ptr, do_ptr, stride_qn, stride_don, lse_ptr, delta_ptr, rows, n_rows, cols, okT,
-                  offs_d, offs_dv, D, DV, qk_scale, seed, bh, n_drop_cols, dropout_p,
-                  DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_dkv_tile(dk, dv, k, v, q_ptr, do_ptr, stride_qn, stride_don, lse_ptr, delta_ptr, skip_ptr, rows, n_rows,
+                  cols, okT, offs_d, offs_dv, D, DV, qk_scale, seed, bh, n_drop_cols, dropout_p,
+                  HAS_SKIP: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """One query tile's share of dK and dV (transposed: rows of the tile are keys)."""
     row_ok = rows < n_rows
     q = tl.load(q_ptr + rows[:, None] * stride_qn + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D),
                 other=0.0)
     do = tl.load(do_ptr + rows[:, None] * stride_don + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                 mask=_rows_used(skip_ptr, rows, n_rows, HAS_SKIP)[:, None] & (offs_dv[None, :] < DV), other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
     sT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [keys, rows]
@@ -344,15 +354,16 @@ def _bwd_dkv_tile(dk, dv, k, v, q_ptr, do_ptr, stride_qn, stride_don, lse_ptr, d
 
 
 @triton.jit
-def _bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, KVALID, BLOCKS_T,
+def _bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, KVALID, BLOCKS_T, SKIP,
                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn,
                     stride_dvb, stride_dvh, stride_dvn, stride_kvalid, stride_bth, stride_btm,
                     H, NQ, NK, NE, D, DV, Q_OFFSET, N_LIST_T, STEP, START, STOP, DIL,
                     qk_scale, sm_scale, dropout_p, seed,
                     CAUSAL: tl.constexpr, HAS_KVALID: tl.constexpr, HAS_LIST: tl.constexpr,
-                    LIST_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                    LIST_BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr, DROPOUT: tl.constexpr,
+                    PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                    BDV: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x stride may pass 2^31
     b = bh // H
@@ -388,9 +399,9 @@ def _bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, KVALID, BLOCKS_T,
         rows = start_m + tl.arange(0, BM)
         okT = tl.trans(_band_mask(rows + Q_OFFSET, cols, rows < NQ, NK, kvalid_ptr, STEP, START, STOP, DIL, CAUSAL,
                                   HAS_KVALID, True))
-        dk, dv = _bwd_dkv_tile(dk, dv, k, v, q_ptr, do_ptr, stride_qn, stride_don, lse_ptr, delta_ptr, rows, NQ, cols,
-                               okT, offs_d, offs_dv, D, DV, qk_scale, seed, bh, n_drop_cols, dropout_p, DROPOUT,
-                               PRECISION)
+        dk, dv = _bwd_dkv_tile(dk, dv, k, v, q_ptr, do_ptr, stride_qn, stride_don, lse_ptr, delta_ptr, SKIP, rows, NQ,
+                               cols, okT, offs_d, offs_dv, D, DV, qk_scale, seed, bh, n_drop_cols, dropout_p, HAS_SKIP,
+                               DROPOUT, PRECISION)
     if HAS_LIST:
         list_ptr = BLOCKS_T + h * stride_bth + ((tile * BN) // LIST_BLOCK) * stride_btm
         for slot in range(N_LIST_T):
@@ -401,8 +412,8 @@ def _bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, KVALID, BLOCKS_T,
                     okT = tl.trans(_band_mask(rows + Q_OFFSET, cols, rows < NQ, NK, kvalid_ptr, STEP, START, STOP,
                                               DIL, CAUSAL, HAS_KVALID, False))
                     dk, dv = _bwd_dkv_tile(dk, dv, k, v, q_ptr, do_ptr, stride_qn, stride_don, lse_ptr, delta_ptr,
-                                           rows, NQ, cols, okT, offs_d, offs_dv, D, DV, qk_scale, seed, bh,
-                                           n_drop_cols, dropout_p, DROPOUT, PRECISION)
+                                           SKIP, rows, NQ, cols, okT, offs_d, offs_dv, D, DV, qk_scale, seed, bh,
+                                           n_drop_cols, dropout_p, HAS_SKIP, DROPOUT, PRECISION)
     tl.store(DK + b * stride_dkb + h * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
     tl.store(DV_ + b * stride_dvb + h * stride_dvh + cols[:, None] * stride_dvn + offs_dv[None, :],
@@ -461,14 +472,18 @@ def _precision(dtype: torch.dtype) -> str:
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, extra_key: Tensor | None,  # type: ignore[override]
-                extra_value: Tensor | None, pattern: SparsePattern, scale: float, dropout_p: float) -> Tensor:
+                extra_value: Tensor | None, replace_index: Tensor | None, replace_value: Tensor | None,
+                pattern: SparsePattern, scale: float, dropout_p: float, output_length: int) -> Tensor:
         b, h, n_q, d = query.shape
         n_k, dv = key.shape[2], value.shape[-1]
         n_e = 0 if extra_key is None else extra_key.shape[2]
+        offset = pattern.query_offset
         prep = _Prepared(pattern, query, n_k, n_e)
         seed = int(torch.randint(0, 2**31 - 1, ()).item()) if dropout_p > 0 else 0  # CPU generator: no device sync
-        out = torch.empty(b, n_q, h, dv, dtype=query.dtype, device=query.device)  # token-major
-        o4 = out.transpose(1, 2)
+        covered = offset == 0 and output_length == n_q  # else rows outside the kernel's come from replace_value
+        out = (torch.empty if covered else torch.zeros)(b, output_length, h, dv, dtype=query.dtype,
+                                                        device=query.device)  # token-major
+        o4 = out[:, offset:offset + n_q].transpose(1, 2)
         lse = torch.empty(b, h, n_q, dtype=torch.float32, device=query.device)
         ke = query if extra_key is None else extra_key
         ve = value if extra_value is None else extra_value
@@ -477,31 +492,40 @@ class _BlockSparseAttention(torch.autograd.Function):
             query, key, value, ke, ve, o4, lse, prep.kvalid, prep.epos, prep.evalid, prep.eend, prep.blocks,
             *_strides4(query), *_strides4(key), *_strides4(value), *_strides4(ke), *_strides4(ve), *_strides4(o4),
             prep.kvalid_stride, prep.evalid_stride, *prep.list_strides,
-            h, n_q, n_k, n_e, d, dv, pattern.query_offset, prep.n_list, *prep.band,
+            h, n_q, n_k, n_e, d, dv, offset, prep.n_list, *prep.band,
             scale * _LOG2E, dropout_p, seed,
             HAS_EXTRA=n_e > 0, HAS_EVALID=pattern.extra_valid is not None, HAS_EEND=prep.has_eend,
             DROPOUT=dropout_p > 0, PRECISION=_precision(query.dtype), BM=tile, BN=tile, BD=_pow2(d), BDV=_pow2(dv),
             **prep.flags)
-        ctx.save_for_backward(query, key, value, extra_key, extra_value, out, lse)
+        skip = None
+        if replace_index is not None:
+            out.index_copy_(1, replace_index, replace_value.transpose(1, 2).to(out.dtype))
+            # the replaced rows inside the kernel's range pass no gradient to its inputs
+            skip = torch.zeros(output_length, dtype=torch.bool, device=query.device).index_fill_(0, replace_index, True)
+            skip = skip[offset:offset + n_q]
+        ctx.save_for_backward(query, key, value, extra_key, extra_value, out, lse, replace_index, skip)
         ctx.prep, ctx.scale, ctx.dropout_p, ctx.seed = prep, scale, dropout_p, seed
+        ctx.replace_dtype = None if replace_value is None else replace_value.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
-        query, key, value, extra_key, extra_value, out, lse = ctx.saved_tensors
-        o4 = out.transpose(1, 2)
+        query, key, value, extra_key, extra_value, out, lse, replace_index, skip = ctx.saved_tensors
         prep: _Prepared = ctx.prep
         pattern = prep.pattern
         b, h, n_q, d = query.shape
         n_k, dv = key.shape[2], value.shape[-1]
         n_e = 0 if extra_key is None else extra_key.shape[2]
-        tile = prep.tile
-        do4 = grad_out.transpose(1, 2)
-        if do4.stride(-1) != 1:
-            do4 = do4.contiguous()
+        offset, tile = pattern.query_offset, prep.tile
+        o4 = out[:, offset:offset + n_q].transpose(1, 2)
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        do4 = grad_out[:, offset:offset + n_q].transpose(1, 2)
+        has_skip = skip is not None
+        skip_rows = skip if has_skip else lse
         delta = torch.empty_like(lse)
-        _delta_kernel[(triton.cdiv(n_q, tile), b * h)](o4, do4, delta, *_strides4(o4), *_strides4(do4), h, n_q, dv,
-                                                       BM=tile, BDV=_pow2(dv))
+        _delta_kernel[(triton.cdiv(n_q, tile), b * h)](o4, do4, delta, skip_rows, *_strides4(o4), *_strides4(do4), h,
+                                                       n_q, dv, HAS_SKIP=has_skip, BM=tile, BDV=_pow2(dv))
         dq = torch.empty_like(query)
         dk = torch.empty_like(key)
         dvalue = torch.empty_like(value)
@@ -509,36 +533,48 @@ class _BlockSparseAttention(torch.autograd.Function):
         ve = value if extra_value is None else extra_value
         dke = torch.zeros(b, h, n_e, d, dtype=torch.float32, device=query.device) if n_e else lse
         dve = torch.zeros(b, h, n_e, dv, dtype=torch.float32, device=query.device) if n_e else lse
-        common = dict(DROPOUT=ctx.dropout_p > 0, PRECISION=_precision(query.dtype), BM=tile, BN=tile, BD=_pow2(d),
-                      BDV=_pow2(dv), **prep.flags)
+        common = dict(HAS_SKIP=has_skip, DROPOUT=ctx.dropout_p > 0, PRECISION=_precision(query.dtype), BM=tile,
+                      BN=tile, BD=_pow2(d), BDV=_pow2(dv), **prep.flags)
         scales = (ctx.scale * _LOG2E, ctx.scale, ctx.dropout_p, ctx.seed)
         _bwd_dq_kernel[(triton.cdiv(n_q, tile), b * h)](
             query, key, value, ke, ve, do4, lse, delta, dq, dke, dve, prep.kvalid, prep.epos, prep.evalid, prep.eend,
-            prep.blocks,
+            prep.blocks, skip_rows,
             *_strides4(query), *_strides4(key), *_strides4(value), *_strides4(ke), *_strides4(ve), *_strides4(do4),
             *_strides4(dq), prep.kvalid_stride, prep.evalid_stride, *prep.list_strides,
-            h, n_q, n_k, n_e, d, dv, pattern.query_offset, prep.n_list, *prep.band, *scales,
+            h, n_q, n_k, n_e, d, dv, offset, prep.n_list, *prep.band, *scales,
             HAS_EXTRA=n_e > 0, HAS_EVALID=pattern.extra_valid is not None, HAS_EEND=prep.has_eend, **common)
         flags_t = dict(common, HAS_LIST=pattern.blocks_by_key is not None)
         _bwd_dkv_kernel[(triton.cdiv(n_k, tile), b * h)](
-            query, key, value, do4, lse, delta, dk, dvalue, prep.kvalid, prep.blocks_t,
+            query, key, value, do4, lse, delta, dk, dvalue, prep.kvalid, prep.blocks_t, skip_rows,
             *_strides4(query), *_strides4(key), *_strides4(value), *_strides4(do4), *_strides4(dk),
             *_strides4(dvalue), prep.kvalid_stride, *prep.list_t_strides,
-            h, n_q, n_k, n_e, d, dv, pattern.query_offset, prep.n_list_t, *prep.band, *scales, **flags_t)
+            h, n_q, n_k, n_e, d, dv, offset, prep.n_list_t, *prep.band, *scales, **flags_t)
         grad_ke = dke.to(extra_key.dtype) if n_e else None
         grad_ve = dve.to(extra_value.dtype) if n_e else None
-        return dq, dk, dvalue, grad_ke, grad_ve, None, None, None
+        grad_replace = None
+        if replace_index is not None:
+            grad_replace = grad_out.index_select(1, replace_index).transpose(1, 2).to(ctx.replace_dtype)
+        return dq, dk, dvalue, grad_ke, grad_ve, None, grad_replace, None, None, None, None
 
 
 def blocksparse_attention(query: Tensor, key: Tensor, value: Tensor, pattern: SparsePattern, *,
                           extra_key: Tensor | None = None, extra_value: Tensor | None = None,
-                          scale: float | None = None, dropout_p: float = 0.0) -> Tensor:
+                          scale: float | None = None, dropout_p: float = 0.0,
+                          replace_rows: tuple[Tensor, Tensor] | None = None, output_length: int | None = None) -> Tensor:
     """Attention of ``query`` [B, H, N_q, D] over the keys ``pattern`` lets each row see, among
     ``key``/``value`` [B, H, N_k, D / Dv] and the extra ``extra_key``/``extra_value`` [B, H, E, *]
-    (all of one dtype: fp16, bf16 or float32). Returns [B, N_q, H, Dv], token-major (transpose(1, 2)
-    for [B, H, N_q, Dv]); rows that see no key are zeros."""
+    (all of one dtype: fp16, bf16 or float32). Rows that see no key are zeros.
+
+    Returns [B, L, H, Dv], token-major (transpose(1, 2) for [B, H, L, Dv]), L = ``output_length``
+    (default ``query_offset + N_q``): query row r is output row ``r + pattern.query_offset``. Output
+    rows ``replace_rows[0]`` are ``replace_rows[1]`` ([B, H, R, Dv], computed elsewhere: global
+    rows) instead, written into the same buffer (no copy of the output); rows neither computed nor
+    replaced are zeros."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    return _BlockSparseAttention.apply(query, key, value, extra_key, extra_value, pattern, scale, dropout_p)
+    length = pattern.query_offset + query.shape[2] if output_length is None else output_length
+    index, values = (None, None) if replace_rows is None else replace_rows
+    return _BlockSparseAttention.apply(query, key, value, extra_key, extra_value, index, values, pattern, scale,
+                                       dropout_p, length)
 
 
 def blocksparse_attention_reference(query: Tensor, key: Tensor, value: Tensor, pattern: SparsePattern, *,

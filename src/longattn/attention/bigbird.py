@@ -220,34 +220,35 @@ def bigbird_attention_gpu(query: Tensor, key: Tensor, value: Tensor, attention_m
     nb = -(-n // bs)
     last = (nb - 1) * bs  # the last (global) block starts here
 
-    def global_blocks(t: Tensor) -> Tensor:  # the first and the last block's rows
-        return torch.cat([t[:, :, :bs], t[:, :, last:]], dim=2)
+    def global_blocks(t: Tensor, dim: int = 2) -> Tensor:  # the first and the last block's rows
+        return torch.cat([t.narrow(dim, 0, bs), t.narrow(dim, last, n - last)], dim=dim)
 
     visible = None if attention_mask is None else attention_mask[:, None, None, :]
     glob = F.scaled_dot_product_attention(global_blocks(query), key, value, attn_mask=visible, scale=scale)
     if visible is not None:
         glob = torch.where(visible.any(-1, keepdim=True), glob, 0.0)  # queries that see no key output zeros
-    glob = glob.transpose(1, 2)
     middle = query[:, :, bs:last]
-    mid = None
     if triton_runs_on(query):
         from longattn.attention import _blocksparse_triton as kernels
 
         half = window_blocks // 2
         positions = torch.arange(n, device=query.device)
-        key_valid = ((positions >= bs) & (positions < last)).expand(b, n)  # the global keys come as extras
+        is_global = (positions < bs) | (positions >= last)
+        key_valid = (~is_global).expand(b, n)  # the global keys come as extras
         if attention_mask is not None:
             key_valid = key_valid & attention_mask
         pattern = SparsePattern(Band(bs, -half * bs, (half + 1) * bs), key_valid=key_valid, query_offset=bs,
                                 block_size=bs, blocks=tables.random, blocks_by_key=tables.random_by_key,
-                                extra_valid=None if attention_mask is None else global_blocks(attention_mask[:, None])[:, 0])
+                                extra_valid=None if attention_mask is None else global_blocks(attention_mask, dim=1))
         if kernels.kernel_supports(query, pattern):
-            mid = kernels.blocksparse_attention(middle, key, value, pattern, extra_key=global_blocks(key),
-                                                extra_value=global_blocks(value), scale=scale)
-    if mid is None:
-        valid = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
-        chunk = Chunk(rows=slice(bs, last), keys=slice(0, n), info=(valid, scale, bs, tables.idx, tables.keep))
-        mid = _bigbird_chunk(chunk, middle, key, value).transpose(1, 2)
+            # the middle rows' output goes straight into the full output, the global rows' beside it
+            return kernels.blocksparse_attention(middle, key, value, pattern, extra_key=global_blocks(key),
+                                                 extra_value=global_blocks(value), scale=scale, output_length=n,
+                                                 replace_rows=(global_blocks(positions, dim=0), glob))
+    valid = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
+    chunk = Chunk(rows=slice(bs, last), keys=slice(0, n), info=(valid, scale, bs, tables.idx, tables.keep))
+    mid = _bigbird_chunk(chunk, middle, key, value).transpose(1, 2)
+    glob = glob.transpose(1, 2)
     return torch.cat([glob[:, :bs], mid, glob[:, bs:]], dim=1)
 
 

@@ -205,8 +205,9 @@ def longformer_attention(
                        dropout_p)
     if uses_gpu_path(query):
         gidx = _global_index_on(global_positions, n, query.device)
-        return longformer_attention_gpu(query, key, value, global_query.index_select(2, gidx), global_key,
-                                        global_value, attention_mask, gidx, options).transpose(1, 2)
+        global_rows = _global_rows(global_query.index_select(2, gidx).to(output_dtype(query)), global_key,
+                                   global_value, attention_mask, gidx, options)
+        return longformer_attention_gpu(query, key, value, global_rows, attention_mask, gidx, options).transpose(1, 2)
     real = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
     chunks = _plan(real, _global_index(global_positions, n, query.device), options)
     return chunked_attention(_longformer_chunk, chunks, [(query, key, value), (global_query, global_key, global_value)],
@@ -218,20 +219,18 @@ def _global_index_on(global_positions: Sequence[int], length: int, device: torch
     return _global_index(global_positions, length, torch.device("cpu")).to(device, non_blocking=True)
 
 
-def longformer_attention_gpu(query: Tensor, key: Tensor, value: Tensor, global_query_rows: Tensor, global_key: Tensor,
-                             global_value: Tensor, attention_mask: Tensor | None, gidx: Tensor,
-                             options: _Options) -> Tensor:
+def longformer_attention_gpu(query: Tensor, key: Tensor, value: Tensor, global_rows: Tensor,
+                             attention_mask: Tensor | None, gidx: Tensor, options: _Options) -> Tensor:
     """The GPU path, all rows at once. The sliding window (Q_s, K_s, V_s) runs through the
     block-sparse Triton kernel where it runs (the window as a band, the global tokens' keys as
     extra keys, kept out of the band so a global key inside the window counts once), else through
-    one SDPA call over every chunk's window (chunked.windowed_attention). The global rows
-    ``global_query_rows`` [B, H, G, Dh] (Q_g at the positions ``gidx``) attend to every key
-    (K_g, V_g) in one SDPA call and replace those rows. Output token-major [B, N, H, Dv] in the
+    one SDPA call over every chunk's window (chunked.windowed_attention). ``global_rows``
+    [B, H, G, Dv] (the global tokens' own attention, :func:`_global_rows`) replace the rows
+    ``gidx``, written into the kernel's output buffer. Output token-major [B, N, H, Dv] in the
     autocast dtype."""
     o = options
     dtype = output_dtype(query)
-    query, key, value, global_query_rows, global_key, global_value = (
-        t.to(dtype) for t in (query, key, value, global_query_rows, global_key, global_value))
+    query, key, value = (t.to(dtype) for t in (query, key, value))
     b, h, n, _ = query.shape
     g = gidx.numel()
     key_valid, extra_key, extra_value, extra_valid = attention_mask, None, None, None
@@ -242,27 +241,66 @@ def longformer_attention_gpu(query: Tensor, key: Tensor, value: Tensor, global_q
         extra_valid = None if attention_mask is None else attention_mask.index_select(1, gidx)
     band = Band(1, -o.reach, o.reach + 1, o.dilation)
     pattern = SparsePattern(band, o.is_causal, key_valid=key_valid, extra_pos=gidx, extra_valid=extra_valid)
-    out = None
     if triton_runs_on(query):
         from longattn.attention import _blocksparse_triton as kernels
 
         if kernels.kernel_supports(query, pattern):
-            out = kernels.blocksparse_attention(query, key, value, pattern, extra_key=extra_key,
-                                                extra_value=extra_value, scale=o.scale, dropout_p=o.dropout_p)
-    if out is None:
-        out = windowed_attention(query, key, value, pattern, window_chunk(band), extra_key=extra_key,
-                                 extra_value=extra_value, scale=o.scale, dropout_p=o.dropout_p)
-    if not g:
-        return out
+            return kernels.blocksparse_attention(query, key, value, pattern, extra_key=extra_key,
+                                                 extra_value=extra_value, scale=o.scale, dropout_p=o.dropout_p,
+                                                 replace_rows=(gidx, global_rows) if g else None)
+    out = windowed_attention(query, key, value, pattern, window_chunk(band), extra_key=extra_key,
+                             extra_value=extra_value, scale=o.scale, dropout_p=o.dropout_p)
+    return out.index_copy(1, gidx, global_rows.transpose(1, 2).to(out.dtype)) if g else out
+
+
+def _global_visible(attention_mask: Tensor | None, gidx: Tensor, n: int, is_causal: bool) -> Tensor | None:
+    """[B or 1, 1, G, N]: the keys each global row sees (None: every key)."""
     visible = None if attention_mask is None else attention_mask[:, None, None, :]
-    if o.is_causal:
-        before = torch.arange(n, device=query.device) <= gidx[:, None]  # [G, N]
+    if is_causal:
+        before = torch.arange(n, device=gidx.device) <= gidx[:, None]  # [G, N]
         visible = before if visible is None else visible & before
-    glob = F.scaled_dot_product_attention(global_query_rows, global_key, global_value, attn_mask=visible,
-                                          dropout_p=o.dropout_p, scale=o.scale)
+    return visible
+
+
+def _global_rows(global_query_rows: Tensor, global_key: Tensor, global_value: Tensor, attention_mask: Tensor | None,
+                 gidx: Tensor, options: _Options) -> Tensor:
+    """The global rows: Q_g at the global positions against K_g, V_g of every token, one SDPA call."""
+    visible = _global_visible(attention_mask, gidx, global_key.shape[2], options.is_causal)
+    out = F.scaled_dot_product_attention(global_query_rows, global_key, global_value, attn_mask=visible,
+                                         dropout_p=options.dropout_p, scale=options.scale)
+    return out if visible is None else torch.where(visible.any(-1, keepdim=True), out, 0.0)  # seeing no key: zeros
+
+
+def _global_rows_from_input(x: Tensor, global_query_rows: Tensor, key_proj: nn.Linear, value_proj: nn.Linear,
+                            attention_mask: Tensor | None, gidx: Tensor, options: _Options) -> Tensor:
+    """The global rows without K_g, V_g for every token: with K_g = x W_k^T + b_k and V_g = x W_v^T
+    + b_v per head, q K_g^T = (q W_k) x^T + q b_k and P V_g = (P x) W_v^T + (sum of P) b_v. Equal to
+    :func:`_global_rows` on the projections; [B, H, G, N] scores instead of two [B, N, dim]
+    projections (G is small)."""
+    b, n, dim = x.shape
+    heads, head_dim = global_query_rows.shape[1], global_query_rows.shape[-1]
+    g = global_query_rows.shape[2]
+    w_key = key_proj.weight.view(heads, head_dim, dim)
+    w_value = value_proj.weight.view(heads, head_dim, dim)
+    # heads and global rows side by side as the rows of one [B, H G, *] product with x (no copy of x per head)
+    scores = torch.einsum("bhgd,hde->bhge", global_query_rows, w_key).flatten(1, 2) @ x.transpose(1, 2)
+    scores = scores.unflatten(1, (heads, g))  # [B, H, G, N]
+    if key_proj.bias is not None:  # the same for every key of a row (softmax ignores it), kept as in K_g
+        scores = scores + (global_query_rows @ key_proj.bias.view(heads, head_dim, 1).to(scores.dtype))
+    scores = scores.float() * options.scale  # softmax in float32
+    visible = _global_visible(attention_mask, gidx, n, options.is_causal)
     if visible is not None:
-        glob = torch.where(visible.any(-1, keepdim=True), glob, 0.0)  # queries that see no key output zeros
-    return out.index_copy(1, gidx, glob.transpose(1, 2))
+        scores = scores.masked_fill(~visible, torch.finfo(torch.float32).min)
+    weights = torch.softmax(scores, dim=-1)
+    if visible is not None:
+        weights = weights * visible  # a row that sees no key gets zeros (its softmax was uniform over nothing)
+    if options.dropout_p:
+        weights = F.dropout(weights, options.dropout_p)
+    mixed = (weights.to(global_query_rows.dtype).flatten(1, 2) @ x).unflatten(1, (heads, g))  # [B, H, G, dim]
+    out = torch.einsum("bhge,hde->bhgd", mixed, w_value)
+    if value_proj.bias is not None:
+        out = out + weights.sum(-1, keepdim=True) * value_proj.bias.view(heads, 1, head_dim)
+    return out
 
 
 @padding_safe
@@ -393,15 +431,17 @@ class LongformerAttention(AttentionBase):
         return self.proj.out(out)
 
     def _attend_gpu(self, x: Tensor, attention_mask: Tensor | None, options: _Options) -> Tensor:
-        """The GPU path of the module: Q_g projected at the global rows only."""
+        """The GPU path of the module: Q_g projected at the global rows only, K_g and V_g never
+        projected for every token (:func:`_global_rows_from_input`)."""
         q, k, v = self.proj.qkv(x)
         gidx = _global_index_on(self.global_positions, x.shape[1], x.device)
-        if self.global_proj is None or not gidx.numel():
-            gq_rows, gk, gv = q.index_select(2, gidx), k, v
+        if self.global_proj is None:
+            global_rows = _global_rows(q.index_select(2, gidx), k, v, attention_mask, gidx, options)
         else:
             gq_rows = split_heads(self.global_proj["query"](x.index_select(1, gidx)), self.heads)
-            gk, gv = (split_heads(self.global_proj[name](x), self.heads) for name in ("key", "value"))
-        return longformer_attention_gpu(q, k, v, gq_rows, gk, gv, attention_mask, gidx, options)
+            global_rows = _global_rows_from_input(x, gq_rows, self.global_proj["key"], self.global_proj["value"],
+                                                  attention_mask, gidx, options)
+        return longformer_attention_gpu(q, k, v, global_rows, attention_mask, gidx, options)
 
     def extra_repr(self) -> str:
         return (
