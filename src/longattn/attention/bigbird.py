@@ -8,7 +8,7 @@ and the global query blocks attend to every key (BigBird section 2, Fig. 1). Eac
 at most (window + global + random) * block_size keys, gathered per (head, block) and run through
 SDPA's fused kernel, so memory is linear in N; sequences too
 short to be sparse (no more blocks than one query block would see) use full attention, as the
-reference implementation does.
+reference implementation does. On a GPU every block runs at once (:func:`bigbird_attention_gpu`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ block attends to its own block plus ``look_backward`` blocks before and ``look_f
 ``exact_window=True`` (the default) keys further than ``window_size * look_*`` positions from
 the query are masked, which gives the true sliding window |i - j| <= w. Each block runs through
 SDPA's fused kernel, so memory is O(N * head_dim * (1 + look_backward + look_forward)) plus one
-block's scores at a time, never N x N.
+block's scores at a time, never N x N. On a GPU all blocks run at once (:func:`local_attention_gpu`).
 """
 
 from __future__ import annotations

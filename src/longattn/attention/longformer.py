@@ -11,7 +11,8 @@ The interface has no per-call global mask, so the global positions are a module 
 the first token, the usual [CLS] choice). Each non-global query sees ``window ∪ globals`` under one
 softmax (a global key inside the window counts once). Computed in chunks of ``w/2`` queries
 against their ``w/2 + w * delta`` window keys plus the global keys, each chunk through SDPA's fused
-kernel: memory O(N (1 + 2 delta + 2G/w) Dh) per head for the gathered keys, never N x N.
+kernel: memory O(N (1 + 2 delta + 2G/w) Dh) per head for the gathered keys, never N x N. On a
+GPU every chunk runs at once (:func:`longformer_attention_gpu`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ Cost per head: O(N (2w + r) d) time, O(N (2w + r)) memory; nothing N x N is ever
 Autoregressive form (Sec. 3.2, ``causal=True``): the window is the w keys ending at the query, and
 the dynamic projection is applied per chunk of l tokens (r tokens per chunk); a query attends to
 the projected tokens of the chunks completed up to it, O(N (2w + N r / l)).
+
+On a GPU: :func:`long_short_attention_gpu` (the module form: ``LongShortAttention._attend_gpu``).
 """
 
 from __future__ import annotations
