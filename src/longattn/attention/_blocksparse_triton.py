@@ -17,9 +17,10 @@ in the kernel (its inverse for the key tiles), the listed blocks (their inverse 
 the host, for the key tiles) and the extra keys. The softmax is online (flash attention): scores
 and running maxima in float32, one pass, the output and the row's log-sum-exp kept for backward,
 which recomputes the scores (FlashAttention-2's backward). The GEMMs run in the inputs' dtype
-(fp16/bf16 on tensor cores; float32 inputs as true float32, not TF32). The extra keys' gradients are
-accumulated with float32 atomic adds from the query tiles that see them (their order, and so the
-last bits of those gradients, may vary between runs on a GPU).
+(fp16/bf16 on tensor cores; float32 inputs as true float32, not TF32). The extra keys, which
+nearly every query sees, get their gradients from a kernel of their own: each program sums a run
+of query tiles in registers and adds the sum to float32 buffers atomically (the order of those few
+additions, and so the last bits of the extra keys' gradients, may vary between runs on a GPU).
 
 Attention dropout is drawn in the kernel (Philox, one number per (batch, head, query, key) from a
 seed drawn from torch's CPU generator), and redrawn identically in backward.
@@ -43,6 +44,8 @@ __all__ = ["TILE", "blocksparse_attention", "blocksparse_attention_reference", "
 
 # Query and key rows per tile on the GPU (the tests lower it to 16 for Triton's interpreter).
 TILE = 64
+# Query tiles summed in registers by one program of the extra keys' backward before its one atomic add.
+EXTRA_TILES_PER_PROGRAM = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
@@ -224,7 +227,7 @@ def _delta_kernel(O, DO, DELTA, SKIP, stride_ob, stride_oh, stride_on, stride_do
 def _bwd_dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, cols, n_cols, ok, offs_d, offs_dv, D, DV,
                  qk_scale, seed, bh, rows, n_rows, drop_cols, n_drop_cols, dropout_p,
                  DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """One key tile's share of dQ; returns dS and the (dropped) probabilities for the extra keys' gradients."""
+    """One key tile's share of dQ."""
     col_ok = cols < n_cols
     k = tl.load(k_ptr + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None] & (offs_d[None, :] < D),
                 other=0.0)
@@ -233,18 +236,15 @@ def _bwd_dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, cols
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    p_used = p
     if DROPOUT:
-        keep = _keep(seed, bh, rows, drop_cols, n_rows, n_drop_cols, dropout_p)
-        dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
-        p_used = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        dp = tl.where(_keep(seed, bh, rows, drop_cols, n_rows, n_drop_cols, dropout_p), dp / (1.0 - dropout_p), 0.0)
     ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    return dq, ds, p_used
+    return dq
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, DKE, DVE, KVALID, EPOS, EVALID, EEND, BLOCKS, SKIP,
+def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, KVALID, EPOS, EVALID, EEND, BLOCKS, SKIP,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                    stride_keb, stride_keh, stride_ken, stride_veb, stride_veh, stride_ven,
                    stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
@@ -286,9 +286,8 @@ def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, DKE, DVE, KVALID, EPOS, 
     for start_n in range((lo // BN) * BN, hi, BN):
         cols = start_n + tl.arange(0, BN)
         ok = _band_mask(pos_i, cols, row_ok, NK, kvalid_ptr, STEP, START, STOP, DIL, CAUSAL, HAS_KVALID, True)
-        dq, ds, p = _bwd_dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, cols, NK, ok, offs_d,
-                                 offs_dv, D, DV, qk_scale, seed, bh, rows, NQ, cols, n_drop_cols, dropout_p, DROPOUT,
-                                 PRECISION)
+        dq = _bwd_dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, cols, NK, ok, offs_d, offs_dv,
+                          D, DV, qk_scale, seed, bh, rows, NQ, cols, n_drop_cols, dropout_p, DROPOUT, PRECISION)
     if HAS_LIST:
         list_ptr = BLOCKS + h * stride_blh + ((tile * BM) // LIST_BLOCK) * stride_blm
         for slot in range(N_LIST):
@@ -298,40 +297,31 @@ def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, DKE, DVE, KVALID, EPOS, 
                     cols = block * LIST_BLOCK + sub + tl.arange(0, BN)
                     ok = _band_mask(pos_i, cols, row_ok, NK, kvalid_ptr, STEP, START, STOP, DIL, CAUSAL, HAS_KVALID,
                                     False)
-                    dq, ds, p = _bwd_dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, cols, NK, ok,
-                                             offs_d, offs_dv, D, DV, qk_scale, seed, bh, rows, NQ, cols, n_drop_cols,
-                                             dropout_p, DROPOUT, PRECISION)
+                    dq = _bwd_dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, cols, NK, ok,
+                                      offs_d, offs_dv, D, DV, qk_scale, seed, bh, rows, NQ, cols, n_drop_cols,
+                                      dropout_p, DROPOUT, PRECISION)
     if HAS_EXTRA:
         e_hi = NE
         if HAS_EEND:
             e_hi = tl.load(EEND + tile)
         ke_ptr = KE + b * stride_keb + h * stride_keh
         ve_ptr = VE + b * stride_veb + h * stride_veh
-        dke_ptr = DKE + bh * NE * D  # float32 [B, H, E, D] buffers, contiguous
-        dve_ptr = DVE + bh * NE * DV
         for start_e in range(0, e_hi, BN):
             cols = start_e + tl.arange(0, BN)
             ok = _extra_mask(pos_i, cols, row_ok, NE, EPOS, EVALID + b * stride_evalid, CAUSAL, HAS_EVALID)
-            dq, ds, p = _bwd_dq_tile(dq, q, do, lse, delta, ke_ptr, ve_ptr, stride_ken, stride_ven, cols, NE, ok,
-                                     offs_d, offs_dv, D, DV, qk_scale, seed, bh, rows, NQ, NK + cols, n_drop_cols,
-                                     dropout_p, DROPOUT, PRECISION)
-            col_ok = cols < NE
-            # the extra keys' gradients: this tile's share, added atomically (every query tile adds one)
-            dke = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * sm_scale
-            dve = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            tl.atomic_add(dke_ptr + cols[:, None] * D + offs_d[None, :], dke,
-                          mask=col_ok[:, None] & (offs_d[None, :] < D))
-            tl.atomic_add(dve_ptr + cols[:, None] * DV + offs_dv[None, :], dve,
-                          mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+            dq = _bwd_dq_tile(dq, q, do, lse, delta, ke_ptr, ve_ptr, stride_ken, stride_ven, cols, NE, ok, offs_d,
+                              offs_dv, D, DV, qk_scale, seed, bh, rows, NQ, NK + cols, n_drop_cols, dropout_p,
+                              DROPOUT, PRECISION)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
 def _bwd_dkv_tile(dk, dv, k, v, q_ptr, do_ptr, stride_qn, stride_don, lse_ptr, delta_ptr, skip_ptr, rows, n_rows,
-                  cols, okT, offs_d, offs_dv, D, DV, qk_scale, seed, bh, n_drop_cols, dropout_p,
+                  drop_cols, okT, offs_d, offs_dv, D, DV, qk_scale, seed, bh, n_drop_cols, dropout_p,
                   HAS_SKIP: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """One query tile's share of dK and dV (transposed: rows of the tile are keys)."""
+    """One query tile's share of dK and dV (transposed: rows of the tile are keys); ``drop_cols``
+    are the keys' columns in the dropout draws."""
     row_ok = rows < n_rows
     q = tl.load(q_ptr + rows[:, None] * stride_qn + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D),
                 other=0.0)
@@ -344,7 +334,7 @@ def _bwd_dkv_tile(dk, dv, k, v, q_ptr, do_ptr, stride_qn, stride_don, lse_ptr, d
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     p_used = pT
     if DROPOUT:
-        keepT = tl.trans(_keep(seed, bh, rows, cols, n_rows, n_drop_cols, dropout_p))
+        keepT = tl.trans(_keep(seed, bh, rows, drop_cols, n_rows, n_drop_cols, dropout_p))
         dpT = tl.where(keepT, dpT / (1.0 - dropout_p), 0.0)
         p_used = tl.where(keepT, pT / (1.0 - dropout_p), 0.0)
     dv += tl.dot(p_used.to(do.dtype), do, input_precision=PRECISION)
@@ -420,6 +410,49 @@ def _bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, KVALID, BLOCKS_T, SKIP,
              dv.to(DV_.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < DV))
 
 
+@triton.jit
+def _bwd_extra_kernel(Q, KE, VE, DO, LSE, DELTA, DKE, DVE, EPOS, EVALID, SKIP,
+                      stride_qb, stride_qh, stride_qn, stride_keb, stride_keh, stride_ken, stride_veb, stride_veh,
+                      stride_ven, stride_dob, stride_doh, stride_don, stride_evalid,
+                      H, NQ, NK, NE, D, DV, Q_OFFSET, TILES_PER_PROGRAM, qk_scale, sm_scale, dropout_p, seed,
+                      CAUSAL: tl.constexpr, HAS_EVALID: tl.constexpr, HAS_SKIP: tl.constexpr, DROPOUT: tl.constexpr,
+                      PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                      BDV: tl.constexpr):
+    """dK and dV of the extra keys, which every query may see: each program sums a run of
+    TILES_PER_PROGRAM query tiles in registers and adds its share to float32 buffers once."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    cols = tile * BN + tl.arange(0, BN)
+    col_ok = cols < NE
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    ke = tl.load(KE + b * stride_keb + h * stride_keh + cols[:, None] * stride_ken + offs_d[None, :],
+                 mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    ve = tl.load(VE + b * stride_veb + h * stride_veh + cols[:, None] * stride_ven + offs_dv[None, :],
+                 mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    evalid_ptr = EVALID + b * stride_evalid
+    dk = tl.zeros([BN, BD], tl.float32)
+    dv = tl.zeros([BN, BDV], tl.float32)
+    lo = tl.program_id(2) * TILES_PER_PROGRAM * BM
+    hi = tl.minimum(lo + TILES_PER_PROGRAM * BM, NQ)
+    if CAUSAL:  # rows before the tile's first extra key's position see none of it
+        first = tl.min(tl.load(EPOS + cols, mask=col_ok, other=2147483647))
+        lo = tl.maximum(lo, ((first - Q_OFFSET) // BM) * BM)
+    for start_m in range(lo, hi, BM):
+        rows = start_m + tl.arange(0, BM)
+        okT = tl.trans(_extra_mask(rows + Q_OFFSET, cols, rows < NQ, NE, EPOS, evalid_ptr, CAUSAL, HAS_EVALID))
+        dk, dv = _bwd_dkv_tile(dk, dv, ke, ve, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh,
+                               stride_qn, stride_don, LSE + bh * NQ, DELTA + bh * NQ, SKIP, rows, NQ, NK + cols, okT,
+                               offs_d, offs_dv, D, DV, qk_scale, seed, bh, NK + NE, dropout_p, HAS_SKIP, DROPOUT,
+                               PRECISION)
+    tl.atomic_add(DKE + bh * NE * D + cols[:, None] * D + offs_d[None, :], dk * sm_scale,
+                  mask=col_ok[:, None] & (offs_d[None, :] < D))
+    tl.atomic_add(DVE + bh * NE * DV + cols[:, None] * DV + offs_dv[None, :], dv,
+                  mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+
+
 # ----------------------------------------------------------------------------- launchers
 
 def _pow2(n: int) -> int:
@@ -435,17 +468,17 @@ def _strides4(t: Tensor) -> tuple[int, int, int]:
 class _Prepared:
     """The kernels' view of a pattern: the int32 tables, the flags and the extra keys' visible ends."""
 
-    def __init__(self, pattern: SparsePattern, query: Tensor, n_keys: int, n_extra: int) -> None:
+    def __init__(self, pattern: SparsePattern, query: Tensor, n_extra: int) -> None:
         device = query.device
         self.pattern = pattern
         self.tile = _tile(pattern)
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        self.kvalid = dummy if pattern.key_valid is None else pattern.key_valid
+        self.kvalid = dummy if pattern.key_valid is None else _rows_unit_stride(pattern.key_valid)
         self.blocks = dummy if pattern.blocks is None else pattern.blocks.to(device=device, dtype=torch.int32)
         self.blocks_t = dummy if pattern.blocks_by_key is None else pattern.blocks_by_key.to(device=device,
                                                                                                  dtype=torch.int32)
         self.epos = dummy if pattern.extra_pos is None else pattern.extra_pos.to(device=device, dtype=torch.int32)
-        self.evalid = dummy if pattern.extra_valid is None else pattern.extra_valid
+        self.evalid = dummy if pattern.extra_valid is None else _rows_unit_stride(pattern.extra_valid)
         self.has_eend = bool(n_extra and pattern.causal)
         self.eend = dummy
         n_q = query.shape[2]
@@ -465,6 +498,11 @@ class _Prepared:
         self.evalid_stride = 0 if pattern.extra_valid is None else self.evalid.stride(0)
 
 
+def _rows_unit_stride(mask: Tensor) -> Tensor:
+    """A [B, N] mask whose rows the kernels can read with a unit stride (a batch stride of 0 is fine)."""
+    return mask if mask.stride(-1) == 1 else mask.contiguous()
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -478,7 +516,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         n_k, dv = key.shape[2], value.shape[-1]
         n_e = 0 if extra_key is None else extra_key.shape[2]
         offset = pattern.query_offset
-        prep = _Prepared(pattern, query, n_k, n_e)
+        prep = _Prepared(pattern, query, n_e)
         seed = int(torch.randint(0, 2**31 - 1, ()).item()) if dropout_p > 0 else 0  # CPU generator: no device sync
         covered = offset == 0 and output_length == n_q  # else rows outside the kernel's come from replace_value
         out = (torch.empty if covered else torch.zeros)(b, output_length, h, dv, dtype=query.dtype,
@@ -531,13 +569,11 @@ class _BlockSparseAttention(torch.autograd.Function):
         dvalue = torch.empty_like(value)
         ke = query if extra_key is None else extra_key
         ve = value if extra_value is None else extra_value
-        dke = torch.zeros(b, h, n_e, d, dtype=torch.float32, device=query.device) if n_e else lse
-        dve = torch.zeros(b, h, n_e, dv, dtype=torch.float32, device=query.device) if n_e else lse
         common = dict(HAS_SKIP=has_skip, DROPOUT=ctx.dropout_p > 0, PRECISION=_precision(query.dtype), BM=tile,
                       BN=tile, BD=_pow2(d), BDV=_pow2(dv), **prep.flags)
         scales = (ctx.scale * _LOG2E, ctx.scale, ctx.dropout_p, ctx.seed)
         _bwd_dq_kernel[(triton.cdiv(n_q, tile), b * h)](
-            query, key, value, ke, ve, do4, lse, delta, dq, dke, dve, prep.kvalid, prep.epos, prep.evalid, prep.eend,
+            query, key, value, ke, ve, do4, lse, delta, dq, prep.kvalid, prep.epos, prep.evalid, prep.eend,
             prep.blocks, skip_rows,
             *_strides4(query), *_strides4(key), *_strides4(value), *_strides4(ke), *_strides4(ve), *_strides4(do4),
             *_strides4(dq), prep.kvalid_stride, prep.evalid_stride, *prep.list_strides,
@@ -549,8 +585,19 @@ class _BlockSparseAttention(torch.autograd.Function):
             *_strides4(query), *_strides4(key), *_strides4(value), *_strides4(do4), *_strides4(dk),
             *_strides4(dvalue), prep.kvalid_stride, *prep.list_t_strides,
             h, n_q, n_k, n_e, d, dv, offset, prep.n_list_t, *prep.band, *scales, **flags_t)
-        grad_ke = dke.to(extra_key.dtype) if n_e else None
-        grad_ve = dve.to(extra_value.dtype) if n_e else None
+        grad_ke = grad_ve = None
+        if n_e:
+            dke = torch.zeros(b, h, n_e, d, dtype=torch.float32, device=query.device)
+            dve = torch.zeros(b, h, n_e, dv, dtype=torch.float32, device=query.device)
+            q_tiles = triton.cdiv(n_q, tile)
+            _bwd_extra_kernel[(triton.cdiv(n_e, tile), b * h, triton.cdiv(q_tiles, EXTRA_TILES_PER_PROGRAM))](
+                query, extra_key, extra_value, do4, lse, delta, dke, dve, prep.epos, prep.evalid, skip_rows,
+                *_strides4(query), *_strides4(extra_key), *_strides4(extra_value), *_strides4(do4),
+                prep.evalid_stride, h, n_q, n_k, n_e, d, dv, offset, EXTRA_TILES_PER_PROGRAM, *scales,
+                CAUSAL=pattern.causal, HAS_EVALID=pattern.extra_valid is not None, HAS_SKIP=has_skip,
+                DROPOUT=ctx.dropout_p > 0, PRECISION=_precision(query.dtype), BM=tile, BN=tile, BD=_pow2(d),
+                BDV=_pow2(dv))
+            grad_ke, grad_ve = dke.to(extra_key.dtype), dve.to(extra_value.dtype)
         grad_replace = None
         if replace_index is not None:
             grad_replace = grad_out.index_select(1, replace_index).transpose(1, 2).to(ctx.replace_dtype)

@@ -33,7 +33,8 @@ from torch.autograd.function import once_differentiable
 
 from longattn.attention.base import split_heads
 
-__all__ = ["Chunk", "chunked_attention", "chunked_projected_attention"]
+__all__ = ["Band", "Chunk", "SparsePattern", "chunked_attention", "chunked_projected_attention", "window_chunk",
+           "windowed_attention"]
 
 Selector = slice | Tensor
 
