@@ -94,10 +94,11 @@ MODULES = [
     ("local", dict(window_size=8)),
     ("local", dict(window_size=8, causal=True, look_backward=2)),
     ("bigbird", dict(block_size=16, random_blocks=2)),
-    ("longformer", dict(attention_window=8, global_positions=(0, 30))),
+    ("longformer", dict(attention_window=8, global_positions=(0, 30), bias=False)),
     ("longformer", dict(attention_window=6, dilation=2, causal=True, separate_global_projections=False)),
     ("transformer_ls", dict(window_size=4, rank=6)),
-    ("transformer_ls", dict(window_size=4, causal=True, chunk_size=8)),
+    ("transformer_ls", dict(window_size=3, rank=5, dual_ln=False, bias=False)),
+    ("transformer_ls", dict(window_size=4, causal=True, chunk_size=8, chunk_rank=2)),
 ]
 
 
