@@ -257,7 +257,7 @@ def _normalised(key: Tensor, value: Tensor, key_long: Tensor, value_long: Tensor
 
 
 def _short_normalised(t: Tensor, short_norm: Norm, dtype: torch.dtype) -> Tensor:
-    """LN_S on the keys or values in ``dtype`` (its statistics in float32): no float32 copy."""
+    """LN_S on the keys or values in ``dtype`` (its statistics in float32): no float32 copy of them."""
     with _autocast_off(t.device):
         return short_norm(t.to(dtype)).to(dtype)
 
@@ -483,8 +483,8 @@ class LongShortAttention(AttentionBase):
         dtype = output_dtype(query)
         b, n, _ = x.shape
 
-        def short_term(x: Tensor, linear: nn.Linear) -> Tensor:
-            return _short_normalised(split_heads(linear(x), self.heads), self.short_norm, dtype)
+        def short_term(x: Tensor, linear: nn.Linear) -> Tensor:  # LN_S over each token's heads, as short_norm
+            return split_heads(_short_normalised(linear(x), self.norm_short, dtype), self.heads)
 
         def long_term(x: Tensor) -> tuple[Tensor, Tensor]:
             logits = self.projection_logits(x)
