@@ -108,3 +108,18 @@ def test_cost_estimate_measures_every_cell(tmp_path):
     assert cost["total_s"] == pytest.approx(sum(c["cell_s"] for c in cost["cells"]))
     text = write_cost_estimate(cost, tmp_path)
     assert "N=64 d=16" in text and (tmp_path / "cost.json").is_file()
+
+
+def test_command_line(tmp_path, capsys):
+    from longattn.cli import main
+
+    tiny = ["--set", *TINY]
+    assert main(["paper", "zoology-fig2", "--attentions", "softmax", "linear", "--lengths", "64", "--widths", "8",
+                 "--seeds", "0", "--lrs", "1e-3", *tiny, "--out", str(tmp_path / "fig2")]) == 0
+    results = json.loads((tmp_path / "fig2" / "results.json").read_text())
+    assert [c["row"] for c in results["cells"]] == ["softmax", "linear"] and results["lrs"] == [1e-3]
+    assert main(["paper", "zoology-fig2", "--attentions", "softmax", "--lengths", "64", "--widths", "8", *tiny,
+                 "--estimate", "--out", str(tmp_path / "cost")]) == 0
+    assert (tmp_path / "cost" / "cost.md").is_file()
+    assert main(["paper", "zoology-fig2", "--attentions", "softmx", "--out", str(tmp_path / "x")]) == 2
+    assert "softmx" in capsys.readouterr().err
