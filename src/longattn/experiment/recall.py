@@ -376,7 +376,7 @@ def write_recall_outputs(plan: SweepPlan, entries: list[_Entry], out_dir: Path,
             text += [f"\nPaired difference from {reference.name} (points):\n", markdown_table(headers, differences),
                      f"\n{legend(reference.name)}"]
         text += ["\nLearning rate chosen on validation accuracy (first seed):\n", markdown_table(headers, rates),
-                 "\nTraining time of the cell, all runs (minutes):\n", markdown_table(headers, times)]
+                 "\nTraining time of the cell, all its runs (wall-clock minutes, validation excluded):\n", markdown_table(headers, times)]
         blocks.append("\n".join(text) + "\n")
     title = (f"## {plan.title}\n\nPreset `{plan.preset}`; learning rates searched: "
              f"{', '.join(f'{lr:.3g}' for lr in plan.lrs)}; batch per length: "
