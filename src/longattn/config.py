@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 from longattn.registry import nearest
-from longattn.utils import optional_import
+from longattn.utils import optional_import, write_text_atomic
 
 __all__ = [
     "ConfigError",
@@ -147,7 +147,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def write_yaml(tree: dict[str, Any], path: str | Path) -> None:
     yaml = optional_import("yaml")
 
-    Path(path).write_text(yaml.safe_dump(tree, sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(tree, sort_keys=False))  # never half a config (a kill, a full disk)
 
 
 # ----------------------------------------------------------------------------- trees

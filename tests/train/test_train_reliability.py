@@ -113,7 +113,7 @@ def test_second_run_into_the_same_folder_is_refused(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    assert run(config, tmp_path)["steps"] == 2  # the lock went with the process
+    assert run(config, tmp_path, overwrite=True)["steps"] == 2  # the lock went with the process
 
 
 def _cut_run(tmp_path, config, stop_at=9):

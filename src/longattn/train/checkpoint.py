@@ -61,7 +61,7 @@ def save_atomic(obj: Any, path: str | os.PathLike, keep_previous: bool = False) 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(record, f)
+            _save_to(record, f)
             f.flush()
             os.fsync(f.fileno())
         if keep_previous and path.is_file():
@@ -70,6 +70,35 @@ def save_atomic(obj: Any, path: str | os.PathLike, keep_previous: bool = False) 
         _fsync_folder(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class _WriteRecorder:
+    """A file's ``write`` that remembers the OSError it raised: torch's zip writer sometimes swallows it and
+    raises its own ``RuntimeError: [enforce fail at inline_container.cc] . unexpected pos ...`` instead."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _save_to(obj: Any, file: Any) -> None:
+    """``torch.save(obj, file)`` where a failed write (a full disk) always comes out as the OSError it was."""
+    recorder = _WriteRecorder(file)
+    try:
+        torch.save(obj, recorder)
+    except (OSError, RuntimeError) as error:
+        if recorder.error is not None and recorder.error is not error:
+            raise recorder.error from None
         raise
 
 
@@ -90,11 +119,13 @@ def _keep_copy(path: Path, copy: Path) -> None:
         raise
 
 
-def remove_temporary_files(folder: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files a killed :func:`save_atomic` left in ``folder``; returns them.
-    Only call it while no other process writes there (the Trainer holds the output-folder lock)."""
+def remove_temporary_files(folder: str | os.PathLike, names: tuple[str, ...] | None = None) -> list[Path]:
+    """Delete the temporary files a killed atomic write (:func:`save_atomic`, ``write_text_atomic``) left in
+    ``folder`` (only those of the files ``names``, if given); returns them. Only call it while no other
+    process writes there (the Trainer holds the output-folder lock)."""
     folder = Path(folder)
-    stale = sorted(folder.glob(".*.tmp")) if folder.is_dir() else []
+    patterns = [".*.tmp"] if names is None else [f".{name}.*.tmp" for name in names]
+    stale = sorted({p for pattern in patterns for p in folder.glob(pattern)}) if folder.is_dir() else []
     for file in stale:
         file.unlink(missing_ok=True)
     return stale
