@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bad_input(family, outcome, cases=1): a reliability case (tests/reliability.py), "
+                            "counted in docs/reliability.md by tests/reliability_counts.py")
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_seed():
     torch.manual_seed(0)
