@@ -198,3 +198,60 @@ def test_cifar_batch_counts_and_truncation(tmp_path):
     (folder / "test_batch").write_bytes(payload[: len(payload) // 2])
     with pytest.raises(DatasetError, match="test_batch: not a CIFAR-10 python batch"):
         build_dataset("image", "test", data_dir=str(tmp_path), check_counts=False)
+
+
+# ----------------------------------------------------------------------------- dangling links in class folders
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from reliability import CLEAR_ERROR, FOLDERS, cases  # noqa: E402
+
+from longattn.data import textcls  # noqa: E402
+
+TEXTCLS = Path(__file__).parent / "fixtures" / "textcls"
+
+
+def _copy_textcls(name: str, folder: str = ""):
+    def prepare(root: Path) -> Path:
+        shutil.copytree(TEXTCLS / name, root / name)
+        return root / name / folder
+
+    return prepare
+
+
+def _imdb_folder(root: Path) -> Path:
+    for name in ("train/pos/0_9.txt", "train/neg/0_2.txt", "test/pos/0_8.txt", "test/neg/0_1.txt"):
+        (root / "aclImdb" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "aclImdb" / name).write_text("a fine film", encoding="utf-8")
+    return root / "aclImdb" / "train" / "pos"
+
+
+def _image_folder(root: Path) -> Path:
+    from test_image import _png
+
+    for cls in ("cat", "airplane"):
+        (root / "train" / cls).mkdir(parents=True)
+        (root / "train" / cls / "0000.png").write_bytes(_png((0, 0, 0)))
+    return root / "train" / "cat"
+
+
+DANGLING = {
+    # (prepare a copy of the data: returns the folder that gets the dangling link, the link's name, read it)
+    "BBC document": (_copy_textcls("bbc", "business"), "999.txt", lambda root: textcls.read_bbc(root, "train")),
+    "BBC class folder": (_copy_textcls("bbc"), "weather", lambda root: textcls.read_bbc(root, "train")),
+    "20 Newsgroups document": (_copy_textcls("20news-bydate-train", "comp.graphics"), "61000",
+                               lambda root: textcls.read_20news(root, "train")),
+    "IMDb review": (_imdb_folder, "1_10.txt", lambda root: textcls.build_textcls("imdb", "train", root)),
+    "image file": (_image_folder, "0001.png",
+                   lambda root: build_dataset("image", "train", data_dir=str(root), check_counts=False)),
+}
+
+
+@pytest.mark.parametrize("prepare, name, read", cases(FOLDERS, CLEAR_ERROR, DANGLING))
+def test_dangling_link_in_a_class_folder_is_an_error_naming_it(tmp_path, prepare, name, read):
+    link = prepare(tmp_path) / name
+    read(tmp_path)  # the copy reads as it is
+    link.symlink_to(tmp_path / "moved-away" / name)
+    with pytest.raises(DatasetError, match=rf"{link}: a symbolic link to .*moved-away/{name}, which does not exist"):
+        read(tmp_path)

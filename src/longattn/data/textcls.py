@@ -46,10 +46,12 @@ from .common import (
     DatasetError,
     Packed,
     check_split,
+    class_folder_files,
     holdout_test,
     iter_tar_files,
     once_per_block,
     pad_sequences,
+    read_bytes,
     stratified_folds,
 )
 
@@ -138,8 +140,7 @@ def _folder_documents(root: Path, where: str) -> list[tuple[str, str, bytes]]:
     """(class, file name, bytes) of every `<root>/<class>/<file>`, sorted."""
     if not root.is_dir():
         raise DatasetError(f"{where}: missing folder {root}")
-    entries = [(file.parent.name, file.name, file.read_bytes()) for file in root.glob("*/*") if file.is_file()]
-    return sorted(entries)
+    return [(label, name, read_bytes(file)) for label, name, file in class_folder_files(root)]
 
 
 def _archive_documents(archive: Path, top: str) -> list[tuple[str, str, bytes]]:
