@@ -293,3 +293,57 @@ def test_hung_rank_becomes_a_clear_error(tmp_path):
         for process in ranks:
             process.kill()
             process.communicate()
+
+
+# ----------------------------------------------------------------------------- another run's or model's checkpoint
+
+from reliability import CLEAR_ERROR, CORRECT_RESULT, FOREIGN_WEIGHTS, bad_input, cases  # noqa: E402
+from test_loop import Regressor, collate_regression, loop_settings, regression_step  # noqa: E402
+
+from longattn.experiment.run import evaluate_run  # noqa: E402
+
+
+class WiderRegressor(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(4, 2)
+
+
+@bad_input(FOREIGN_WEIGHTS, CLEAR_ERROR)
+def test_trainer_without_fingerprint_refuses_another_models_checkpoint(tmp_path):
+    data = [(torch.randn(3, 4), torch.randn(())) for _ in range(8)]
+    settings = loop_settings(max_steps=4, eval_every=2, checkpoint_every=2, batch_size=4, progress=False,
+                             select_metric="loss", select_mode="min")
+    make = lambda model: Trainer(model, data, data, None, collate_regression, regression_step, {},  # noqa: E731
+                                 **settings, out_dir=tmp_path)
+    trainer = make(Regressor())
+    trainer.on_step_end = interrupt_at(2)
+    with pytest.raises(Interrupt):
+        trainer.fit()
+    with pytest.raises(TrainingError, match=rf"{tmp_path}/checkpoints/last.pt belongs to a run with another "
+                                            r"configuration \(its model has other parameters: shape out.weight"):
+        make(WiderRegressor()).fit(resume=True)
+    assert make(Regressor()).fit(resume=True)["steps"] == 4  # the right model still resumes
+
+
+FOREIGN = {
+    "a checkpoint of another model": ({"overrides": ["model.dim=32"]}, r"holds the weights of another model \(.*shape"),
+    "a checkpoint of another mechanism": ({"attention": "nystrom"}, r"holds the weights of another model \(missing"),
+}
+
+
+@pytest.mark.parametrize("change, message", cases(FOREIGN_WEIGHTS, CLEAR_ERROR, FOREIGN))
+def test_eval_with_another_runs_checkpoint_names_the_file(tmp_path, change, message):
+    from longattn.experiment.config import resolve_config
+
+    steps = ["train.max_steps=2", "train.eval_every=2"]
+    run(tiny_config(*steps), tmp_path / "mine")
+    other = tiny_config(*steps, *change.get("overrides", []))
+    if "attention" in change:
+        other = resolve_config("listops", attention=change["attention"], overrides=[
+            *steps, "data.options.num_examples=40", "model.dim=16", "model.hidden=32", "train.progress=false"])
+    run(other, tmp_path / "other")
+    theirs = tmp_path / "other" / "checkpoints" / "best.pt"
+    with pytest.raises(CheckpointError, match=rf"{theirs} {message}"):
+        evaluate_run(tmp_path / "mine", checkpoint=str(theirs))
+    assert evaluate_run(tmp_path / "mine")["examples"] == 40  # its own checkpoint evaluates

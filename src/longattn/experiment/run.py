@@ -20,7 +20,7 @@ from longattn.experiment.config import RunConfig, build_run_config, load_saved, 
 from longattn.experiment.results import now, write_results
 from longattn.models.registry import build_model
 from longattn.tasks.base import Task, TaskData, get_task
-from longattn.train.checkpoint import load_checkpoint
+from longattn.train.checkpoint import load_checkpoint, load_weights
 from longattn.train.distributed import resolve_device
 from longattn.train.loop import Trainer, evaluate
 from longattn.train.outputs import RESULTS, RunFiles, check_output_folder, clear_run, inspect_output, read_finished, writing
@@ -222,7 +222,7 @@ def evaluate_run(out_dir: str | Path, split: str = "test", checkpoint: str = "be
     model = build_run_model(config, task, data)
     path = out_dir / "checkpoints" / f"{checkpoint}.pt" if checkpoint in ("best", "last") else Path(checkpoint)
     device = resolve_device(config.train.device)
-    model.load_state_dict(load_checkpoint(path, map_location="cpu")["model"])
+    load_weights(model, load_checkpoint(path, map_location="cpu")["model"], path)  # another run's weights: an error
     model.to(device)
     result = evaluate(
         model, dataset, data.collate, task.step_fn(config, data), task.metrics(config, data),

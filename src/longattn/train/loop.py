@@ -30,7 +30,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from longattn.attention import collect_aux_losses
 from longattn.train.checkpoint import (
+    first_line,
+    layout_difference,
     load_checkpoint,
+    load_weights,
+    model_layout,
     load_with_fallback,
     previous_path,
     remove_temporary_files,
@@ -63,27 +67,6 @@ from longattn.train.distributed import (
     timeout_seconds,
 )
 from longattn.utils import dumps_strict, optional_import, rng_state, seed_everything, set_rng_state
-
-
-def model_layout(model: nn.Module) -> dict[str, list[Any]]:
-    """{name: [shape..., dtype]} of every parameter and buffer: what a checkpoint of ``model`` must hold."""
-    return {name: [*tensor.shape, str(tensor.dtype).removeprefix("torch.")] for name, tensor in model.state_dict().items()}
-
-
-def layout_difference(saved: dict[str, list[Any]], current: dict[str, list[Any]]) -> str:
-    """A short account of how two :func:`model_layout` differ (the first few names of each kind)."""
-    missing = [name for name in current if name not in saved]
-    unexpected = [name for name in saved if name not in current]
-    changed = [f"{name} {saved[name]} vs {current[name]}" for name in current
-               if name in saved and saved[name] != current[name]]
-    parts = [f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
-             for label, names in (("missing", missing), ("not in this model", unexpected), ("shape", changed)) if names]
-    return "; ".join(parts)
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 class StepOutput(NamedTuple):
@@ -557,7 +540,7 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
             self.scaler.load_state_dict(state["scaler"])
         except (RuntimeError, ValueError, KeyError, TypeError) as error:  # a checkpoint of another model or optimiser
-            raise TrainingError(another.format(_first_line(error))) from None
+            raise TrainingError(another.format(first_line(error))) from None
         # Fields added to _Progress after a checkpoint was written take their defaults.
         known = {f.name for f in fields(_Progress)}
         self.progress = _Progress(**{k: v for k, v in state["progress"].items() if k in known})
@@ -739,7 +722,7 @@ class Trainer:
         val_result: dict[str, Any] | None = None
         if best.is_file():
             state = load_checkpoint(best, map_location=self.device)
-            self.model.load_state_dict(state["model"])  # with EMA: the averaged weights become the model's
+            load_weights(self.model, state["model"], best)  # with EMA: the averaged weights become the model's
             if self.ema is not None:
                 self.ema.module.load_state_dict(state["model"])
             val_result = state["val"]
