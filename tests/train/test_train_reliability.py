@@ -347,3 +347,146 @@ def test_eval_with_another_runs_checkpoint_names_the_file(tmp_path, change, mess
     with pytest.raises(CheckpointError, match=rf"{theirs} {message}"):
         evaluate_run(tmp_path / "mine", checkpoint=str(theirs))
     assert evaluate_run(tmp_path / "mine")["examples"] == 40  # its own checkpoint evaluates
+
+
+# ----------------------------------------------------------------------------- resume after every fault
+
+import faults  # noqa: E402
+from reliability import RESUME  # noqa: E402
+
+from longattn.train.outputs import LogError, NoSpaceError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: STOCHASTIC run to its end without a fault (results, log records, final weights)."""
+    from lra_stub import API
+
+    from longattn.tasks.lra import LRATask
+
+    saved, LRATask.data_api = LRATask.data_api, API
+    try:
+        folder = tmp_path_factory.mktemp("uninterrupted")
+        run(tiny_config(*STOCHASTIC), folder)
+    finally:
+        LRATask.data_api = saved
+    return final_state(folder)
+
+
+def assert_same_as(reference, folder: Path) -> None:
+    results, lines, weights = final_state(folder)
+    assert results["test"] == reference[0]["test"] and results["steps"] == 12
+    assert lines == reference[1]
+    for name, tensor in reference[2].items():
+        assert torch.equal(tensor, weights[name]), name
+
+
+@pytest.mark.parametrize("step", cases(RESUME, CORRECT_RESULT, {f"step {k}": k for k in range(1, 13)}))
+def test_stopped_at_any_step_then_resumed_is_bit_identical(tmp_path, uninterrupted, step):
+    with pytest.raises(Interrupt):
+        run(tiny_config(*STOCHASTIC), tmp_path, on_step_end=interrupt_at(step))
+    run(tiny_config(*STOCHASTIC), tmp_path, resume=True)
+    assert_same_as(uninterrupted, tmp_path)
+
+
+@pytest.mark.parametrize("room", cases(RESUME, CORRECT_RESULT, {"kernel ENOSPC (/dev/full)": None, "after 10 bytes": 10,
+                                                                "after 100 bytes": 100, "after 5000 bytes": 5000}))
+def test_full_disk_while_a_checkpoint_is_written(tmp_path, uninterrupted, room):
+    if room is None and not faults.DEV_FULL.exists():
+        pytest.skip("no /dev/full here")
+    with pytest.MonkeyPatch.context() as patch:
+        faults.full_disk_in_write(4, after_bytes=room, patch=patch.setattr)  # the step-8 checkpoint
+        with pytest.raises(NoSpaceError, match=rf"^no space left on --out {tmp_path} while writing checkpoints/last.pt; "
+                                               r"the last checkpoint \(step 6\) is intact; free some space, then run "
+                                               "again with --resume$"):
+            run(tiny_config(*STOCHASTIC), tmp_path)
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["progress"]["step"] == 6
+    assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
+    run(tiny_config(*STOCHASTIC), tmp_path, resume=True)
+    assert_same_as(uninterrupted, tmp_path)
+
+
+@bad_input(RESUME, CORRECT_RESULT)
+def test_full_disk_during_a_log_append_leaves_a_torn_line_that_resume_drops(tmp_path, uninterrupted, capsys):
+    with pytest.MonkeyPatch.context() as patch:
+        faults.full_disk_in_log_append(3, patch=patch.setattr)  # the third record (step 8) is cut in half
+        with pytest.raises(NoSpaceError, match=rf"no space left on --out {tmp_path} while writing metrics.jsonl"):
+            run(tiny_config(*STOCHASTIC), tmp_path)
+    assert not (tmp_path / "metrics.jsonl").read_text().endswith("\n")  # torn
+    capsys.readouterr()
+    run(tiny_config(*STOCHASTIC), tmp_path, resume=True)
+    assert f"warning: {tmp_path / 'metrics.jsonl'}:3: dropped a torn last line" in capsys.readouterr().err
+    assert_same_as(uninterrupted, tmp_path)
+
+
+@bad_input(RESUME, CORRECT_RESULT)
+def test_torn_last_log_line_after_a_kill_is_dropped_on_resume(tmp_path, uninterrupted, capsys):
+    with pytest.raises(Interrupt):
+        run(tiny_config(*STOCHASTIC), tmp_path, on_step_end=interrupt_at(9))
+    faults.tear_last_line(tmp_path / "metrics.jsonl")
+    run(tiny_config(*STOCHASTIC), tmp_path, resume=True)
+    assert "dropped a torn last line" in capsys.readouterr().err
+    assert_same_as(uninterrupted, tmp_path)
+
+
+@bad_input(RESUME, CLEAR_ERROR)
+def test_damaged_log_line_before_the_last_is_an_error_naming_it(tmp_path):
+    with pytest.raises(Interrupt):
+        run(tiny_config(*STOCHASTIC), tmp_path, on_step_end=interrupt_at(9))
+    log = tmp_path / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2  # validations at steps 4 and 8
+    log.write_text("\n".join([lines[0][:10], *lines[1:]]) + "\n")
+    with pytest.raises(LogError, match=rf"{log}:1: not a JSON record .*fix or delete that line"):
+        run(tiny_config(*STOCHASTIC), tmp_path, resume=True)
+
+
+@bad_input(RESUME, CORRECT_RESULT)
+def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_identical(tmp_path):
+    """A real SIGKILL of a one-process run half-way through writing its third last.pt."""
+    from ddp_reliability_worker import BASE
+
+    from longattn.experiment.config import resolve_config
+
+    env = {k: v for k, v in worker_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "train" / "ddp_reliability_worker.py"),
+                             str(tmp_path / "cut"), "run", "kill_in_write=3"], env=env, capture_output=True,
+                            text=True, timeout=180)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert list((tmp_path / "cut" / "checkpoints").glob(".last.pt.*.tmp"))  # the half-written file
+    config = resolve_config("listops", attention="softmax", overrides=BASE)
+    run(config, tmp_path / "cut", resume=True)
+    run(config, tmp_path / "full")
+    full, cut = final_state(tmp_path / "full"), final_state(tmp_path / "cut")
+    assert cut[0]["test"] == full[0]["test"] and cut[1] == full[1]
+    assert all(torch.equal(full[2][k], cut[2][k]) for k in full[2])
+
+
+@needs_gloo
+@bad_input(RESUME, CORRECT_RESULT, cases=4)
+def test_ddp_resume_after_kills_a_full_disk_and_a_torn_log_is_bit_identical(tmp_path):
+    """Two gloo ranks: kill -9 of rank 1 at step 3; resume, and rank 0's disk fills during its first checkpoint
+    write (both ranks stop with the error); a torn last log line; resume, and rank 0 is killed half-way
+    through its second checkpoint write; resume to the end: the final weights equal an uninterrupted run's."""
+    def launch(out, *args):
+        ranks = launch_by_hand(out, *args, env={"LONGATTN_DIST_TIMEOUT_S": "60"})
+        outputs = [process.communicate(timeout=180) for process in ranks]
+        return [process.returncode for process in ranks], [err for _, err in outputs]
+
+    codes, _ = launch(tmp_path / "full", "run")
+    assert codes == [0, 0]
+    cut = tmp_path / "cut"
+    codes, errors = launch(cut, "run", "kill_at_step=3:1")
+    assert codes[1] == -9 and codes[0] != 0 and "lost the connection to another rank" in errors[0], errors[0][-2000:]
+    codes, errors = launch(cut, "resume", "full_disk_in_write=1")
+    assert codes == [1, 1], errors
+    assert f"no space left on --out {cut} while writing checkpoints/last.pt" in errors[0], errors[0][-2000:]
+    assert f"rank 0: no space left on --out {cut}" in errors[1], errors[1][-2000:]
+    faults.tear_last_line(cut / "metrics.jsonl")
+    codes, errors = launch(cut, "resume", "kill_in_write=2")
+    assert codes[0] == -9 and "dropped a torn last line" in errors[0], errors[0][-2000:]
+    codes, errors = launch(cut, "resume")
+    assert codes == [0, 0], errors
+    full, resumed = final_state(tmp_path / "full"), final_state(cut)
+    assert resumed[0]["test"] == full[0]["test"] and resumed[1] == full[1]
+    assert all(torch.equal(full[2][k], resumed[2][k]) for k in full[2])

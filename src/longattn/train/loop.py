@@ -46,6 +46,7 @@ from longattn.train.outputs import (
     NoSpaceError,
     OutputFolderError,
     TrainingError,
+    append_line,
     check_output_folder,
     clear_run,
     lock_output_folder,
@@ -379,8 +380,7 @@ class Trainer:
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.is_main:
             with self._writing(METRICS):
-                with self.metrics_path.open("a") as f:
-                    f.write(dumps_strict(record) + "\n")
+                append_line(self.metrics_path, dumps_strict(record))
 
     def _writing(self, what: str) -> Any:
         """:func:`longattn.train.outputs.writing` for this run: what a full disk leaves intact."""

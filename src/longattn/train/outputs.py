@@ -24,7 +24,7 @@ from typing import Any, Iterator, Literal
 from longattn.utils import write_text_atomic
 
 __all__ = ["FINISHED", "LogError", "NoSpaceError", "OutputFolderError", "RunFiles", "TrainingError",
-           "check_not_in_use", "check_output_folder", "lock_output_folder",
+           "append_line", "check_not_in_use", "check_output_folder", "lock_output_folder",
            "clear_run", "inspect_output", "is_out_of_space", "writing", "read_finished", "read_jsonl", "write_text_atomic"]
 
 CHECKPOINTS = "checkpoints"
@@ -67,6 +67,13 @@ def writing(out_dir: str | os.PathLike, what: str, kept: str = "what was written
             raise
         raise NoSpaceError(f"no space left on --out {out_dir} while writing {what}; {kept}; free some space, then "
                            "run again with --resume") from None
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append ``line`` and a newline to ``path`` (a JSON-lines log). A kill or a full disk can cut the append
+    short: :func:`read_jsonl` drops such a torn last line."""
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
 
 
 def read_jsonl(path: str | os.PathLike, torn_last_line: Literal["drop", "error"] = "drop") -> list[dict[str, Any]]:
