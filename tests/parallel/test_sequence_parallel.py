@@ -1,16 +1,19 @@
-"""Sequence-parallel forms against the single-process layer, with 2 and 3 gloo processes on CPU.
+"""Sequence-parallel forms against the single-process layer, on gloo process groups of 1 to 4 CPU processes.
 
-Every rank builds the same float64 layer and input (same seed), runs it whole as the reference,
-then a copy on its shard through longattn.parallel; outputs, input gradients and the parameter
-gradients (summed over the ranks) must match. Lengths are odd; one scenario cuts the sequence
-unevenly without a mask, the other uses shard_sequence (padding on the last rank) and a mask
-with padding inside the sequence too.
+Every rank builds the same float64 layer and input (same seed) and runs it whole as the reference, then the
+same layer on its shard through longattn.parallel; outputs, input gradients and the parameter gradients
+(summed over the ranks) must match. One process group per group size serves every sequence length N from 1
+to 70 (shard_sequence's cut, lengths not divisible by the group and fewer tokens than ranks included) and
+every case, with padding inside the sequence and at its end; another scenario cuts the sequence unevenly by
+hand. Then the ranks are given mismatched inputs: every mismatch must be one clear error naming the rank, on
+every rank, and a rank that never comes must time out into one.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import os
 
 import pytest
 import torch
@@ -20,14 +23,20 @@ import torch.multiprocessing as mp
 from longattn import attention
 from longattn.attention.base import AttentionError
 from longattn.parallel import count_communication, gather_sequence, parallel_forms, sequence_parallel, shard_sequence
+from longattn.parallel.api import shard_bounds
+from reliability import CLEAR_ERROR, CORRECT_RESULT, SEQUENCE_PARALLEL, bad_input
 
-DIM, HEADS, LENGTH, BATCH = 8, 2, 37, 2
+DIM, HEADS, BATCH = 8, 2, 2
+LENGTHS = range(1, 71)
+UNEVEN = 37  # the hand-cut scenario's length
+WORLDS = (1, 2, 3, 4)
 
 #: (label, mechanism, build options, training mode)
 CASES = [
-    ("skeleton", "skeleton", dict(max_len=64, s1=12, s2=3, dropout=0.0, smoother_dropout=0.0), True),
-    ("skeleton-eval-valid", "skeleton", dict(max_len=40, s1=40, s2=4, column_scale="valid", smoother_kernel_size=5), False),
-    ("skeleton-no-smoother", "skeleton", dict(max_len=64, smoother=False, mask_padded_samples=False), False),
+    ("skeleton", "skeleton", dict(max_len=80, s1=12, s2=3, dropout=0.0, smoother_dropout=0.0), True),
+    ("skeleton-eval-valid", "skeleton", dict(max_len=80, s1=40, s2=4, column_scale="valid", smoother_kernel_size=5),
+     False),
+    ("skeleton-no-smoother", "skeleton", dict(max_len=80, smoother=False, mask_padded_samples=False), False),
     ("singular", "singular", dict(rank=5), True),
     ("singular-unshared", "singular", dict(rank=3, shared_factors=False), True),
     ("nystrom", "nystrom", dict(num_landmarks=8, conv_kernel=5), False),
@@ -36,96 +45,122 @@ CASES = [
     ("performer", "performer", dict(nb_features=16), True),
     ("performer-causal", "performer", dict(causal=True, nb_features=16), False),
     ("cosformer", "cosformer", {}, False),
-    ("cosformer-causal", "cosformer", dict(causal=True, max_positions=50, chunk_size=4), False),
-    ("linformer", "linformer", dict(max_len=45, k=6), True),
-    ("linformer-unshared-heads", "linformer", dict(max_len=40, k=5, headwise=False, share_kv=True), False),
+    ("cosformer-causal", "cosformer", dict(causal=True, chunk_size=4), False),
+    ("linformer", "linformer", dict(max_len=80, k=6), True),
+    ("linformer-unshared-heads", "linformer", dict(max_len=80, k=5, headwise=False, share_kv=True), False),
     ("softmax", "softmax", {}, False),
     ("softmax-causal", "softmax", dict(causal=True), False),
 ]
 
 
-def _uneven_lengths(world: int) -> list[int]:
-    lengths = [LENGTH // world + (2 if r == 0 else -1 if r == 1 else 0) for r in range(world)]
-    lengths[-1] += LENGTH - sum(lengths)
-    return lengths
-
-
-def _check_case(label: str, name: str, options: dict, training: bool, padded: bool) -> str | None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _build(name: str, options: dict, training: bool):
     torch.manual_seed(1)
     options = dict(options)
-    layer = attention.build(name, dim=DIM, heads=HEADS, max_len=options.pop("max_len", None),
-                            causal=options.pop("causal", False), **options).double().train(training)
-    x = torch.randn(BATCH, LENGTH, DIM, dtype=torch.float64)
-    if padded:
-        mask = torch.ones(BATCH, LENGTH, dtype=torch.bool)
-        mask[1, -6:] = False
-        mask[1, 3] = mask[0, LENGTH // 2] = False
-        x_local, mask_local = shard_sequence(x, mask)
-        part = x_local.shape[1]
-        x_whole = torch.cat((x, x.new_zeros(BATCH, part * world - LENGTH, DIM)), 1)
-        mask_whole = torch.cat((mask, mask.new_zeros(BATCH, part * world - LENGTH)), 1)
-        start = rank * part
-    else:
-        lengths = _uneven_lengths(world)
-        start, part = sum(lengths[:rank]), lengths[rank]
-        x_whole, mask_whole, mask_local = x, None, None
-        x_local = x[:, start : start + part]
-    cotangent = torch.randn(x_whole.shape, dtype=torch.float64)
+    return attention.build(name, dim=DIM, heads=HEADS, max_len=options.pop("max_len", None),
+                           causal=options.pop("causal", False), **options).double().train(training)
 
-    reference = copy.deepcopy(layer)
-    x_ref = x_whole.clone().requires_grad_()
-    out_ref = reference(x_ref, mask_whole)
-    loss = (out_ref * cotangent).sum() + sum(attention.collect_aux_losses(reference).values())
-    loss.backward()
 
-    if padded:  # padded contents never matter, not even NaN
-        x_local = x_local.masked_fill(~mask_local.unsqueeze(-1), float("nan"))
+def _mask(length: int) -> torch.Tensor:
+    """Padding inside the sequence and at its end (never every token of a sequence)."""
+    mask = torch.ones(BATCH, length, dtype=torch.bool)
+    if length > 2:
+        mask[1, length // 2] = False
+        mask[1, -max(1, length // 6):] = False
+    return mask
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal up to float64 rounding: within 1e-9 of the tensor's largest magnitude (sums over up to 70 tokens in
+    another order; an error of the forms is of the order of the values themselves)."""
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    return got.shape == expected.shape and bool(((got - expected).abs() <= 1e-10 + 1e-9 * scale).all())
+
+
+def _gradients(layer) -> torch.Tensor:
+    """Every parameter gradient of ``layer`` in one flat tensor (zeros where there is none), then cleared."""
+    flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in layer.parameters()])
+    layer.zero_grad(set_to_none=True)
+    return flat
+
+
+def _compare(label: str, out, out_ref, x_grad, x_ref_grad, grads, grads_ref) -> list[str]:
+    problems = [f"{label}: {what} differs by {(got - expected).abs().max().item() if got.shape == expected.shape else got.shape}"
+                for what, got, expected in (("output", out, out_ref), ("input gradient", x_grad, x_ref_grad))
+                if not _close(got, expected)]
+    dist.all_reduce(grads)  # parameter gradients are the sum over the ranks
+    if not _close(grads, grads_ref):
+        problems.append(f"{label}: parameter gradients differ by {(grads - grads_ref).abs().max().item()}")
+    return problems
+
+
+def _check_sharded(label: str, layer, length: int) -> list[str]:
+    """``shard_sequence`` of a length-N sequence with padding: the shard's part of the whole layer's result."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(BATCH, length, DIM, dtype=torch.float64, generator=g)
+    cotangent = torch.randn(BATCH, length, DIM, dtype=torch.float64, generator=g)
+    mask = _mask(length)
+    x_ref = x.clone().requires_grad_()
+    out_ref = layer(x_ref, mask)
+    ((out_ref * cotangent).sum() + sum(attention.collect_aux_losses(layer).values())).backward()
+    grads_ref = _gradients(layer)
+
+    start, end = shard_bounds(length, world, rank)
+    x_local, mask_local = shard_sequence(x, mask)
+    assert x_local.shape[1] == end - start
+    x_local = x_local.masked_fill(~mask_local.unsqueeze(-1), float("nan"))  # padded contents never matter
     x_mine = x_local.clone().requires_grad_()
-    sharded = sequence_parallel(layer)
-    out = sharded(x_mine, mask_local)
-    local_loss = (out * cotangent[:, start : start + part]).sum() + sum(attention.collect_aux_losses(layer).values())
+    out = sequence_parallel(layer)(x_mine, mask_local)
+    local_loss = (out * cotangent[:, start:end]).sum() + sum(attention.collect_aux_losses(layer).values())
     local_loss.backward()
-    problems = []
-    try:
-        torch.testing.assert_close(out, out_ref[:, start : start + part].detach(), rtol=1e-9, atol=1e-10)
-    except AssertionError as e:
-        problems.append(f"output: {e}")
-    try:
-        torch.testing.assert_close(x_mine.grad, x_ref.grad[:, start : start + part], rtol=1e-9, atol=1e-10)
-    except AssertionError as e:
-        problems.append(f"input gradient: {e}")
-    for (pname, p_ref), p in zip(reference.named_parameters(), layer.parameters()):
-        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        dist.all_reduce(grad)
-        try:
-            torch.testing.assert_close(grad, torch.zeros_like(p_ref) if p_ref.grad is None else p_ref.grad,
-                                       rtol=1e-9, atol=1e-10)
-        except AssertionError as e:
-            problems.append(f"gradient of {pname}: {e}")
-    return f"{label} ({'padded' if padded else 'uneven'}) rank {rank}: " + "; ".join(problems) if problems else None
+    return _compare(f"{label} N={length} rank {rank}/{world}", out.detach(), out_ref[:, start:end].detach(),
+                    x_mine.grad, x_ref.grad[:, start:end], _gradients(layer), grads_ref)
+
+
+def _check_hand_cut(label: str, layer) -> list[str]:
+    """Uneven shards cut by hand (no mask): rank 0 holds two tokens more, rank 1 one fewer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lengths = [UNEVEN // world + (2 if r == 0 else -1 if r == 1 else 0) for r in range(world)]
+    lengths[-1] += UNEVEN - sum(lengths)
+    start, part = sum(lengths[:rank]), lengths[rank]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, UNEVEN, DIM, dtype=torch.float64, generator=g)
+    cotangent = torch.randn(BATCH, UNEVEN, DIM, dtype=torch.float64, generator=g)
+    x_ref = x.clone().requires_grad_()
+    out_ref = layer(x_ref)
+    ((out_ref * cotangent).sum() + sum(attention.collect_aux_losses(layer).values())).backward()
+    grads_ref = _gradients(layer)
+    x_mine = x[:, start:start + part].clone().requires_grad_()
+    out = sequence_parallel(layer)(x_mine)
+    ((out * cotangent[:, start:start + part]).sum() + sum(attention.collect_aux_losses(layer).values())).backward()
+    return _compare(f"{label} hand-cut rank {rank}/{world}", out.detach(), out_ref[:, start:start + part].detach(),
+                    x_mine.grad, x_ref.grad[:, start:start + part], _gradients(layer), grads_ref)
 
 
 def _worker(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
-    # a short timeout turns a mismatched collective into an error instead of a hang
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        failures = [f for case in CASES for padded in (False, True) if (f := _check_case(*case, padded))]
-        assert not failures, "\n".join(failures)
-        _check_helpers_and_errors()
-        _check_inside_ddp()
+        layers = {label: _build(name, options, training) for label, name, options, training in CASES}
+        failures = [problem for length in LENGTHS for label, layer in layers.items()
+                    for problem in _check_sharded(label, layer, length)]
+        if world > 1:
+            failures += [problem for label, layer in layers.items() for problem in _check_hand_cut(label, layer)]
+        assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+        if world > 1:
+            _check_helpers_and_errors()
+            _check_inside_ddp()
     finally:
         dist.destroy_process_group()
 
 
 def _check_helpers_and_errors() -> None:
     world = dist.get_world_size()
-    x = torch.randn(BATCH, LENGTH, DIM)
+    x = torch.randn(BATCH, UNEVEN, DIM)
     x_local, mask_local = shard_sequence(x)
-    assert mask_local.all() or dist.get_rank() == world - 1
-    torch.testing.assert_close(gather_sequence(x_local, LENGTH), x)
+    assert mask_local.all()
+    torch.testing.assert_close(gather_sequence(x_local, UNEVEN), x)
     # communication of the sketch forms does not depend on N
     torch.manual_seed(0)
     layer = attention.build("skeleton", dim=DIM, heads=HEADS, max_len=256, dropout=0.0)
@@ -151,20 +186,24 @@ def _check_inside_ddp() -> None:
     torch.manual_seed(2)
     layer = attention.build("nystrom", dim=DIM, heads=HEADS, num_landmarks=4, conv_kernel=3).double()
     reference = copy.deepcopy(layer)
-    x = torch.randn(BATCH, LENGTH, DIM, dtype=torch.float64)
+    x = torch.randn(BATCH, UNEVEN, DIM, dtype=torch.float64)
+    reference(x).square().sum().backward()
     x_local, mask_local = shard_sequence(x)
-    pad = x_local.shape[1] * world - LENGTH  # the reference sees the same padded sequence
-    mask = torch.arange(LENGTH + pad).expand(BATCH, -1) < LENGTH
-    reference(torch.cat((x, x.new_zeros(BATCH, pad, DIM)), 1), mask).square().sum().backward()
     model = DistributedDataParallel(sequence_parallel(layer))
     (model(x_local, mask_local).square().sum() * world).backward()
     for (pname, p_ref), p in zip(reference.named_parameters(), layer.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"{pname}: {m}")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sequence_parallel_matches_single_process(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+def _spawn(target, world: int, tmp_path, *args) -> None:
+    mp.spawn(target, args=(world, str(tmp_path / "init"), *args), nprocs=world, join=True)
+
+
+@bad_input(SEQUENCE_PARALLEL, CORRECT_RESULT, cases=sum(1 for world in WORLDS for n in LENGTHS if n % world)
+           * len(CASES))
+@pytest.mark.parametrize("world", WORLDS)
+def test_sequence_parallel_matches_single_process_for_every_length(world: int, tmp_path) -> None:
+    _spawn(_worker, world, tmp_path)
 
 
 def test_capabilities_match_forms() -> None:
@@ -176,3 +215,108 @@ def test_needs_a_process_group() -> None:
     layer = attention.build("linear", dim=DIM, heads=HEADS)
     with pytest.raises(AttentionError, match="process group"):
         sequence_parallel(layer)(torch.randn(1, 5, DIM))
+
+
+def test_shards_cover_the_sequence_in_order() -> None:
+    for world in WORLDS:
+        for length in range(0, 12):
+            bounds = [shard_bounds(length, world, rank) for rank in range(world)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == length
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            sizes = [end - start for start, end in bounds]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+# ----------------------------------------------------------------------------- ranks that do not agree
+
+def _layer(**options):
+    torch.manual_seed(0)
+    return attention.build(options.pop("name", "linear"), dim=DIM, heads=HEADS, **options).double()
+
+
+def _x(rank_one=None, **kwargs):
+    """A 5-token shard, or ``rank_one``'s on rank 1."""
+    x = torch.randn(BATCH, 5, DIM, dtype=torch.float64)
+    return rank_one if dist.get_rank() == 1 and rank_one is not None else x
+
+
+def _performer_redrawing_on_rank_1():
+    layer = _layer(name="performer", nb_features=8, redraw_interval=3).train()
+    if dist.get_rank() == 1:
+        layer.calls_since_redraw.fill_(3)  # rank 1 redraws its features, rank 0 does not: the ranks desync
+    return sequence_parallel(layer)(_x())
+
+
+#: (the call every rank makes, what its error must say on rank 0, on rank 1)
+MISMATCHES = {
+    "dtype": (lambda: sequence_parallel(_layer())(_x(torch.randn(BATCH, 5, DIM))),
+              r"rank 1's input check: failed its checks", r"input dtype torch.float32 differs from the torch.float64"),
+    "batch size": (lambda: sequence_parallel(_layer())(_x(torch.randn(3, 5, DIM, dtype=torch.float64))),
+                   r"rank 1's batch size is 3, rank 0's 2", r"rank 1's batch size is 3, rank 0's 2"),
+    "feature size": (lambda: sequence_parallel(_layer())(_x(torch.randn(BATCH, 5, DIM + 1, dtype=torch.float64))),
+                     r"rank 1's input check: failed", r"input feature size 9 does not match dim=8"),
+    "layer options": (lambda: sequence_parallel(_layer(name="linformer", max_len=40,
+                                                       k=6 if dist.get_rank() == 0 else 5))(_x()),
+                      r"rank 1 runs another layer than rank 0", r"rank 1 runs another layer"),
+    "mask on one rank only": (lambda: sequence_parallel(_layer())(
+        _x(), torch.ones(BATCH, 5, dtype=torch.bool) if dist.get_rank() == 1 else None),
+        r"rank 1's mask: given, rank 0's: not given", r"rank 1's mask"),
+    "training mode": (lambda: sequence_parallel(_layer().train(dist.get_rank() == 1))(_x()),
+                      r"rank 1's training mode: on, rank 0's: off", r"rank 1's training mode"),
+    "collectives out of step": (_performer_redrawing_on_rank_1,
+                                r"before (broadcast features|all_reduce max): rank 1's collective is broadcast features, "
+                                r"rank 0's all_reduce max", r"rank 1's collective is broadcast features"),
+    "gathered shards of another width": (lambda: gather_sequence(_x(torch.randn(BATCH, 5, DIM + 2,
+                                                                                dtype=torch.float64))),
+                                         r"before all_gather: rank 1's size of dimension 2 is 10, rank 0's 8",
+                                         r"rank 1's size of dimension 2 is 10"),
+}
+TIMEOUT_S = 3
+
+
+def _mismatch_worker(rank: int, world: int, init_file: str, results: str) -> None:
+    import json
+
+    torch.set_num_threads(1)
+    os.environ["LONGATTN_DIST_TIMEOUT_S"] = str(TIMEOUT_S)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    seen = {}
+    try:
+        for name, (call, *_) in MISMATCHES.items():
+            torch.manual_seed(5)
+            try:
+                call()
+                seen[name] = "no error"
+            except AttentionError as error:
+                seen[name] = f"{type(error).__name__}: {error}"
+        # a rank that never comes to the collective: the other one's wait is bounded
+        if rank == 0:
+            try:
+                sequence_parallel(_layer())(_x())
+                seen["a rank that does not come"] = "no error"
+            except AttentionError as error:
+                seen["a rank that does not come"] = f"{type(error).__name__}: {error}"
+        else:
+            import time
+
+            time.sleep(TIMEOUT_S + 3)
+    finally:
+        with open(f"{results}.{rank}", "w") as handle:
+            json.dump(seen, handle)
+
+
+@bad_input(SEQUENCE_PARALLEL, CLEAR_ERROR, cases=len(MISMATCHES) + 1)
+def test_mismatched_ranks_get_one_clear_error_each_and_a_missing_rank_times_out(tmp_path) -> None:
+    import json
+
+    mp.spawn(_mismatch_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "seen")), nprocs=2, join=True)
+    seen = [json.loads((tmp_path / f"seen.{rank}").read_text()) for rank in (0, 1)]
+    import re
+
+    for name, (_, on_rank_0, on_rank_1) in MISMATCHES.items():
+        assert re.search(on_rank_0, seen[0][name]), (name, seen[0][name])
+        assert re.search(on_rank_1, seen[1][name]), (name, seen[1][name])
+    assert re.search(rf"rank 0: the sequence-parallel lengths did not complete within {TIMEOUT_S} s: another rank of "
+                     "the group is hung, stopped, or is not running this layer",
+                     seen[0]["a rank that does not come"]), seen[0]["a rank that does not come"]
