@@ -30,10 +30,12 @@ TRAINING = "training: non-finite loss or weights, folder in use, damaged or craf
 RESUME = "training: resume after damage, kill, full disk or a torn log (one process and 2-process DDP)"
 OUTPUT_FOLDERS = "output folders: a finished or interrupted run, a grid's cells (train, compare, sweep, ...)"
 FOREIGN_WEIGHTS = "another run's checkpoint, damaged safetensors, a config that no longer matches"
+SP_LENGTHS = ("sequence parallelism: a length N (1-70) that 2, 3 or 4 ranks do not divide, each on 16 layers "
+              "(every form), padding included")
 SEQUENCE_PARALLEL = "sequence parallelism: ranks with mismatched inputs, a rank that does not answer"
 FAMILIES = (ATTENTION_PADDING, ATTENTION_FUNCTIONAL, ATTENTION_DTYPE, ATTENTION_AUTOCAST, ATTENTION_EMPTY,
             ATTENTION_FINITE, ARCHIVES, TIME_SERIES, GLUE, FOLDERS, TRAINING, RESUME, OUTPUT_FOLDERS,
-            FOREIGN_WEIGHTS, SEQUENCE_PARALLEL)
+            FOREIGN_WEIGHTS, SP_LENGTHS, SEQUENCE_PARALLEL)
 
 
 def bad_input(family: str, outcome: str, cases: int = 1) -> pytest.MarkDecorator:
@@ -52,3 +54,46 @@ def cases(family: str, outcome: str, values: dict, *, count: int = 1) -> list:
     of ``family``."""
     return [pytest.param(*(value if isinstance(value, tuple) else (value,)), id=key,
                          marks=bad_input(family, outcome, count)) for key, value in values.items()]
+
+
+# ----------------------------------------------------------------------------- counting (docs/reliability.md)
+
+TABLE_BEGIN = "<!-- bad-input counts: written by tests/reliability_counts.py; do not edit by hand -->"
+TABLE_END = "<!-- end of bad-input counts -->"
+COLUMNS = ("bad inputs and faults tried", CLEAR_ERROR + "s", CORRECT_RESULT + "s", "silent wrong results", "tracebacks")
+
+
+def marked_files(root) -> list:
+    """The test files that carry reliability marks (those that import this module)."""
+    return sorted(path for path in (root / "tests").rglob("test_*.py")
+                  if "from reliability import" in path.read_text(encoding="utf-8"))
+
+
+def item_marks(item) -> list[dict]:
+    """The ``bad_input`` marks of a collected test item (one per kind of outcome it asserts)."""
+    return [dict(mark.kwargs) for mark in item.iter_markers("bad_input")]
+
+
+def count(marks: list[dict], failures: dict[str, list[dict]] | None = None) -> dict[str, dict[str, int]]:
+    """{family: {column: number}} from the marks of the collected items; ``failures``: the marks of the items
+    whose test failed, by kind ("silent" or "traceback"), from a run (see reliability_counts.py --run)."""
+    table = {family: dict.fromkeys(COLUMNS, 0) for family in FAMILIES}
+    for mark in marks:
+        row = table[mark["family"]]
+        row[COLUMNS[0]] += mark.get("cases", 1)
+        row[mark["outcome"] + "s"] += mark.get("cases", 1)
+    for kind, column in (("silent", COLUMNS[3]), ("traceback", COLUMNS[4])):
+        for mark in (failures or {}).get(kind, []):
+            row = table[mark["family"]]
+            row[column] += mark.get("cases", 1)
+            row[mark["outcome"] + "s"] -= mark.get("cases", 1)
+    return {family: row for family, row in table.items() if row[COLUMNS[0]]}
+
+
+def markdown(table: dict[str, dict[str, int]]) -> str:
+    rows = [["family", *COLUMNS]] + [[family, *map(str, row.values())] for family, row in table.items()]
+    total = ["**total**", *(f"**{sum(row[c] for row in table.values())}**" for c in COLUMNS)]
+    rows.append(total)
+    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    lines.insert(1, "|" + "---|" * len(COLUMNS + ("",)))
+    return "\n".join([TABLE_BEGIN, *lines, TABLE_END])

@@ -20,6 +20,7 @@ from longattn.train.checkpoint import CheckpointError, load_checkpoint, previous
 from longattn.train.loop import Trainer, TrainingError
 from longattn.experiment.run import run
 from ddp_kill_resume import worker_command, worker_env
+from reliability import CLEAR_ERROR, CORRECT_RESULT, RESUME, TRAINING, bad_input, cases
 from test_loop import Interrupt, final_state, interrupt_at, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +56,7 @@ def poison_loss_at(step_to_poison: int):
     return hook
 
 
+@bad_input(TRAINING, CLEAR_ERROR)
 def test_non_finite_loss_stops_with_the_last_checkpoint_intact(tmp_path):
     config = tiny_config(*STOCHASTIC)
     with pytest.raises(TrainingError, match=r"non-finite training loss \(nan\) at step 7 .*step 6\) is intact"):
@@ -70,6 +72,7 @@ def test_non_finite_loss_stops_with_the_last_checkpoint_intact(tmp_path):
     assert resumed["test"] == full["test"] and resumed["steps"] == 12
 
 
+@bad_input(TRAINING, CLEAR_ERROR)
 def test_overflowing_weights_are_never_checkpointed(tmp_path):
     def overflow_at_step_3(trainer, step):
         if step == 3:  # the update of step 4 overflows, as a huge learning rate would; its loss is finite
@@ -91,6 +94,7 @@ def test_overflowing_weights_are_never_checkpointed(tmp_path):
     assert state["progress"]["step"] == 2 and all(torch.isfinite(t).all() for t in state["model"].values())
 
 
+@bad_input(TRAINING, CLEAR_ERROR, cases=2)  # this process, another
 def test_second_run_into_the_same_folder_is_refused(tmp_path):
     config = tiny_config("train.max_steps=2", "train.eval_every=2")
 
@@ -122,6 +126,7 @@ def _cut_run(tmp_path, config, stop_at=9):
     return tmp_path / "cut" / "checkpoints" / "last.pt"
 
 
+@bad_input(RESUME, CORRECT_RESULT)
 @pytest.mark.parametrize("damage", ["truncated", "zeros", "missing"])
 def test_damaged_last_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, capsys):
     config = tiny_config(*STOCHASTIC)
@@ -144,6 +149,7 @@ def test_damaged_last_checkpoint_falls_back_to_the_previous_one(tmp_path, damage
         assert torch.equal(tensor, cut_weights[name]), name
 
 
+@bad_input(TRAINING, CLEAR_ERROR)
 def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
     config = tiny_config(*STOCHASTIC)
     last = _cut_run(tmp_path, config)
@@ -153,6 +159,7 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
         run(config, tmp_path / "cut", resume=True)
 
 
+@bad_input(RESUME, CORRECT_RESULT)
 def test_stale_temp_files_are_removed_and_checkpoints_are_weights_only(tmp_path):
     config = tiny_config(*STOCHASTIC)
     last = _cut_run(tmp_path, config)
@@ -166,6 +173,7 @@ def test_stale_temp_files_are_removed_and_checkpoints_are_weights_only(tmp_path)
     assert len(load_checkpoint(last)["rng"]) == 1  # one random state per rank
 
 
+@bad_input(RESUME, CORRECT_RESULT)
 @pytest.mark.parametrize("hard_links", [True, False])
 def test_interrupted_replacement_never_leaves_the_checkpoint_missing(tmp_path, monkeypatch, hard_links):
     """An interrupt (Ctrl-C) at the final rename leaves ``last.pt`` holding the old state, the previous copy
@@ -198,6 +206,7 @@ def _raise(error: BaseException):
     return fail
 
 
+@bad_input(TRAINING, CLEAR_ERROR, cases=2)  # a pickle with os.system, a wrong SHA256
 def test_crafted_checkpoint_does_not_execute(tmp_path):
     marker = tmp_path / "pwned"
 
@@ -215,6 +224,7 @@ def test_crafted_checkpoint_does_not_execute(tmp_path):
     assert not marker.exists()
 
 
+@bad_input(RESUME, CORRECT_RESULT)
 def test_resume_of_a_finished_run_does_nothing(tmp_path, capsys):
     config = tiny_config("train.max_steps=4", "train.eval_every=2")
     results = run(config, tmp_path)
@@ -227,6 +237,7 @@ def test_resume_of_a_finished_run_does_nothing(tmp_path, capsys):
     assert again["test"] == results["test"] and again["steps"] == 4
 
 
+@bad_input(RESUME, CORRECT_RESULT)
 def test_logs_are_strict_json(tmp_path, monkeypatch):
     from longattn.tasks.classification import ClassificationTask
 
@@ -252,6 +263,7 @@ def torchrun(out_dir: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @needs_gloo
+@bad_input(RESUME, CORRECT_RESULT)
 def test_ddp_log_reports_the_global_loss(tmp_path):
     """Two ranks with batch b see, at the first step, exactly the examples of one process with
     batch 2b: the logged (global) loss must be theirs, not rank 0's half."""
@@ -281,6 +293,7 @@ def launch_by_hand(out_dir: Path, *args: str, env: dict) -> list[subprocess.Pope
 
 
 @needs_gloo
+@bad_input(TRAINING, CLEAR_ERROR)
 def test_hung_rank_becomes_a_clear_error(tmp_path):
     # The time-out covers every collective, the start-up ones too: on a loaded machine two ranks can reach their
     # first collective several seconds apart, so it must stay well above that skew for the test to be about the hang.
@@ -297,7 +310,7 @@ def test_hung_rank_becomes_a_clear_error(tmp_path):
 
 # ----------------------------------------------------------------------------- another run's or model's checkpoint
 
-from reliability import CLEAR_ERROR, CORRECT_RESULT, FOREIGN_WEIGHTS, bad_input, cases  # noqa: E402
+from reliability import FOREIGN_WEIGHTS  # noqa: E402
 from test_loop import Regressor, collate_regression, loop_settings, regression_step  # noqa: E402
 
 from longattn.experiment.run import evaluate_run  # noqa: E402
@@ -352,7 +365,6 @@ def test_eval_with_another_runs_checkpoint_names_the_file(tmp_path, change, mess
 # ----------------------------------------------------------------------------- resume after every fault
 
 import faults  # noqa: E402
-from reliability import RESUME  # noqa: E402
 
 from longattn.train.outputs import LogError, NoSpaceError  # noqa: E402
 
