@@ -25,7 +25,9 @@ ATTENTION_FINITE = "attention: check_finite mode (NaN padded, inf real, inf with
 ARCHIVES = "data: archives and downloads (damaged, cut, wrong checksum, counts, crafted pickles)"
 TIME_SERIES = "data: time-series CSV (order, duplicates, gaps, cells, line numbers)"
 GLUE = "data: GLUE files (label column, scores, header)"
-FOLDERS = "data: class folders and other readers (dangling links, unreadable files)"
+FOLDERS = "data: class folders (dangling links in BBC, 20 Newsgroups, IMDb, image folders)"
+OTHER_READERS = ("files of other readers: YAML configs, saved run configs, summaries, MIMIC-III CSV, ListOps tsv, "
+                 "dataset cache")
 TRAINING = "training: non-finite loss or weights, folder in use, damaged or crafted checkpoints, hung rank"
 RESUME = "training: resume after damage, kill, full disk or a torn log (one process and 2-process DDP)"
 OUTPUT_FOLDERS = "output folders: a finished or interrupted run, a grid's cells (train, compare, sweep, ...)"
@@ -34,7 +36,7 @@ SP_LENGTHS = ("sequence parallelism: a length N (1-70) that 2, 3 or 4 ranks do n
               "(every form), padding included")
 SEQUENCE_PARALLEL = "sequence parallelism: ranks with mismatched inputs, a rank that does not answer"
 FAMILIES = (ATTENTION_PADDING, ATTENTION_FUNCTIONAL, ATTENTION_DTYPE, ATTENTION_AUTOCAST, ATTENTION_EMPTY,
-            ATTENTION_FINITE, ARCHIVES, TIME_SERIES, GLUE, FOLDERS, TRAINING, RESUME, OUTPUT_FOLDERS,
+            ATTENTION_FINITE, ARCHIVES, TIME_SERIES, GLUE, FOLDERS, OTHER_READERS, TRAINING, RESUME, OUTPUT_FOLDERS,
             FOREIGN_WEIGHTS, SP_LENGTHS, SEQUENCE_PARALLEL)
 
 

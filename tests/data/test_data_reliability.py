@@ -270,3 +270,64 @@ def test_dangling_link_in_a_class_folder_is_an_error_naming_it(tmp_path, prepare
     link.symlink_to(tmp_path / "moved-away" / name)
     with pytest.raises(DatasetError, match=rf"{link}: a symbolic link to .*moved-away/{name}, which does not exist"):
         read(tmp_path)
+
+
+# ----------------------------------------------------------------------------- the other readers of users' files
+
+from reliability import CORRECT_RESULT as _CORRECT, OTHER_READERS  # noqa: E402
+
+from longattn.data import listops  # noqa: E402
+
+MIMIC = TEXTCLS / "mimic3"
+
+
+def _mimic(tmp_path, text: str) -> Path:
+    folder = tmp_path / "mimic3"
+    shutil.copytree(MIMIC, folder)
+    (folder / "test_50.csv").write_text(text, encoding="utf-8")
+    return folder
+
+
+OTHER_FILES = {
+    # (write the file into tmp_path, read it, the error)
+    "MIMIC row after a note of three lines": (
+        lambda tmp: _mimic(tmp, 'SUBJECT_ID,HADM_ID,TEXT,LABELS,length\n1,2,"a note\nover three\nlines",401.9,5\n3,4,x\n'),
+        lambda folder: textcls.build_textcls("mimic3_50", "test", folder),
+        r"mimic3/test_50.csv:5: expected 5 columns, found 3"),
+    "MIMIC header with a column twice": (
+        lambda tmp: _mimic(tmp, "SUBJECT_ID,HADM_ID,TEXT,TEXT,LABELS\n1,2,a,b,401.9\n"),
+        lambda folder: textcls.build_textcls("mimic3_50", "test", folder),
+        r"mimic3/test_50.csv:1: the header names column\(s\) \['TEXT'\] more than once"),
+    "MIMIC file not UTF-8": (
+        lambda tmp: (_mimic(tmp, "SUBJECT_ID,HADM_ID,TEXT,LABELS\n"), (tmp / "mimic3" / "test_50.csv").open("ab").write(
+            b'1,2,"caf\xe9",401.9\n'), tmp / "mimic3")[-1],
+        lambda folder: textcls.build_textcls("mimic3_50", "test", folder),
+        r"mimic3/test_50.csv:2: not UTF-8"),
+    "ListOps token after blank lines": (
+        lambda tmp: (tmp / "basic_val.tsv").write_text("Source\tTarget\n( [MAX 2 3 ] )\t3\n\n\n( [MAX 2 x ] )\t3\n")
+        and tmp,
+        lambda folder: listops.load_listops(folder, "val"),
+        r"basic_val.tsv:5: unknown ListOps token 'x'"),
+    "ListOps file not UTF-8": (
+        lambda tmp: (tmp / "basic_val.tsv").write_bytes(b"Source\tTarget\n( [MAX 2 \xff ] )\t3\n") and tmp,
+        lambda folder: listops.load_listops(folder, "val"),
+        r"basic_val.tsv:2: not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("write, read, message", cases(OTHER_READERS, CLEAR_ERROR, OTHER_FILES))
+def test_other_readers_name_the_file_and_the_line_where_the_row_starts(tmp_path, write, read, message):
+    folder = write(tmp_path)
+    with pytest.raises(DatasetError, match=message):
+        read(folder)
+
+
+@bad_input(OTHER_READERS, _CORRECT)
+def test_a_damaged_dataset_cache_is_built_again(tmp_path, capsys):
+    options = {"num_examples": 8, "seed": 0, "max_length": 60, "min_length": 10}
+    first = build_dataset("listops", "train", cache_dir=tmp_path, **options)
+    (cache,) = tmp_path.glob("*.pkl")
+    cache.write_bytes(cache.read_bytes()[:50])  # cut by a full disk or damaged since
+    again = build_dataset("listops", "train", cache_dir=tmp_path, **options)
+    assert f"warning: {cache} is damaged" in capsys.readouterr().err
+    assert [again[i]["tokens"].tolist() for i in range(8)] == [first[i]["tokens"].tolist() for i in range(8)]

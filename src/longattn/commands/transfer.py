@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from longattn.commands._args import add_config_arguments, add_workers_argument, attention_list, no_progress
-from longattn.config import ConfigError, read_yaml
-from longattn.experiment.config import resolve_config
+from longattn.config import ConfigError
+from longattn.experiment.config import load_saved, resolve_config
 from longattn.experiment.results import now
 from longattn.experiment.run import run
 from longattn.experiment.transfer import finetune_grid, load_spec, run_table3, write_transfer_table
@@ -36,7 +36,7 @@ def _pretrained_attention(folder: str) -> str:
     if not saved.is_file():
         raise ConfigError(f"--pretrained {folder}: no config.yaml there; give `longattn pretrain` --out folders "
                           f"or {MINILM!r}")
-    return str(read_yaml(saved)["attention"])
+    return str(load_saved(saved).attention)
 
 
 def _finetune(args: argparse.Namespace) -> int:

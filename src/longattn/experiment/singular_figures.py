@@ -73,8 +73,13 @@ def run_accuracy_cost(runs: str | Path, out_dir: str | Path, datasets: list[str]
     summary_path = runs / "results.json"
     if not summary_path.is_file():
         raise ConfigError(f"no cross-validation summary {summary_path}; run longattn crossval --out {runs} first")
-    summary = json.loads(summary_path.read_text())
-    entries = {(e["dataset"], e["model"]): e for e in summary["entries"] if e.get("test_mean") is not None}
+    try:
+        summary = json.loads(summary_path.read_text())
+        entries = {(e["dataset"], e["model"]): e for e in summary["entries"] if e.get("test_mean") is not None}
+        summary["datasets"], summary["models"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{summary_path} is not a cross-validation summary ({type(err).__name__}: {err}); "
+                          f"run longattn crossval --out {runs} again to rewrite it") from None
     datasets = datasets or summary["datasets"]
     rows = []
     for dataset in datasets:

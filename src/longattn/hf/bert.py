@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from longattn.attention import build as build_mechanism
 from longattn.attention import capabilities
-from longattn.config import read_yaml
+from longattn.config import to_dict
 from longattn.hf.bridge import _transformers, register
 from longattn.hf.convert import NO_QKV_MAPPING, convert
 from longattn.hf.minilm import minilm_path
@@ -154,7 +154,9 @@ def _from_pretrain_run(folder: Path, attention: str, options: dict[str, Any], dr
     if not saved_path.is_file():
         raise FileNotFoundError(f"{saved_path} does not exist: pretrained= must be the --out folder of "
                                 "`longattn pretrain`, or 'minilm'")
-    saved = read_yaml(saved_path)
+    from longattn.experiment.config import load_saved  # the experiment layer, which imports this module's models
+
+    saved = to_dict(load_saved(saved_path))  # checked: a damaged or foreign config.yaml is an error naming it
     if saved.get("model_name") != "bert_mlm":
         raise ValueError(f"{folder} is a {saved.get('model_name')!r} run, not a bert_mlm pretraining")
     pretrained_options = (saved.get("attention_options") or {}).get(saved["attention"], {})

@@ -59,11 +59,12 @@ def is_out_of_space(error: BaseException) -> bool:
 @contextlib.contextmanager
 def writing(out_dir: str | os.PathLike, what: str, kept: str = "what was written before is intact") -> Iterator[None]:
     """Around a write of ``what`` into the output folder ``out_dir``: a full disk (or quota) becomes one
-    :class:`NoSpaceError` that names the folder, says what is kept and how to go on."""
+    :class:`NoSpaceError` that names the folder, says what is kept and how to go on (the outermost of nested
+    ones words it: it knows best what is kept)."""
     try:
         yield
     except OSError as error:
-        if not is_out_of_space(error) or isinstance(error, NoSpaceError):
+        if not is_out_of_space(error):
             raise
         raise NoSpaceError(f"no space left on --out {out_dir} while writing {what}; {kept}; free some space, then "
                            "run again with --resume") from None
