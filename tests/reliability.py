@@ -32,8 +32,8 @@ TRAINING = "training: non-finite loss or weights, folder in use, damaged or craf
 RESUME = "training: resume after damage, kill, full disk or a torn log (one process and 2-process DDP)"
 OUTPUT_FOLDERS = "output folders: a finished or interrupted run, a grid's cells (train, compare, sweep, ...)"
 FOREIGN_WEIGHTS = "another run's checkpoint, damaged safetensors, a config that no longer matches"
-SP_LENGTHS = ("sequence parallelism: a length N (1-70) that 2, 3 or 4 ranks do not divide, each on 16 layers "
-              "(every form), padding included")
+SP_LENGTHS = ("sequence parallelism: a length N (1-70) that 2, 3 or 4 ranks do not divide, each on every form, "
+              "padding included")
 SEQUENCE_PARALLEL = "sequence parallelism: ranks with mismatched inputs, a rank that does not answer"
 FAMILIES = (ATTENTION_PADDING, ATTENTION_FUNCTIONAL, ATTENTION_DTYPE, ATTENTION_AUTOCAST, ATTENTION_EMPTY,
             ATTENTION_FINITE, ARCHIVES, TIME_SERIES, GLUE, FOLDERS, OTHER_READERS, TRAINING, RESUME, OUTPUT_FOLDERS,
