@@ -15,14 +15,17 @@ import itertools
 import json
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from longattn import attention as attention_registry
 from longattn.config import ConfigError, read_yaml
+from longattn.registry import nearest
 from longattn.experiment.config import RunConfig, resolve_config
 from longattn.experiment.results import markdown_table, now, write_results
+from longattn.experiment.progress import GridProgress, score
 from longattn.experiment.run import RunStatus, run, run_status
 from longattn.experiment.workers import RUN_ERRORS, Job, Outcome, run_jobs
 from longattn.train.outputs import OutputFolderError, check_not_in_use
@@ -32,7 +35,7 @@ from longattn.experiment.stats import (PairedDifference, format_difference, lege
 from longattn.tasks.base import get_task, task_names
 
 __all__ = ["Cell", "default_seeds", "difference_record", "load_sweep", "markdown_table", "paired_against", "plan_runs",
-           "run_cells", "sweep_cells", "write_sweep_table"]
+           "run_cells", "shipped_sweeps", "sweep_cells", "write_sweep_table"]
 
 
 @dataclass
@@ -187,22 +190,30 @@ def run_cells(cells: list[Cell], seeds: list[int], out_dir: str | Path, *,
     by_cell: dict[int, list[_PlannedRun]] = {}
     for entry in planned:
         by_cell.setdefault(entry.cell_index, []).append(entry)
+    progress = GridProgress(sum(1 for entry in planned if entry.reuse is None))
     for index, cell in enumerate(cells):
         print(f"== {cell.row} / {cell.column}", flush=True)
-        for entry in by_cell.get(index, []):
+        entries = by_cell.get(index, [])
+        for position, entry in enumerate(entries):
+            if entry.reuse is not None:
+                cell.results.append(entry.reuse)
+                continue
+            label, started = f"{cell.row} / {cell.column} seed {entry.seed}", time.perf_counter()
             try:
                 if entry.error is not None:
                     raise _PlannedFailure(entry.error)
-                if entry.reuse is not None:
-                    cell.results.append(entry.reuse)
-                    continue
                 cell.results.append(run(entry.config, entry.folder, resume=entry.resume, overwrite=entry.overwrite,
                                         data_cache=cache, log=log, plots=plots))
             except (*RUN_ERRORS, _PlannedFailure) as err:
                 # One broken mechanism or option must not lose the other cells of the table.
                 cell.error = str(err) if isinstance(err, _PlannedFailure) else f"{type(err).__name__}: {err}"
-                print(f"  failed: {cell.row} / {cell.column}: {cell.error}", flush=True)
+                progress.failed(label, cell.error)
+                for later in entries[position + 1:]:  # a cell stops at its first failed seed
+                    if later.reuse is None:
+                        progress.skipped(f"{cell.row} / {cell.column} seed {later.seed}", "an earlier seed of its "
+                                         "cell failed")
                 break
+            progress.done(label, time.perf_counter() - started, score(cell.task, cell.results[-1]))
     return cells
 
 
@@ -277,6 +288,13 @@ VARIANT_KEYS = {"name", "attention", "set"}
 COLUMN_KEYS = {"key", "values"}
 
 
+def shipped_sweeps() -> list[str]:
+    """The names of the sweep files shipped in ``configs/lra/sweeps``."""
+    from longattn.tasks.lra import LRA_CONFIGS
+
+    return sorted(p.stem for p in (LRA_CONFIGS / "sweeps").glob("*.yaml"))
+
+
 def sweep_path(path_or_name: str | Path) -> Path:
     """A sweep file, or the name of one shipped in ``configs/lra/sweeps`` (e.g. ``skt_table7_r``)."""
     from longattn.tasks.lra import LRA_CONFIGS
@@ -287,8 +305,9 @@ def sweep_path(path_or_name: str | Path) -> Path:
     shipped = LRA_CONFIGS / "sweeps" / f"{path.stem}.yaml"
     if path.parent == Path(".") and shipped.is_file():
         return shipped
-    found = ", ".join(sorted(p.stem for p in (LRA_CONFIGS / "sweeps").glob("*.yaml")))
-    raise FileNotFoundError(f"sweep file {path} does not exist (shipped sweeps: {found})")
+    found = shipped_sweeps()
+    raise FileNotFoundError(f"sweep file {path} does not exist{nearest(path.stem, found)} (shipped sweeps: "
+                            f"{', '.join(found)})")
 
 
 def _check_keys(node: Any, valid: set[str], where: str) -> None:
