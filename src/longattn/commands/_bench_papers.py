@@ -177,7 +177,7 @@ def _lr_batch(args: argparse.Namespace) -> int:
     out = Path(args.out)
     overrides = [*([f"data.data_dir={args.data_dir}"] if args.data_dir else []), *args.overrides]
     rows = run_sensitivity(args.task, args.attention, learning_rates, batches, seeds, out / "runs", preset=args.preset,
-                           overrides=overrides, resume=args.resume)
+                           overrides=overrides, resume=args.resume, overwrite=args.overwrite)
     _write(out, "lr_batch", rows, sensitivity_table(rows),
            {"task": args.task, "attention": args.attention, "preset": args.preset, "seeds": seeds,
             "set": args.overrides})
