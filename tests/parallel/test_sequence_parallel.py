@@ -83,16 +83,6 @@ def _gradients(layer) -> torch.Tensor:
     return flat
 
 
-def _compare(label: str, out, out_ref, x_grad, x_ref_grad, grads, grads_ref) -> list[str]:
-    problems = [f"{label}: {what} differs by {(got - expected).abs().max().item() if got.shape == expected.shape else got.shape}"
-                for what, got, expected in (("output", out, out_ref), ("input gradient", x_grad, x_ref_grad))
-                if not _close(got, expected)]
-    dist.all_reduce(grads)  # parameter gradients are the sum over the ranks
-    if not _close(grads, grads_ref):
-        problems.append(f"{label}: parameter gradients differ by {(grads - grads_ref).abs().max().item()}")
-    return problems
-
-
 def _inputs(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(length)
     x = torch.randn(BATCH, length, DIM, dtype=torch.float64, generator=g)
@@ -102,7 +92,7 @@ def _inputs(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _chosen(world: int, length: int) -> list[str]:
     """One variant of every form for this (group size, N), rotating so that each variant meets every remainder
-    of N modulo the group size and the lengths shorter than the group (the sweep stays a few seconds long)."""
+    of N modulo the group size and the lengths shorter than the group."""
     forms: dict[str, list[str]] = {}
     for label, name, _, _ in CASES:
         forms.setdefault(name, []).append(label)
@@ -118,25 +108,51 @@ def _reference(layer, length: int) -> dict[str, torch.Tensor]:
     return {"out": out_ref.detach(), "x_grad": x_ref.grad, "grads": _gradients(layer)}
 
 
-def _check_sharded(label: str, layer, length: int, reference: dict[str, torch.Tensor]) -> list[str]:
+class _Checks:
+    """The problems found on this rank; the parameter gradients, which are sums over the group's ranks, are
+    kept and compared at the end with one all-reduce for all of them."""
+
+    def __init__(self, group) -> None:
+        self.group, self.problems, self.grads = group, [], []
+
+    def compare(self, label: str, out, out_ref, x_grad, x_ref_grad, grads, grads_ref) -> None:
+        self.problems += [f"{label}: {what} differs by "
+                          f"{(got - expected).abs().max().item() if got.shape == expected.shape else got.shape}"
+                          for what, got, expected in (("output", out, out_ref), ("input gradient", x_grad, x_ref_grad))
+                          if not _close(got, expected)]
+        self.grads.append((label, grads, grads_ref))
+
+    def finish(self) -> list[str]:
+        if self.grads:
+            summed = torch.cat([grads for _, grads, _ in self.grads])
+            dist.all_reduce(summed, group=self.group)
+            for (label, grads, grads_ref), mine in zip(self.grads, summed.split([g.numel() for _, g, _ in self.grads])):
+                if not _close(mine, grads_ref):
+                    self.problems.append(f"{label}: parameter gradients differ by {(mine - grads_ref).abs().max().item()}")
+        return self.problems
+
+
+def _check_sharded(checks: _Checks, label: str, layer, length: int, reference: dict[str, torch.Tensor]) -> None:
     """``shard_sequence`` of a length-N sequence with padding: the shard's part of the whole layer's result."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    group = checks.group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     x, cotangent, mask = _inputs(length)
     start, end = shard_bounds(length, world, rank)
-    x_local, mask_local = shard_sequence(x, mask)
+    x_local, mask_local = shard_sequence(x, mask, group)
     assert x_local.shape[1] == end - start
     x_local = x_local.masked_fill(~mask_local.unsqueeze(-1), float("nan"))  # padded contents never matter
     x_mine = x_local.clone().requires_grad_()
-    out = sequence_parallel(layer)(x_mine, mask_local)
+    out = sequence_parallel(layer, group)(x_mine, mask_local)
     local_loss = (out * cotangent[:, start:end]).sum() + sum(attention.collect_aux_losses(layer).values())
     local_loss.backward()
-    return _compare(f"{label} N={length} rank {rank}/{world}", out.detach(), reference["out"][:, start:end],
-                    x_mine.grad, reference["x_grad"][:, start:end], _gradients(layer), reference["grads"])
+    checks.compare(f"{label} N={length} rank {rank}/{world}", out.detach(), reference["out"][:, start:end],
+                   x_mine.grad, reference["x_grad"][:, start:end], _gradients(layer), reference["grads"])
 
 
-def _check_hand_cut(label: str, layer) -> list[str]:
+def _check_hand_cut(checks: _Checks, label: str, layer) -> None:
     """Uneven shards cut by hand (no mask): rank 0 holds two tokens more, rank 1 one fewer."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    group = checks.group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     lengths = [UNEVEN // world + (2 if r == 0 else -1 if r == 1 else 0) for r in range(world)]
     lengths[-1] += UNEVEN - sum(lengths)
     start, part = sum(lengths[:rank]), lengths[rank]
@@ -148,41 +164,52 @@ def _check_hand_cut(label: str, layer) -> list[str]:
     ((out_ref * cotangent).sum() + sum(attention.collect_aux_losses(layer).values())).backward()
     grads_ref = _gradients(layer)
     x_mine = x[:, start:start + part].clone().requires_grad_()
-    out = sequence_parallel(layer)(x_mine)
+    out = sequence_parallel(layer, group)(x_mine)
     ((out * cotangent[:, start:start + part]).sum() + sum(attention.collect_aux_losses(layer).values())).backward()
-    return _compare(f"{label} hand-cut rank {rank}/{world}", out.detach(), out_ref[:, start:start + part].detach(),
-                    x_mine.grad, x_ref.grad[:, start:start + part], _gradients(layer), grads_ref)
+    checks.compare(f"{label} hand-cut rank {rank}/{world}", out.detach(), out_ref[:, start:start + part].detach(),
+                   x_mine.grad, x_ref.grad[:, start:start + part], _gradients(layer), grads_ref)
 
 
 def _worker(rank: int, world: int, init_file: str, references: str) -> None:
+    """One process group of the largest size; a subgroup of its first ranks for every size of WORLDS (so that
+    the processes start once). Ranks outside a subgroup wait at a barrier while it runs."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=120))
     try:
+        groups = {size: dist.new_group(list(range(size))) for size in WORLDS}
         expected = torch.load(references, weights_only=True)
         layers = {label: _build(name, options, training) for label, name, options, training in CASES}
-        failures = [problem for length in LENGTHS for label in _chosen(world, length)
-                    for problem in _check_sharded(label, layers[label], length, expected[f"{label} {length}"])]
-        if world > 1:
-            failures += [problem for label, layer in layers.items() for problem in _check_hand_cut(label, layer)]
+        failures = []
+        for size, group in groups.items():
+            if rank < size:
+                checks = _Checks(group)
+                for length in LENGTHS:
+                    for label in _chosen(size, length):
+                        _check_sharded(checks, label, layers[label], length, expected[f"{label} {length}"])
+                if size > 1:
+                    for label, layer in layers.items():
+                        _check_hand_cut(checks, label, layer)
+                failures += checks.finish()
+                if size in (2, 3):
+                    _check_helpers_and_errors(group)
+                    _check_inside_ddp(group)
+            dist.barrier()
         assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
-        if world > 1:
-            _check_helpers_and_errors()
-            _check_inside_ddp()
     finally:
         dist.destroy_process_group()
 
 
-def _check_helpers_and_errors() -> None:
-    world = dist.get_world_size()
-    x = torch.randn(BATCH, UNEVEN, DIM)
-    x_local, mask_local = shard_sequence(x)
+def _check_helpers_and_errors(group) -> None:
+    world = dist.get_world_size(group)
+    x = torch.randn(BATCH, UNEVEN, DIM, generator=torch.Generator().manual_seed(3))  # the same on every rank
+    x_local, mask_local = shard_sequence(x, group=group)
     assert mask_local.all()
-    torch.testing.assert_close(gather_sequence(x_local, UNEVEN), x)
+    torch.testing.assert_close(gather_sequence(x_local, UNEVEN, group), x)
     # communication of the sketch forms does not depend on N
     torch.manual_seed(0)
     layer = attention.build("skeleton", dim=DIM, heads=HEADS, max_len=256, dropout=0.0)
-    sharded = sequence_parallel(layer)
+    sharded = sequence_parallel(layer, group)
     sizes = []
     for length in (24, 240):
         with count_communication() as log:
@@ -195,19 +222,19 @@ def _check_helpers_and_errors() -> None:
         sharded(torch.randn(1, 200, DIM))
 
 
-def _check_inside_ddp() -> None:
+def _check_inside_ddp(group) -> None:
     """DDP over the sequence-parallel group averages gradients: with each rank's loss scaled by the
     group size the parameters get the single-process gradients."""
     from torch.nn.parallel import DistributedDataParallel
 
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     torch.manual_seed(2)
     layer = attention.build("nystrom", dim=DIM, heads=HEADS, num_landmarks=4, conv_kernel=3).double()
     reference = copy.deepcopy(layer)
     x = torch.randn(BATCH, UNEVEN, DIM, dtype=torch.float64)
     reference(x).square().sum().backward()
-    x_local, mask_local = shard_sequence(x)
-    model = DistributedDataParallel(sequence_parallel(layer))
+    x_local, mask_local = shard_sequence(x, group=group)
+    model = DistributedDataParallel(sequence_parallel(layer, group), process_group=group)
     (model(x_local, mask_local).square().sum() * world).backward()
     for (pname, p_ref), p in zip(reference.named_parameters(), layer.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"{pname}: {m}")
@@ -223,15 +250,9 @@ def references(tmp_path_factory) -> str:
     return str(path)
 
 
-def _uneven(world: int) -> list:
-    """The world size as a parameter, marked with the lengths it cuts unevenly (each tried on every form)."""
-    count = sum(1 for n in LENGTHS if n % world)
-    return pytest.param(world, marks=bad_input(SP_LENGTHS, CORRECT_RESULT, count)) if count else world
-
-
-@pytest.mark.parametrize("world", [_uneven(world) for world in WORLDS])
-def test_sequence_parallel_matches_single_process_for_every_length(world: int, tmp_path, references) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), references), nprocs=world, join=True)
+@bad_input(SP_LENGTHS, CORRECT_RESULT, cases=sum(1 for world in WORLDS for n in LENGTHS if n % world))
+def test_sequence_parallel_matches_single_process_for_every_length(tmp_path, references) -> None:
+    mp.spawn(_worker, args=(max(WORLDS), str(tmp_path / "init"), references), nprocs=max(WORLDS), join=True)
 
 
 def test_capabilities_match_forms() -> None:

@@ -156,19 +156,36 @@ def _describe_code(field: str, value: int) -> str:
     return str(value)
 
 
-def _wait(work: "dist.Work", kind: str, group: dist.ProcessGroup | None) -> None:
-    """Wait for an asynchronous collective, at most the time-out (``LONGATTN_DIST_TIMEOUT_S``): a rank that
-    hangs, died or skipped this layer becomes an error here instead of a wait without end."""
+def _group_timeout(group: dist.ProcessGroup | None) -> float | None:
+    """The time-out (seconds) the group's own collectives have, where torch says it; None otherwise."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        device = "cuda" if dist.get_backend(group) == dist.Backend.NCCL else "cpu"
+        return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+    except Exception:  # a private API: when it is not there, every collective waits with a time-out of its own
+        return None
+
+
+def _run(kind: str, group: dist.ProcessGroup | None, launch: Any) -> None:
+    """Run a collective, ``launch(wait)`` (``wait``: its async_op), bounded by the time-out
+    (``LONGATTN_DIST_TIMEOUT_S``): a rank that hangs, died or skipped this layer becomes an error here instead
+    of a wait without end. A group whose own time-out is no longer runs it plainly (its collectives already
+    fail after that time); otherwise it runs asynchronously and is waited for at most the time-out."""
     from longattn.train.distributed import TIMEOUT_ENV, is_lost_peer, is_timeout, timeout_seconds
 
     limit = timeout_seconds()
+    own = _group_timeout(group)
     try:
-        work.wait(timeout=timedelta(seconds=limit))
+        if own is not None and own <= limit:
+            launch(False)
+        else:
+            launch(True).wait(timeout=timedelta(seconds=limit))
     except RuntimeError as error:
         rank = dist.get_rank(group)
+        waited = min(limit, own) if own is not None else limit
         if is_timeout(error):
             raise CollectiveMismatch(
-                f"rank {rank}: the sequence-parallel {kind} did not complete within {limit:g} s: another rank of the "
+                f"rank {rank}: the sequence-parallel {kind} did not complete within {waited:g} s: another rank of the "
                 f"group is hung, stopped, or is not running this layer (set {TIMEOUT_ENV} to wait longer); the "
                 "process group cannot be used any more") from None
         if is_lost_peer(error):
@@ -182,7 +199,7 @@ def _all_gather_codes(codes: list[int], group: dist.ProcessGroup | None, device:
     """Every rank's ``codes`` (one small all-gather, bounded by the time-out)."""
     mine = torch.tensor(codes, dtype=torch.long, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(everyone, mine, group=group, async_op=True), kind, group)
+    _run(kind, group, lambda wait: dist.all_gather(everyone, mine, group=group, async_op=wait))
     return [t.tolist() for t in everyone]
 
 
@@ -258,14 +275,15 @@ class _AllReduceSum(torch.autograd.Function):
     def forward(ctx: Any, t: Tensor, shard: Shard) -> Tensor:
         ctx.shard = shard
         out = t.clone(memory_format=torch.contiguous_format)
-        _wait(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=shard.group, async_op=True), "all_reduce", shard.group)
+        _run("all_reduce", shard.group,
+             lambda wait: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=shard.group, async_op=wait))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         out = grad.clone(memory_format=torch.contiguous_format)
-        _wait(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=ctx.shard.group, async_op=True),
-              "all_reduce (backward)", ctx.shard.group)
+        _run("all_reduce (backward)", ctx.shard.group,
+             lambda wait: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=ctx.shard.group, async_op=wait))
         return out, None
 
 
@@ -277,7 +295,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx: Any, t: Tensor, shard: Shard, kind: str) -> tuple[Tensor, ...]:
         ctx.shard, ctx.kind = shard, kind
         pieces = [torch.empty_like(t) for _ in range(shard.world_size)]
-        _wait(dist.all_gather(pieces, t.contiguous(), group=shard.group, async_op=True), kind, shard.group)
+        _run(kind, shard.group, lambda wait: dist.all_gather(pieces, t.contiguous(), group=shard.group, async_op=wait))
         return tuple(pieces)
 
     @staticmethod
@@ -286,10 +304,10 @@ class _AllGather(torch.autograd.Function):
         grads = [g.contiguous() for g in grads]
         if dist.get_backend(shard.group) == dist.Backend.NCCL:
             mine = torch.empty_like(grads[shard.rank])
-            _wait(dist.reduce_scatter(mine, grads, group=shard.group, async_op=True), kind, shard.group)
+            _run(kind, shard.group, lambda wait: dist.reduce_scatter(mine, grads, group=shard.group, async_op=wait))
             return mine, None, None
         stacked = torch.stack(grads)
-        _wait(dist.all_reduce(stacked, group=shard.group, async_op=True), kind, shard.group)
+        _run(kind, shard.group, lambda wait: dist.all_reduce(stacked, group=shard.group, async_op=wait))
         return stacked[shard.rank], None, None
 
 
@@ -299,7 +317,7 @@ def all_gather(t: Tensor, shard: Shard, kind: str = "all_gather") -> list[Tensor
     if t.requires_grad:
         return list(_AllGather.apply(t, shard, kind))
     pieces = [torch.empty_like(t) for _ in range(shard.world_size)]
-    _wait(dist.all_gather(pieces, t.contiguous(), group=shard.group, async_op=True), kind, shard.group)
+    _run(kind, shard.group, lambda wait: dist.all_gather(pieces, t.contiguous(), group=shard.group, async_op=wait))
     return pieces
 
 
@@ -314,7 +332,8 @@ def all_reduce_sum(t: Tensor, shard: Shard) -> Tensor:
         out = _AllReduceSum.apply(t, shard)
     else:
         out = t.clone(memory_format=torch.contiguous_format)
-        _wait(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=shard.group, async_op=True), "all_reduce", shard.group)
+        _run("all_reduce", shard.group,
+             lambda wait: dist.all_reduce(out, op=dist.ReduceOp.SUM, group=shard.group, async_op=wait))
     _record("all_reduce", _nbytes(t), t)
     return out
 
@@ -323,7 +342,8 @@ def all_reduce_max(t: Tensor, shard: Shard) -> Tensor:
     """Element-wise maximum over the ranks, without gradient (used for shifts that cancel)."""
     out = t.detach().clone(memory_format=torch.contiguous_format)
     check_collective("all_reduce max", out, shard)
-    _wait(dist.all_reduce(out, op=dist.ReduceOp.MAX, group=shard.group, async_op=True), "all_reduce max", shard.group)
+    _run("all_reduce max", shard.group,
+         lambda wait: dist.all_reduce(out, op=dist.ReduceOp.MAX, group=shard.group, async_op=wait))
     _record("all_reduce max", _nbytes(out))
     return out
 
@@ -332,7 +352,7 @@ def broadcast(t: Tensor, shard: Shard, kind: str) -> None:
     """``t`` of the group's first rank on every rank, in place (no gradient), checked and bounded."""
     check_collective(kind, t, shard)
     source = 0 if shard.group is None else dist.get_global_rank(shard.group, 0)
-    _wait(dist.broadcast(t, src=source, group=shard.group, async_op=True), kind, shard.group)
+    _run(kind, shard.group, lambda wait: dist.broadcast(t, src=source, group=shard.group, async_op=wait))
     _record(kind, _nbytes(t))
 
 
