@@ -20,8 +20,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "bad_input(family, outcome, cases=1): a reliability case (tests/reliability.py), "
-                            "counted in docs/reliability.md by tests/reliability_counts.py")
+    config.addinivalue_line("markers", "bad_input(family, outcome, cases=1): a reliability case "
+                            "(tests/reliability.py), counted in docs/reliability.md by tests/reliability_counts.py")
 
 
 @pytest.fixture(autouse=True)

@@ -341,7 +341,8 @@ def test_trainer_without_fingerprint_refuses_another_models_checkpoint(tmp_path)
 
 FOREIGN = {
     "a checkpoint of another model": ({"overrides": ["model.dim=32"]}, r"holds the weights of another model \(.*shape"),
-    "a checkpoint of another mechanism": ({"attention": "nystrom"}, r"holds the weights of another model \(unexpected .*conv_weight"),
+    "a checkpoint of another mechanism": ({"attention": "nystrom"},
+                                          r"holds the weights of another model \(unexpected .*conv_weight"),
 }
 
 
@@ -408,9 +409,9 @@ def test_full_disk_while_a_checkpoint_is_written(tmp_path, uninterrupted, room):
         pytest.skip("no /dev/full here")
     with pytest.MonkeyPatch.context() as patch:
         faults.full_disk_in_write(4, after_bytes=room, patch=patch.setattr)  # the step-8 checkpoint
-        with pytest.raises(NoSpaceError, match=rf"^no space left on --out {tmp_path} while writing checkpoints/last.pt; "
-                                               r"the last checkpoint \(step 6\) is intact; free some space, then run "
-                                               "again with --resume$"):
+        expected = (rf"^no space left on --out {tmp_path} while writing checkpoints/last.pt; the last checkpoint "
+                    r"\(step 6\) is intact; free some space, then run again with --resume$")
+        with pytest.raises(NoSpaceError, match=expected):
             run(tiny_config(*STOCHASTIC), tmp_path)
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["progress"]["step"] == 6
     assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
