@@ -290,8 +290,9 @@ def _mimic(tmp_path, text: str) -> Path:
 
 OTHER_FILES = {
     # (write the file into tmp_path, read it, the error)
-    "MIMIC row after a note of three lines": (
-        lambda tmp: _mimic(tmp, 'SUBJECT_ID,HADM_ID,TEXT,LABELS,length\n1,2,"a note\nover three\nlines",401.9,5\n3,4,x\n'),
+    "MIMIC row of two lines after a note of three": (
+        lambda tmp: _mimic(tmp, 'SUBJECT_ID,HADM_ID,TEXT,LABELS,length\n1,2,"a note\nover three\nlines",401.9,5\n'
+                                '3,4,"a short\nrow"\n'),
         lambda folder: textcls.build_textcls("mimic3_50", "test", folder),
         r"mimic3/test_50.csv:5: expected 5 columns, found 3"),
     "MIMIC header with a column twice": (
