@@ -2,7 +2,7 @@
 alone (no RANK: one process).
 
     ddp_reliability_worker.py OUT run|resume [kill_at_step=K:RANK | kill_in_write=N | single_batch |
-                                              stop_rank1_at_step=K | full_disk_in_write=N]
+                                              stop_rank1_at_step=K | full_disk_in_write=N | rank1_wider]
 """
 
 import io
@@ -94,6 +94,9 @@ def main(out_dir: str, mode: str, option: str = "") -> None:
             from faults import full_disk_in_write
 
             full_disk_in_write(int(value))
+    elif name == "rank1_wider":  # rank 1 is started with another model width than rank 0
+        if RANK == 1:
+            BASE.append("model.dim=24")
     elif name == "single_batch":
         record_losses(out_dir)
     LRATask.data_api = API

@@ -347,7 +347,7 @@ FOREIGN = {
 
 
 @pytest.mark.parametrize("change, message", cases(FOREIGN_WEIGHTS, CLEAR_ERROR, FOREIGN))
-def test_eval_with_another_runs_checkpoint_names_the_file(tmp_path, change, message):
+def test_eval_with_another_runs_checkpoint_names_the_file(tmp_path, capsys, change, message):
     from longattn.experiment.config import resolve_config
 
     steps = ["train.max_steps=2", "train.eval_every=2"]
@@ -361,6 +361,12 @@ def test_eval_with_another_runs_checkpoint_names_the_file(tmp_path, change, mess
     with pytest.raises(CheckpointError, match=rf"{theirs} {message}"):
         evaluate_run(tmp_path / "mine", checkpoint=str(theirs))
     assert evaluate_run(tmp_path / "mine")["examples"] == 40  # its own checkpoint evaluates
+    from longattn.cli import main
+
+    capsys.readouterr()
+    assert main(["eval", "--run", str(tmp_path / "mine"), "--checkpoint", str(theirs)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(theirs) in err and "another model" in err, err
 
 
 # ----------------------------------------------------------------------------- resume after every fault
@@ -503,3 +509,14 @@ def test_ddp_resume_after_kills_a_full_disk_and_a_torn_log_is_bit_identical(tmp_
     full, resumed = final_state(tmp_path / "full"), final_state(cut)
     assert resumed[0]["test"] == full[0]["test"] and resumed[1] == full[1]
     assert all(torch.equal(full[2][k], resumed[2][k]) for k in full[2])
+
+
+@needs_gloo
+@bad_input(TRAINING, CLEAR_ERROR)
+def test_ddp_ranks_started_with_other_settings_stop_with_one_error_naming_the_rank(tmp_path):
+    ranks = launch_by_hand(tmp_path, "run", "rank1_wider", env={"LONGATTN_DIST_TIMEOUT_S": "60"})
+    errors = [process.communicate(timeout=180)[1] for process in ranks]
+    assert [process.returncode for process in ranks] == [1, 1], errors
+    for rank, error in enumerate(errors):
+        assert (f"rank 1 was started with other settings than rank 0 (the run's fingerprint, the model's parameters "
+                f"differ; seen on rank {rank})") in error, error[-2000:]

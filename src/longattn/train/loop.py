@@ -326,6 +326,7 @@ class Trainer:
         self.write_results = write_results
         self.ddp_model: nn.Module = self.model
         if self.dist.enabled:
+            self._check_ranks_agree(train, optim)
             self.ddp_model = DistributedDataParallel(
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -351,6 +352,20 @@ class Trainer:
         self.finished_path = self.checkpoint_dir / "finished.json"
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
         self._lock = self._lock_out_dir()
+
+    def _check_ranks_agree(self, train: TrainConfig, optim: OptimConfig) -> None:
+        """Every rank must train the same model with the same settings on a training set of the same size:
+        one all-gather compares them, and a difference is one error naming the rank on every rank (instead of
+        DDP's error about parameter shapes, or ranks that take different numbers of steps and wait forever)."""
+        mine = {"the run's fingerprint": self.fingerprint, "the model's parameters": model_layout(self.model),
+                "the training set's size": len(self.train_data), "the loop settings": dataclasses.asdict(train),
+                "the optimiser settings": dataclasses.asdict(optim), "the seed": self.seed}
+        everyone = all_gather_objects(mine, self.dist)
+        for rank, theirs in enumerate(everyone[1:], 1):
+            differing = [what for what in mine if theirs[what] != everyone[0][what]]
+            if differing:
+                raise TrainingError(f"rank {rank} was started with other settings than rank 0 ({', '.join(differing)} "
+                                    f"differ; seen on rank {self.dist.rank}); start every rank with the same command")
 
     # ------------------------------------------------------------------ output folder lock
     def _lock_out_dir(self) -> Any:
