@@ -78,6 +78,8 @@ def main() -> int:
         killed, _ = run(out, "run", how)
         left = len(list((out / "checkpoints").glob(".*.tmp")))
         resumed, log = run(out, "resume")
+        if resumed != 0:
+            print(f"{label}: the resume failed:\n{log[-3000:]}", file=sys.stderr)
         match = re.search(r"resuming from .* at step (\d+)", log)
         start = match.group(1) if match else "scratch"
         weights = final_weights(out) if resumed == 0 else {}
