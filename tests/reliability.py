@@ -28,7 +28,8 @@ GLUE = "data: GLUE files (label column, scores, header)"
 FOLDERS = "data: class folders (dangling links in BBC, 20 Newsgroups, IMDb, image folders)"
 OTHER_READERS = ("files of other readers: YAML configs, saved run configs, summaries, MIMIC-III CSV, ListOps tsv, "
                  "dataset cache")
-TRAINING = "training: non-finite loss or weights, folder in use, damaged or crafted checkpoints, hung rank"
+TRAINING = ("training: non-finite loss or weights, folder in use, damaged or crafted checkpoints, hung rank, ranks "
+            "started with other settings")
 RESUME = "training: resume after damage, kill, full disk or a torn log (one process and 2-process DDP)"
 OUTPUT_FOLDERS = "output folders: a finished or interrupted run, a grid's cells (train, compare, sweep, ...)"
 FOREIGN_WEIGHTS = "another run's checkpoint, damaged safetensors, a config that no longer matches"
