@@ -140,16 +140,16 @@ def mixed_chunk_attention(
     # eqs. 7-8: linear attention across chunks
     if causal:
         kv = k_lin.transpose(-1, -2) @ v  # [B, H, G, s, e], one summary per chunk
-        kv = kv.cumsum(2) - kv  # eq. 8: chunks h < g only
-        lin = q_lin @ kv
-        if scaling == "length":  # / the real tokens of the earlier chunks
+        kv = kv.cumsum(2, dtype=compute_dtype(kv.dtype)) - kv  # eq. 8: chunks h < g only, summed in float32
+        if scaling == "length":  # / the real tokens of the earlier chunks (before the product: half's range)
             per_chunk = F.pad(real, (0, pad)).view(batch, chunks, chunk).sum(-1)
-            before = (per_chunk.cumsum(1) - per_chunk).clamp_min(1).to(lin.dtype)
-            lin = lin / before[:, None, :, None, None]
+            before = (per_chunk.cumsum(1) - per_chunk).clamp_min(1).to(kv.dtype)
+            kv = kv / before[:, None, :, None, None]
+        lin = q_lin @ kv.to(q_lin.dtype)
     else:
+        if scaling == "length":  # / the real tokens, before the sum over them: it stays in half precision's range
+            linear_key = linear_key / real.sum(-1).clamp_min(1).to(linear_key.dtype)[:, None, None, None]
         kv = linear_key.transpose(-1, -2) @ value  # eq. 7: [B, H, s, e], all chunks at once
-        if scaling == "length":  # / the real tokens
-            kv = kv / real.sum(-1).clamp_min(1).to(kv.dtype)[:, None, None, None]
         lin = q_lin @ kv[:, :, None]
     return (quad + lin).flatten(2, 3)[:, :, :length]
 
