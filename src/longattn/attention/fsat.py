@@ -95,7 +95,7 @@ def _fft_plan(f1x: Tensor) -> tuple[int, torch.dtype, int]:
 
 def _cross_block(part1: Tensor, part2: Tensor, n_fft: int) -> Tensor:
     """Eq. 3 for a block of features: [B, L, d] x 2 -> [B, 2L-1, d]."""
-    spec = torch.fft.rfft(part1, n=n_fft, dim=1) * torch.fft.rfft(part2, n=n_fft, dim=1)
+    spec = torch.fft.rfft(part1, n=n_fft, dim=1).mul_(torch.fft.rfft(part2, n=n_fft, dim=1))  # two spectra, not three
     # irfft returns the real part (eq. 3's Re): the spectrum of a real convolution is Hermitian.
     return torch.fft.irfft(spec, n=n_fft, dim=1)[:, : 2 * part1.shape[1] - 1]
 

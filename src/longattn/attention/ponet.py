@@ -138,8 +138,9 @@ def ponet_mixing(
     real = _real(attention_mask, query)
     gate = gate.masked_fill(~real, 0.0)  # replaced, not multiplied: whatever padding holds stays out
     # eq. 1: g = mean of H_Q over the real tokens
-    count = real.sum(2, keepdim=True).clamp_min(1).to(query.dtype)
-    g = query.masked_fill(~real, 0.0).sum(2, keepdim=True) / count  # [B, H, 1, Dh]
+    work = compute_dtype(query.dtype)  # the mean over N tokens summed in float32 for half inputs
+    count = real.sum(2, keepdim=True).clamp_min(1).to(work)
+    g = (query.masked_fill(~real, 0.0).sum(2, keepdim=True, dtype=work) / count).to(query.dtype)  # [B, H, 1, Dh]
     # eq. 2: g' = Attention{g, H_K, H_V}, a one-query cross-attention (SDPA)
     sdpa_mask = None
     if attention_mask is not None:  # a sequence without real tokens attends to all (zeroed below): no NaN
@@ -286,8 +287,11 @@ class PoNetMixing(AttentionBase):
         return given
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        work = compute_dtype(x.dtype)  # -inf fills and sums stay exact in half precision
-        features = {name: t.to(work) for name, t in self.project(x).items()}
+        features = self.project(x)
+        gpu = uses_gpu_path(x)
+        if not gpu:  # float32 features for half inputs; the GPU path keeps the projections' dtype (the maxima
+            # are exact in any dtype, the mean sums in float32), not six float32 copies of the sequence
+            features = {name: t.to(compute_dtype(x.dtype)) for name, t in features.items()}
         given = layer_state is not None and layer_state.get(SEGMENT_IDS_KEY) is not None
         mixed = ponet_mixing(
             features["query"], features["key"], features["value"], attention_mask,
@@ -295,7 +299,8 @@ class PoNetMixing(AttentionBase):
             segment_ids=self.segment_ids(x, layer_state), kernel_size=self.kernel_size, scale=self.scale,
             parts=self.parts, num_segments=None if given else self.num_fixed_segments(x.shape[1]),
         )
-        return self.to_out(merge_heads(mixed).to(x.dtype))
+        mixed = merge_heads(mixed)
+        return self.to_out(mixed if gpu else mixed.to(x.dtype))
 
     def extra_repr(self) -> str:
         return (

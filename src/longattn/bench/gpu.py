@@ -43,6 +43,7 @@ import torch
 from longattn import attention
 from longattn.attention import allow_tf32, force_path, output_dtype
 from longattn.attention._triton import triton_installed, use_triton
+from longattn.bench.speed import count_flops, layer_traffic_bytes
 from longattn.testing import CudaAutocastOnCPU, scattered_mask
 
 __all__ = ["DISCONTINUOUS_GRADIENT", "GpuCheckConfig", "RATIOS", "SAME_CHOICES_IN_EVERY_DTYPE", "compare_with_float64",
@@ -348,8 +349,6 @@ def layer_flops(name: str, length: int, batch: int, config: GpuCheckConfig) -> i
     """FLOPs of one forward + backward of the module form on its PyTorch GPU path (Triton off: kernels are
     invisible to the counter, and compute the same products), counted on meta tensors; None where the
     GPU path cannot run on meta tensors."""
-    from longattn.bench.speed import count_flops
-
     try:
         with torch.device("meta"):
             torch.manual_seed(config.seed)
@@ -359,13 +358,6 @@ def layer_flops(name: str, length: int, batch: int, config: GpuCheckConfig) -> i
             return count_flops(lambda: layer(x).sum().backward())
     except Exception:  # noqa: BLE001 (e.g. a path that reads a value back: no count, the row says so)
         return None
-
-
-def traffic_bytes(tokens: int, dim: int, parameters: int, activation_item: int) -> int:
-    """Bytes a layer's forward + backward must move at the very least (the model of
-    :func:`longattn.bench.speed.traffic_bytes`): x read and y written forward, dy and x read and dx
-    written backward; each float32 parameter read twice and its gradient written once."""
-    return 5 * tokens * dim * activation_item + 3 * parameters * 4
 
 
 def _timed_row(name: str, length: int, batch: int, triton: bool | None, config: GpuCheckConfig,
@@ -441,7 +433,8 @@ def run_speed_rows(config: GpuCheckConfig, device: torch.device, rates: dict[str
                 torch.cuda.empty_cache()
         if row["status"] == "ok":
             flops = layer_flops(name, length, batch, config)
-            traffic = traffic_bytes(batch * length, config.dim, row["parameters"], activation_item=2)
+            # activations in bfloat16 (autocast), float32 weights
+            traffic = layer_traffic_bytes(batch * length * config.dim, row["parameters"], 2, 4)
             flop_floor = None if flops is None else flops / rates["gemm_bf16_flop_per_s"]
             byte_floor = traffic / rates["copy_bytes_per_s"]
             floor = max(byte_floor, flop_floor or 0.0)
