@@ -35,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=_DEFAULTS.device, help="cuda, cuda:1, ... or cpu (with --smoke)")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: the whole command in seconds (a CPU check)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: every part in seconds (a CPU check)")
     add_list_argument(parser, "--parts", names=lambda: _PARTS, kind="part",
                       help=f"parts to run (default: all, {' '.join(_PARTS)})")
     add_attentions_argument(parser, help="mechanisms (default: all registered)")
