@@ -88,16 +88,21 @@ def rms_ratio(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).square().mean().sqrt() / want.square().mean().sqrt().clamp_min(1e-300)).item()
 
 
-def compare_with_float64(name: str, dtype: torch.dtype, *, device: str | torch.device = "cpu", length: int = 257,
-                         batch: int = 2, dim: int = 32, heads: int = 2, tf32: bool = False) -> dict[str, Any]:
-    """The module form of ``name`` in ``dtype`` (autocast for the half types) against the same module in
-    float64, on one batch with scattered padding: output dtype, RMS ratios of the output and of the input
-    gradient (one random upstream gradient), whether padded outputs are zero and parameter gradients finite.
+# One measured run of :func:`compare_runs_with_float64`: (dtype, the library's convolutions in TF32 or not).
+Run = tuple[torch.dtype, bool]
 
-    The float64 reference runs the CPU path (tested against each mechanism's plain reference in its
-    tests), on ``device``, with the same weights and random draws. The measured run takes the GPU path: on
-    CUDA by its device, on a CPU forced, with CUDA's autocast rules emulated. ``tf32``: inside
-    :func:`allow_tf32` (the library's convolutions in TF32 too)."""
+
+def compare_runs_with_float64(name: str, runs: dict[str, Run], *, device: str | torch.device = "cpu", length: int = 257,
+                              batch: int = 2, dim: int = 32, heads: int = 2) -> dict[str, dict[str, Any]]:
+    """The module form of ``name`` in each run's dtype (autocast for the half types; with ``tf32`` inside
+    :func:`allow_tf32`) against the same module in float64, on one batch with scattered padding. Per run:
+    the output dtype and whether it is the one expected, RMS ratios of the output and of the input gradient
+    (one random upstream gradient), whether padded outputs are zero and parameter gradients finite; a run
+    that raises gives {"status": "error", "error": ...}.
+
+    The float64 reference (computed once) runs the CPU path, tested against each mechanism's plain reference
+    in its tests, on ``device``, with the same weights and random draws. The measured runs take the GPU
+    path: on CUDA by their device, on a CPU forced, with CUDA's autocast rules emulated."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -115,24 +120,41 @@ def compare_with_float64(name: str, dtype: torch.dtype, *, device: str | torch.d
     upstream = torch.randn(want.shape, generator=generator, dtype=torch.float64).to(device)
     want.backward(upstream)
 
-    x_run = x.clone().requires_grad_()
     on_cpu = device.type == "cpu"
-    torch.manual_seed(1)
-    with (force_path("gpu") if on_cpu else contextlib.nullcontext()), \
-            (CudaAutocastOnCPU() if on_cpu else contextlib.nullcontext()), \
-            (allow_tf32() if tf32 else contextlib.nullcontext()):
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            got = layer(x_run, mask)
-            expected_dtype = output_dtype(x_run)
-        got.backward(upstream.to(got.dtype))  # outside autocast, as a training loop runs it
-    return {
-        "dtype": str(got.dtype).removeprefix("torch."),
-        "dtype_ok": got.dtype == expected_dtype,
-        "out_ratio": rms_ratio(got, want),
-        "grad_ratio": rms_ratio(x_run.grad, x64.grad),
-        "padding_zero": bool(torch.all(got[~mask] == 0)),
-        "parameter_grads_finite": all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in layer.parameters()),
-    }
+    results: dict[str, dict[str, Any]] = {}
+    for label, (dtype, tf32) in runs.items():
+        layer.zero_grad(set_to_none=True)
+        x_run = x.clone().requires_grad_()
+        torch.manual_seed(1)
+        try:
+            with (force_path("gpu") if on_cpu else contextlib.nullcontext()), \
+                    (CudaAutocastOnCPU() if on_cpu else contextlib.nullcontext()), \
+                    (allow_tf32() if tf32 else contextlib.nullcontext()):
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    got = layer(x_run, mask)
+                    expected_dtype = output_dtype(x_run)
+                got.backward(upstream.to(got.dtype))  # outside autocast, as a training loop runs it
+        except Exception as exc:  # noqa: BLE001 (one run's failure is its result)
+            results[label] = {"status": "error", "error": _error(exc)}
+            continue
+        results[label] = {
+            "dtype": str(got.dtype).removeprefix("torch."),
+            "dtype_ok": got.dtype == expected_dtype,
+            "out_ratio": rms_ratio(got, want),
+            "grad_ratio": rms_ratio(x_run.grad, x64.grad),
+            "padding_zero": bool(torch.all(got[~mask] == 0)),
+            "parameter_grads_finite": all(p.grad is None or bool(torch.isfinite(p.grad).all())
+                                          for p in layer.parameters()),
+        }
+    return results
+
+
+def compare_with_float64(name: str, dtype: torch.dtype, *, tf32: bool = False, **sizes: Any) -> dict[str, Any]:
+    """:func:`compare_runs_with_float64` for one run; a run that raises raises."""
+    result = compare_runs_with_float64(name, {"run": (dtype, tf32)}, **sizes)["run"]
+    if result.get("status") == "error":
+        raise RuntimeError(f"{name} in {dtype}: {result['error']}")
+    return result
 
 
 def accuracy_bounds(name: str, dtype: torch.dtype) -> tuple[float, float]:
@@ -310,31 +332,36 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
+ACCURACY_RUNS: dict[str, Run] = {"fp32": (torch.float32, False), "fp32_tf32": (torch.float32, True),
+                                  "bf16": (torch.bfloat16, False), "fp16": (torch.float16, False)}
+
+
 def run_accuracy(config: GpuCheckConfig, device: torch.device, budget: Budget, log: Callable[[str], None]) -> list[dict]:
     rows = []
-    runs = [("fp32", torch.float32, False), ("fp32_tf32", torch.float32, True), ("bf16", torch.bfloat16, False),
-            ("fp16", torch.float16, False)]
     for name in _names(config):
         row: dict[str, Any] = {"attention": name}
-        for label, dtype, tf32 in runs:
-            if budget.left() <= 0:
-                row[label] = {"status": "skipped: the accuracy part's time share is spent"}
-                continue
-            try:
-                result = compare_with_float64(name, dtype, device=device, length=config.accuracy_length,
-                                              batch=config.accuracy_batch, dim=config.accuracy_dim,
-                                              heads=config.accuracy_heads, tf32=tf32)
-            except Exception as exc:  # noqa: BLE001 (one mechanism's failure is a row, not the end of the run)
-                row[label] = {"status": "error", "error": _error(exc)}
-                continue
-            out_bound, grad_bound = accuracy_bounds(name, dtype)
-            passed = (result["dtype_ok"] and result["padding_zero"] and result["parameter_grads_finite"]
-                      and result["out_ratio"] < out_bound and result["grad_ratio"] < grad_bound)
-            row[label] = {**result, "bounds": [out_bound, grad_bound], "status": "pass" if passed else "fail"}
+        if budget.left() <= 0:
+            rows.append({**row, **{label: {"status": "skipped: the accuracy part's time share is spent"}
+                                   for label in ACCURACY_RUNS}})
+            continue
+        try:
+            results = compare_runs_with_float64(name, ACCURACY_RUNS, device=device, length=config.accuracy_length,
+                                                batch=config.accuracy_batch, dim=config.accuracy_dim,
+                                                heads=config.accuracy_heads)
+        except Exception as exc:  # noqa: BLE001 (the reference failed: every run of this mechanism says so)
+            results = {label: {"status": "error", "error": _error(exc)} for label in ACCURACY_RUNS}
+        for label, (dtype, _) in ACCURACY_RUNS.items():
+            result = results[label]
+            if result.get("status") != "error":
+                out_bound, grad_bound = accuracy_bounds(name, dtype)
+                passed = (result["dtype_ok"] and result["padding_zero"] and result["parameter_grads_finite"]
+                          and result["out_ratio"] < out_bound and result["grad_ratio"] < grad_bound)
+                result = {**result, "bounds": [out_bound, grad_bound], "status": "pass" if passed else "fail"}
+            row[label] = result
         rows.append(row)
         log(f"accuracy {name}: " + ", ".join(
             f"{label} {row[label].get('out_ratio', float('nan')):.1e}/{row[label].get('grad_ratio', float('nan')):.1e}"
-            f" {row[label]['status']}" for label, _, _ in runs))
+            f" {row[label]['status']}" for label in ACCURACY_RUNS))
     return rows
 
 
@@ -432,7 +459,7 @@ def run_speed_rows(config: GpuCheckConfig, device: torch.device, rates: dict[str
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if row["status"] == "ok":
-            flops = layer_flops(name, length, batch, config)
+            flops = layer_flops(name, length, batch, config) if budget.left() > 0 else None
             # activations in bfloat16 (autocast), float32 weights
             traffic = layer_traffic_bytes(batch * length * config.dim, row["parameters"], 2, 4)
             flop_floor = None if flops is None else flops / rates["gemm_bf16_flop_per_s"]
@@ -441,7 +468,7 @@ def run_speed_rows(config: GpuCheckConfig, device: torch.device, rates: dict[str
             row.update(flops=flops, bytes=traffic, flop_floor_s=flop_floor, byte_floor_s=byte_floor, floor_s=floor,
                        floor_ratio=row["time_s"] / floor if floor else None,
                        floor_note=None if flops is not None else "FLOPs not counted (the GPU path does not run on "
-                                                                 "meta tensors): byte floor only")
+                                                                 "meta tensors, or no time was left): byte floor only")
         rows.append(row)
         log(f"speed {name} N={length} B={batch}{'' if triton is None else ' triton ' + ('on' if triton else 'off')}: "
             + (f"{1000 * row['time_s']:.2f} ms" if row["status"] == "ok" else row["status"]))
