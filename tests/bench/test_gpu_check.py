@@ -61,3 +61,12 @@ def test_budget_gives_unused_time_to_the_parts_still_to_come():
         assert 49 < budget.left() <= 50
     with budget.part(0.25, 0.5):  # half of what is left
         assert 49 < budget.left() <= 50
+
+
+def test_mechanisms_with_kernels_are_found_through_the_modules_they_import():
+    from longattn.bench.gpu import GpuCheckConfig, kernel_mechanisms, kernels_run
+
+    found = kernel_mechanisms()
+    assert {"linear", "performer", "cosformer"} <= set(found) and "softmax" not in found  # linear's scan kernels
+    # on a CPU no kernel runs outside the interpreter: the on and off rows would be the same row
+    assert not kernels_run("linear", 64, GpuCheckConfig.smoke(), torch.device("cpu"))

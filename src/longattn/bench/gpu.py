@@ -27,10 +27,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime as dt
+import importlib
+import inspect
 import json
 import math
-import pkgutil
 import platform
+import re
 import statistics
 import time
 import traceback
@@ -44,7 +46,7 @@ from longattn import attention
 from longattn.attention import allow_tf32, force_path, output_dtype
 from longattn.attention._triton import triton_installed, use_triton
 from longattn.bench.speed import count_flops, layer_traffic_bytes
-from longattn.testing import CudaAutocastOnCPU, scattered_mask
+from longattn.testing import CudaAutocastOnCPU, DispatchCounter, scattered_mask
 
 __all__ = ["DISCONTINUOUS_GRADIENT", "GpuCheckConfig", "RATIOS", "SAME_CHOICES_IN_EVERY_DTYPE", "compare_with_float64",
            "run_gpu_check"]
@@ -365,11 +367,38 @@ def run_accuracy(config: GpuCheckConfig, device: torch.device, budget: Budget, l
     return rows
 
 
+_KERNEL_MODULE = re.compile(r"longattn\.attention\._\w+_triton")
+_MECHANISM_MODULE = re.compile(r"from longattn\.attention\.(\w+) import")
+
+
 def kernel_mechanisms() -> list[str]:
-    """Mechanisms with Triton kernels (``attention/_<name>_triton.py``)."""
-    package = attention.__path__
-    return sorted(info.name[1:-len("_triton")] for info in pkgutil.iter_modules(package)
-                  if info.name.startswith("_") and info.name.endswith("_triton") and info.name != "_triton")
+    """Mechanisms whose code may launch Triton kernels: their module, or a mechanism module it imports from,
+    names a ``_<kernels>_triton`` module (performer and cosformer run linear's scan kernels)."""
+    def launches(module: str, seen: set[str]) -> bool:
+        source = inspect.getsource(importlib.import_module(f"longattn.attention.{module}"))
+        if _KERNEL_MODULE.search(source):
+            return True
+        return any(launches(m, seen | {m}) for m in set(_MECHANISM_MODULE.findall(source)) - seen - {"base", "_triton"})
+
+    return sorted(name for name in attention.available()
+                  if launches(attention.get_spec(name).module_cls.__module__.rsplit(".", 1)[1], set()))
+
+
+def kernels_run(name: str, length: int, config: GpuCheckConfig, device: torch.device) -> bool:
+    """Whether one forward + backward of the module form (as the speed part runs it) dispatches other aten
+    ops with the Triton kernels on than off: a kernel replaced some of them (the linear family's scan kernels,
+    for one, run only in the causal form)."""
+    torch.manual_seed(config.seed)
+    layer = attention.build(name, dim=config.dim, heads=config.heads, max_len=length).to(device)
+    x = torch.randn(1, length, config.dim, device=device, requires_grad=True)
+    counts = []
+    for enabled in (True, False):
+        layer.zero_grad(set_to_none=True)  # a first backward creates the gradients, a second adds to them
+        x.grad = None
+        with use_triton(enabled), DispatchCounter() as ops, torch.autocast(device.type, dtype=torch.bfloat16):
+            layer(x).float().sum().backward()
+        counts.append(ops.counts)
+    return counts[0] != counts[1]
 
 
 def layer_flops(name: str, length: int, batch: int, config: GpuCheckConfig) -> int | None:
@@ -435,12 +464,25 @@ def run_speed_rows(config: GpuCheckConfig, device: torch.device, rates: dict[str
     clock = Clock(device)
     names = _names(config)
     names = [SOFTMAX] + [n for n in names if n != SOFTMAX]
-    kernels = set(kernel_mechanisms()) if triton_installed() else set()
+    kernels = set(kernel_mechanisms()) if triton_installed() and device.type == "cuda" else set()
     plan = [(name, length, triton) for name in names for length in config.lengths
-            for triton in ([True, False] if name in kernels and device.type == "cuda" else [None])]
+            for triton in ([True, False] if name in kernels else [None])]
+    with_kernels: dict[str, bool] = {}  # mechanism -> its kernels run in the module form measured here
     rows = []
     for index, (name, length, triton) in enumerate(plan):
         batch = max(1, config.tokens // length)
+        if triton is not None and name not in with_kernels:
+            try:
+                with_kernels[name] = kernels_run(name, min(config.lengths), config, device)
+            except Exception as exc:  # noqa: BLE001 (then both rows run and say what they measured)
+                log(f"speed {name}: could not tell whether its kernels run ({_error(exc)})")
+                with_kernels[name] = True
+            if not with_kernels[name]:
+                log(f"speed {name}: no Triton kernel runs in this module form: one row per length")
+        if triton is not None and not with_kernels[name]:
+            if not triton:
+                continue
+            triton = None
         left = budget.left()
         share = left / (len(plan) - index) / max(1, config.warmup + config.repeats) * config.repeats
         base = {"attention": name, "length": length, "batch": batch, "triton": triton}
