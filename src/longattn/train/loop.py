@@ -663,6 +663,8 @@ class Trainer:
             p.evals_without_improvement += 1
             if s.patience is not None and p.evals_without_improvement >= s.patience:
                 p.stopped_early = True
+        if s.stop_at is not None and (value >= s.stop_at if self.select_mode == "max" else value <= s.stop_at):
+            p.stopped_early = True  # the target is reached (Zoology stops MQAR runs at 99% validation accuracy)
         # "epoch" counts finished passes: a validation right after an epoch's last batch belongs to that epoch.
         # train_time_s: training time so far (validation excluded), the x axis of learning curves against time
         record = {"split": "val", "step": p.step, "epoch": p.epoch, **result, "best": improved,
