@@ -63,10 +63,13 @@ def test_budget_gives_unused_time_to_the_parts_still_to_come():
         assert 49 < budget.left() <= 50
 
 
-def test_mechanisms_with_kernels_are_found_through_the_modules_they_import():
-    from longattn.bench.gpu import GpuCheckConfig, kernel_mechanisms, kernels_run
+def test_speed_rows_switch_triton_only_where_a_kernel_runs_in_the_module_form():
+    from longattn.attention._triton import interpret_triton
+    from longattn.bench.gpu import GpuCheckConfig, kernels_run, speed_plan
 
-    found = kernel_mechanisms()
-    assert {"linear", "performer", "cosformer"} <= set(found) and "softmax" not in found  # linear's scan kernels
-    # on a CPU no kernel runs outside the interpreter: the on and off rows would be the same row
-    assert not kernels_run("linear", 64, GpuCheckConfig.smoke(), torch.device("cpu"))
+    config, cpu = GpuCheckConfig.smoke(), torch.device("cpu")
+    with interpret_triton():  # the block-sparse kernels run in the interpreter as they would on a GPU
+        assert kernels_run("local", 64, config, cpu)
+        assert not kernels_run("fnet", 64, config, cpu)
+    assert not kernels_run("local", 64, config, cpu)  # outside it no kernel runs on a CPU
+    assert {triton for _, _, triton in speed_plan(["local", "fnet"], config, cpu, print)} == {None}

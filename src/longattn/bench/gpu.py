@@ -27,12 +27,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime as dt
-import importlib
-import inspect
 import json
 import math
 import platform
-import re
 import statistics
 import time
 import traceback
@@ -367,27 +364,11 @@ def run_accuracy(config: GpuCheckConfig, device: torch.device, budget: Budget, l
     return rows
 
 
-_KERNEL_MODULE = re.compile(r"longattn\.attention\._\w+_triton")
-_MECHANISM_MODULE = re.compile(r"from longattn\.attention\.(\w+) import")
-
-
-def kernel_mechanisms() -> list[str]:
-    """Mechanisms whose code may launch Triton kernels: their module, or a mechanism module it imports from,
-    names a ``_<kernels>_triton`` module (performer and cosformer run linear's scan kernels)."""
-    def launches(module: str, seen: set[str]) -> bool:
-        source = inspect.getsource(importlib.import_module(f"longattn.attention.{module}"))
-        if _KERNEL_MODULE.search(source):
-            return True
-        return any(launches(m, seen | {m}) for m in set(_MECHANISM_MODULE.findall(source)) - seen - {"base", "_triton"})
-
-    return sorted(name for name in attention.available()
-                  if launches(attention.get_spec(name).module_cls.__module__.rsplit(".", 1)[1], set()))
-
-
 def kernels_run(name: str, length: int, config: GpuCheckConfig, device: torch.device) -> bool:
-    """Whether one forward + backward of the module form (as the speed part runs it) dispatches other aten
-    ops with the Triton kernels on than off: a kernel replaced some of them (the linear family's scan kernels,
-    for one, run only in the causal form)."""
+    """Whether one forward + backward of the module form under bfloat16 autocast (as the speed part runs it)
+    dispatches other aten ops with the Triton kernels on than off: a kernel replaced some of them. Found by
+    running rather than by reading the code because whether a kernel runs depends on the form and the dtype
+    (the linear family's scan kernels, for one, run only in the causal form)."""
     torch.manual_seed(config.seed)
     layer = attention.build(name, dim=config.dim, heads=config.heads, max_len=length).to(device)
     x = torch.randn(1, length, config.dim, device=device, requires_grad=True)
@@ -395,7 +376,8 @@ def kernels_run(name: str, length: int, config: GpuCheckConfig, device: torch.de
     for enabled in (True, False):
         layer.zero_grad(set_to_none=True)  # a first backward creates the gradients, a second adds to them
         x.grad = None
-        with use_triton(enabled), DispatchCounter() as ops, torch.autocast(device.type, dtype=torch.bfloat16):
+        with (_forced(device), use_triton(enabled), DispatchCounter() as ops,
+              torch.autocast(device.type, dtype=torch.bfloat16)):
             layer(x).float().sum().backward()
         counts.append(ops.counts)
     return counts[0] != counts[1]
@@ -459,30 +441,33 @@ def _timed_row(name: str, length: int, batch: int, triton: bool | None, config: 
     return row
 
 
+def speed_plan(names: list[str], config: GpuCheckConfig, device: torch.device,
+               log: Callable[[str], None]) -> list[tuple[str, int, bool | None]]:
+    """(mechanism, length, triton) per speed row: a row with the Triton kernels on and one with them off for
+    each mechanism whose kernels run in the module form measured (:func:`kernels_run`, at the shortest
+    length), one row (``None``: no switch) for the others and wherever no kernel can run."""
+    with_kernels = set()
+    if triton_installed() and device.type == "cuda":
+        for name in names:
+            try:
+                if kernels_run(name, min(config.lengths), config, device):
+                    with_kernels.add(name)
+            except Exception as exc:  # noqa: BLE001 (its rows then report the error)
+                log(f"speed {name}: could not tell whether its kernels run ({_error(exc)})")
+        log(f"speed: Triton kernels run in the module forms of {', '.join(sorted(with_kernels)) or 'none'}")
+    return [(name, length, triton) for name in names for length in config.lengths
+            for triton in ([True, False] if name in with_kernels else [None])]
+
+
 def run_speed_rows(config: GpuCheckConfig, device: torch.device, rates: dict[str, float], budget: Budget,
                    log: Callable[[str], None]) -> list[dict]:
     clock = Clock(device)
     names = _names(config)
     names = [SOFTMAX] + [n for n in names if n != SOFTMAX]
-    kernels = set(kernel_mechanisms()) if triton_installed() and device.type == "cuda" else set()
-    plan = [(name, length, triton) for name in names for length in config.lengths
-            for triton in ([True, False] if name in kernels else [None])]
-    with_kernels: dict[str, bool] = {}  # mechanism -> its kernels run in the module form measured here
+    plan = speed_plan(names, config, device, log)
     rows = []
     for index, (name, length, triton) in enumerate(plan):
         batch = max(1, config.tokens // length)
-        if triton is not None and name not in with_kernels:
-            try:
-                with_kernels[name] = kernels_run(name, min(config.lengths), config, device)
-            except Exception as exc:  # noqa: BLE001 (then both rows run and say what they measured)
-                log(f"speed {name}: could not tell whether its kernels run ({_error(exc)})")
-                with_kernels[name] = True
-            if not with_kernels[name]:
-                log(f"speed {name}: no Triton kernel runs in this module form: one row per length")
-        if triton is not None and not with_kernels[name]:
-            if not triton:
-                continue
-            triton = None
         left = budget.left()
         share = left / (len(plan) - index) / max(1, config.warmup + config.repeats) * config.repeats
         base = {"attention": name, "length": length, "batch": batch, "triton": triton}
