@@ -64,6 +64,7 @@ __all__ = [
     "force_path",
     "full_float32",
     "output_dtype",
+    "recomputed",
     "restored_autocast",
     "uses_gpu_path",
     "AttentionMap",
@@ -359,6 +360,30 @@ def autocast_disabled(device: torch.device) -> contextlib.AbstractContextManager
     if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` whose intermediates are recomputed in backward instead of kept (``torch.utils.checkpoint``,
+    non-reentrant, without the RNG state: ``fn`` draws nothing). The recomputation runs under the forward's
+    autocast, as checkpoint arranges, and under the torch function modes active in the forward, which the
+    autograd engine drops (``with torch.device(...)``, :class:`longattn.testing.CudaAutocastOnCPU`): without
+    them it could save tensors of other dtypes than the forward did, which checkpoint rejects."""
+    from torch.overrides import _get_current_function_mode_stack  # torch has no public reader of the stack
+    from torch.utils.checkpoint import checkpoint
+
+    modes = _get_current_function_mode_stack()
+
+    @contextlib.contextmanager
+    def modes_again() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            yield
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        return contextlib.nullcontext(), modes_again()
+
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
 
 
 # ----------------------------------------------------------------------------- what float32 means on CUDA
