@@ -18,9 +18,10 @@
 
 The float64 reference is the module's CPU path (tested against each mechanism's plain reference in
 test_<mechanism>.py) in float64, with the same weights and random draws. Mechanisms with discrete choices
-that rounding can flip (FSAT's floor(I_bar)) are set up so that every dtype makes the same choices
-(:data:`longattn.bench.gpu.SAME_CHOICES_IN_EVERY_DTYPE`: FSAT's edges, Reformer's buckets); the gradients of
-PoNet's max-poolings, cosFormer's ReLU features and skeleton's BatchNorm have their own bounds, each with the
+that rounding can flip are set up so that every dtype makes the same choices
+(:data:`longattn.bench.gpu.SAME_CHOICES_IN_EVERY_DTYPE`: FSAT's edges, Informer's active queries,
+Reformer's buckets); the gradients of PoNet's max-poolings, cosFormer's ReLU features, Performer's
+exponentials (bf16), FLASH's 1/N terms (fp16) and skeleton's BatchNorm have their own bounds, each with its
 reason (:data:`longattn.bench.gpu.GRADIENT_BOUNDS`).
 """
 

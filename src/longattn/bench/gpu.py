@@ -55,20 +55,31 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # float64; the half types' bounds are a few units of their rounding (2^-8, 2^-11) after a chain of GEMMs
 # and normalisations.
 RATIOS = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 1e-2)}
-# Mechanisms whose exact input gradient moves more than RATIOS allow when the inputs are rounded to a half
-# type, with the gradient bound they get:
+# Mechanisms whose input gradient under autocast is further from float64 than RATIOS allow for a reason of the
+# mechanism, not of its GPU path (rounding only the inputs moves the exact gradient as far, or the CPU path
+# under the same autocast is as far), with the gradient bound they get:
 # * PoNet's max-poolings (eqs. 3-4) send the gradient to the largest entry, and rounding the branch
 #   projections to 8 (bfloat16) or 11 (float16) bits reorders near-tied entries;
 # * cosFormer's ReLU features (eq. 6): rounding flips the sign of near-zero pre-activations, and with them
 #   the ReLU's derivative (0 or 1). Inherent: rounding only x and the weights to bfloat16 / float16 and
 #   computing the rest in float64 moves the gradient by 1.7e-2 / 1.0e-2 (ELU features: 2.3e-3 / 3.2e-4);
 #   the GPU path under autocast measures 2.4e-2 / 1.6e-2 (N = 257);
+# * Performer in bfloat16: the exponent w.x of its positive random features (Lemma 1) is a GEMM output
+#   rounded to 8 bits, and exp turns that absolute error into a relative error of the features; its CPU
+#   path under the same autocast has the same gradient error (2.0e-2, N = 1023, dim 128, 4 heads; the GPU
+#   path 1.8e-2 to 2.2e-2), where rounding only x and the weights gives 4e-3;
+# * FLASH in float16: its gradients pass through the 1/N of the linear term and the 1/c of the chunks'
+#   squared-ReLU attention (eqs. 6-7) and fall below float16's normal range without a loss scale (1.0e-2
+#   at N = 1023, in the CPU path under the same autocast too; 1.9e-3 with the upstream gradient scaled by
+#   2^10 as a GradScaler does, which float16 training needs anyway);
 # * skeleton: the Smoother's position-wise BatchNorm backward subtracts per-position means of the
 #   half-precision gradient it receives, which cancels where a position's conv outputs vary little; its
 #   module-by-module CPU path under the same autocast has the same error (4.7e-2 in bfloat16), and the
 #   float16 error depends on the weights (4.3e-4 to 2.8e-2 over four seeds; test_skeleton_gpu.py's bounds).
 GRADIENT_BOUNDS = {"ponet": {torch.bfloat16: 0.1, torch.float16: 0.1},
                    "cosformer": {torch.bfloat16: 5e-2, torch.float16: 3e-2},
+                   "performer": {torch.bfloat16: 4e-2},
+                   "flash": {torch.float16: 3e-2},
                    "skeleton": {torch.bfloat16: 8e-2, torch.float16: 2.5e-2}}
 # Options where the defaults would test a corner: Nystromformer's 256 landmarks would give each token of a
 # short test sequence a landmark of its own; 32 make segments of several tokens.
@@ -97,9 +108,18 @@ def _reformer_buckets_irrelevant(layer: torch.nn.Module, length: int) -> None:
     layer.n_hashes, layer.bucket_size, layer.attend_across_buckets = 1, -(-length // 2), True
 
 
+def _informer_every_query_active(layer: torch.nn.Module, length: int) -> None:
+    """Informer's active queries are the top u of the sampled measure M_bar (eq. 4), whose near-ties rounding
+    reorders. With c = N, u = m: every real query is active whatever the ranking, so the comparison measures
+    the arithmetic of the GPU path (the sampled measure, the gathers of the active queries, their attention
+    and the scatter back); which queries the measure picks is tested against the reference in
+    test_informer.py."""
+    layer.factor = float(length)
+
+
 # Per mechanism: what makes its discrete choices the same in every dtype.
 SAME_CHOICES_IN_EVERY_DTYPE: dict[str, Callable[[torch.nn.Module, int], None]] = {
-    "fsat": _pin_fsat_edges, "reformer": _reformer_buckets_irrelevant}
+    "fsat": _pin_fsat_edges, "informer": _informer_every_query_active, "reformer": _reformer_buckets_irrelevant}
 
 
 def rms_ratio(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -327,6 +347,15 @@ class Budget:
             yield
         finally:
             self.part_end = self.end
+
+
+def _bounds_text() -> str:
+    """The accuracy bounds in words: per dtype, then the gradient bounds of GRADIENT_BOUNDS (reasons beside it)."""
+    short = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    per_dtype = "; ".join(f"{short[d]} {o:.0e}" + ("" if g == o else f" / {g:.0e}") for d, (o, g) in RATIOS.items())
+    wider = ", ".join(f"{name} " + " / ".join(f"{short[d]} {bound:g}" for d, bound in bounds.items())
+                      for name, bounds in GRADIENT_BOUNDS.items())
+    return f"{per_dtype}; input gradient of {wider} (longattn.bench.gpu.GRADIENT_BOUNDS, with the reasons)"
 
 
 def _names(config: GpuCheckConfig) -> list[str]:
@@ -735,9 +764,10 @@ def gpu_tables(report: dict[str, Any]) -> str:
             rows.append(cells)
         lines += ["", f"## Accuracy against float64 (N={config['accuracy_length']}, batch {config['accuracy_batch']}, "
                       f"dim {config['accuracy_dim']}, {config['accuracy_heads']} heads, scattered padding)", "",
-                  "RMS(error) / RMS(reference), output / input gradient. Bounds: float32 1e-5; bf16 1e-2 / 2e-2; "
-                  "fp16 2e-3 / 1e-2 (PoNet's gradient: 0.1, max-pooling). fp32 with TF32 convs: the library's "
-                  "convolutions in TF32 (allow_tf32), judged by the float32 bound.", "",
+                  f"RMS(error) / RMS(reference), output / input gradient. Bounds: {_bounds_text()}. fp32 with TF32 "
+                  "convs: the library's convolutions in TF32 (allow_tf32), judged by the float32 bound. Set up so "
+                  f"that every dtype makes the same discrete choices: {', '.join(SAME_CHOICES_IN_EVERY_DTYPE)} "
+                  "(longattn.bench.gpu.SAME_CHOICES_IN_EVERY_DTYPE).", "",
                   markdown_table(["mechanism", "fp32", "fp32 with TF32 convs", "bf16", "fp16"], rows)]
     speed = report.get("speed")
     if isinstance(speed, list):
