@@ -40,6 +40,7 @@ from longattn.attention.base import (
     compute_dtype,
     padding_safe,
     register_attention,
+    uses_gpu_path,
 )
 
 __all__ = ["FlashGAU", "SCALINGS", "mixed_chunk_attention", "mixed_chunk_attention_reference", "rotary"]
@@ -125,8 +126,8 @@ def mixed_chunk_attention(
 
     q, k, v = chunked(query), chunked(key), chunked(value)
     q_lin, k_lin = chunked(linear_query), chunked(linear_key)
-    # eq. 6: squared-ReLU attention within each chunk
-    scores = q @ k.transpose(-1, -2)  # [B, H, G, c, c]
+    # eq. 6: squared-ReLU attention within each chunk, relu^2 in float32 for half inputs (it overflows float16)
+    scores = (q @ k.transpose(-1, -2)).to(compute_dtype(q.dtype))  # [B, H, G, c, c]
     if scaling == "length":
         scores = scores / math.sqrt(width)
     if position_bias is not None:
@@ -136,20 +137,21 @@ def mixed_chunk_attention(
         weights = weights.tril()
     if scaling == "length":
         weights = weights / chunk
-    quad = weights @ v
+    quad = weights.to(v.dtype) @ v
     # eqs. 7-8: linear attention across chunks
     if causal:
         kv = k_lin.transpose(-1, -2) @ v  # [B, H, G, s, e], one summary per chunk
-        kv = kv.cumsum(2) - kv  # eq. 8: chunks h < g only
-        lin = q_lin @ kv
-        if scaling == "length":  # / the real tokens of the earlier chunks
+        kv = kv.cumsum(2, dtype=compute_dtype(kv.dtype)) - kv  # eq. 8: chunks h < g only, summed in float32
+        if scaling == "length":  # / the real tokens of the earlier chunks (before the product: half's range)
             per_chunk = F.pad(real, (0, pad)).view(batch, chunks, chunk).sum(-1)
-            before = (per_chunk.cumsum(1) - per_chunk).clamp_min(1).to(lin.dtype)
-            lin = lin / before[:, None, :, None, None]
+            before = (per_chunk.cumsum(1) - per_chunk).clamp_min(1).to(kv.dtype)
+            kv = kv / before[:, None, :, None, None]
+        lin = q_lin @ kv.to(q_lin.dtype)
     else:
+        if scaling == "length":  # / the real tokens, before the sum over them: it stays in half precision's range
+            count = real.sum(-1).clamp_min(1).to(compute_dtype(linear_key.dtype))[:, None, None, None]
+            linear_key = (linear_key / count).to(value.dtype)
         kv = linear_key.transpose(-1, -2) @ value  # eq. 7: [B, H, s, e], all chunks at once
-        if scaling == "length":  # / the real tokens
-            kv = kv / real.sum(-1).clamp_min(1).to(kv.dtype)[:, None, None, None]
         lin = q_lin @ kv[:, :, None]
     return (quad + lin).flatten(2, 3)[:, :, :length]
 
@@ -267,14 +269,25 @@ class FlashGAU(AttentionBase):
         self.position_bias = nn.Parameter(torch.zeros(2 * chunk_size - 1)) if relative_bias else None
         self.to_out = nn.Linear(hidden, dim, bias=bias)
 
-    def gates_and_queries(self, x: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
-        """(U [B, N, e], V [B, N, e], [Q^quad, K^quad, Q^lin, K^lin] each [B, 1, N, s])."""
+    def gates_and_queries(self, x: Tensor, keep_dtype: bool = False) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """(U [B, N, e], V [B, N, e], [Q^quad, K^quad, Q^lin, K^lin] each [B, 1, N, s]); with ``keep_dtype``
+        the four maps in Z's dtype (the autocast dtype under autocast), not promoted by gamma and beta."""
         u, v, z = F.silu(self.to_hidden(x)).split([self.hidden, self.hidden, self.query_key_dim], dim=-1)
-        maps = (z.unsqueeze(-2) * self.gamma + self.beta).unbind(-2)
+        maps = z.unsqueeze(-2) * self.gamma + self.beta
+        maps = (maps.to(z.dtype) if keep_dtype else maps).unbind(-2)
         maps = [rotary(m) if self.rotary else m for m in maps]
         return u, v, [m.unsqueeze(1) for m in maps]
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
+        if uses_gpu_path(x):
+            # U, V and the maps stay in the projections' dtype; mixed chunk attention takes relu^2 and its sums
+            # in float32 (no float32 copy of the [B, N, e] gates)
+            u, v, (q_quad, k_quad, q_lin, k_lin) = self.gates_and_queries(x, keep_dtype=True)
+            mixed = mixed_chunk_attention(
+                q_quad, k_quad, v.unsqueeze(1), attention_mask, linear_query=q_lin, linear_key=k_lin,
+                chunk_size=self.chunk_size, causal=self.causal, position_bias=self.position_bias, scaling=self.scaling,
+            )
+            return self.to_out(u * mixed[:, 0])  # eq. 9
         work = compute_dtype(x.dtype)  # relu^2 and the chunk sums overflow half precision
         u, v, (q_quad, k_quad, q_lin, k_lin) = self.gates_and_queries(x)
         bias = None if self.position_bias is None else self.position_bias.to(work)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention._triton import triton_runs_on
+from longattn.attention._triton import kernels_run_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -149,18 +149,6 @@ def causal_scan_chunked(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHU
     within = (q_c @ k_c.transpose(-1, -2)).tril_()
     sums = ((q_c @ past).to(acc) + (within @ v_c).to(acc)).reshape(b, h, count * chunk, dv + 1)[:, :, :n]
     return sums[..., :dv].to(q.dtype), sums[..., dv]
-
-
-def kernels_run_on(t: Tensor) -> bool:
-    """Whether the Triton kernels of the GPU paths (this family's scan, skein's, informer's and reformer's
-    kernels) take inputs like ``t``: where :func:`~longattn.attention._triton.triton_runs_on` says kernels run,
-    in float16, bfloat16 or float32 on CUDA (float64 there takes the PyTorch GPU path), and in Triton's CPU
-    interpreter in any dtype but bfloat16 (whose ``tl.dot`` the interpreter of triton 3.9 gets wrong)."""
-    if not triton_runs_on(t):
-        return False
-    if t.device.type == "cuda":
-        return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    return t.dtype != torch.bfloat16
 
 
 # the values of a head are one tile of the scan kernels: wider values take causal_scan_chunked

@@ -30,6 +30,7 @@ from longattn.attention.base import (
     AttentionError,
     Capabilities,
     check_qkv,
+    compute_dtype,
     merge_heads,
     padding_safe,
     register_attention,
@@ -152,7 +153,8 @@ def luna_attention_reference(
 
 def _causal_product(x: Tensor, y: Tensor, z: Tensor, chunk_size: int) -> Tensor:
     """out_t = sum_{s <= t} (x_t . y_s) z_s on [B, H, N, *], chunk by chunk: an explicit C x C
-    block inside a chunk and a carried sum of y_s z_s^T across chunks (never N x N)."""
+    block inside a chunk and a carried sum of y_s z_s^T across chunks (never N x N), that sum in
+    float32 for half inputs. All chunks at once: batched products, no loop."""
     b, h, n, _ = x.shape
     chunks = -(-n // chunk_size)
     tail = chunks * chunk_size - n
@@ -160,16 +162,19 @@ def _causal_product(x: Tensor, y: Tensor, z: Tensor, chunk_size: int) -> Tensor:
     within = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
     out = (x_c @ y_c.transpose(-1, -2)).masked_fill(~within, 0.0) @ z_c
     state = y_c.transpose(-1, -2) @ z_c  # [B, H, C, dy, dz]
-    out = out + x_c @ (torch.cumsum(state, dim=2) - state)  # earlier chunks only
+    earlier = torch.cumsum(state, dim=2, dtype=compute_dtype(state.dtype)) - state  # earlier chunks only
+    out = out + x_c @ earlier.to(x.dtype)
     return out.reshape(b, h, chunks * chunk_size, -1)[:, :, :n]
 
 
 def _causal_counts(attention_mask: Tensor | None, batch: int, length: int, like: Tensor) -> Tensor:
-    """Real tokens up to each position, at least 1: the causal pack's running-mean divisor [B, 1, N, 1]."""
+    """Real tokens up to each position, at least 1: the causal pack's running-mean divisor [B, 1, N, 1],
+    float32 for half ``like`` (bfloat16 counts stop being exact above 256)."""
+    work = compute_dtype(like.dtype)
     if attention_mask is None:
-        counts = torch.arange(1, length + 1, dtype=like.dtype, device=like.device).expand(batch, length)
+        counts = torch.arange(1, length + 1, dtype=work, device=like.device).expand(batch, length)
     else:
-        counts = torch.cumsum(attention_mask.to(like.dtype), dim=1).clamp_min(1.0)
+        counts = torch.cumsum(attention_mask.to(work), dim=1).clamp_min(1.0)
     return counts[:, None, :, None]
 
 
@@ -210,11 +215,13 @@ def luna_causal_attention(
     s = _scale(d, scale)
     pack = _pack_weights(pack_key, pack_query, attention_mask, s)  # [B, H, N, l]
     counts = _causal_counts(attention_mask, b, n, query)
-    scores = _causal_product(query, key, pack, chunk_size) * s / counts  # q_t . packed keys at t
+    # q_t . packed keys at t; the scores, their softmax and the running means in float32 for half inputs
+    scores = _causal_product(query, key, pack, chunk_size).to(counts.dtype) * s / counts
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
-    return _causal_product(probs, pack, value, chunk_size) / counts  # probs_t . packed values at t
+    packed = _causal_product(probs.to(query.dtype), pack, value, chunk_size)  # probs_t . packed values at t
+    return (packed.to(counts.dtype) / counts).to(query.dtype)
 
 
 def luna_causal_attention_reference(

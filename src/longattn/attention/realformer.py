@@ -79,18 +79,26 @@ def realformer_attention(
     and with ``return_weights`` also softmax(S_l) [B, H, N, N] as it multiplied V (analyses).
 
     Scores accumulate in :func:`compute_dtype` (float32 for half inputs) and are returned in it.
-    A query with no key to attend to gets zeros.
+    Under autocast Q K^T runs in the autocast dtype and the sum S_l in float32 (a fused ``baddbmm``
+    would add the carried scores in the autocast dtype). A query with no key to attend to gets zeros.
     """
     check_qkv(query, key, value, attention_mask)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     work = compute_dtype(query.dtype)
-    q = _zero_padding(query, attention_mask).to(work)
-    k = _zero_padding(key, attention_mask).to(work)
+    autocast = query.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(query.device.type)
+    q = _zero_padding(query, attention_mask)
+    k = _zero_padding(key, attention_mask)
+    if not autocast:
+        q, k = q.to(work), k.to(work)
     n_q, n_k = q.shape[-2], k.shape[-2]
     expected = torch.Size((*q.shape[:2], n_q, n_k))
     _check_prev_scores(prev_scores, expected)
     flat_q, flat_k = q.flatten(0, 1), k.flatten(0, 1).transpose(-1, -2)
-    if prev_scores is None:
+    if autocast:
+        scores = torch.bmm(flat_q, flat_k).to(work).mul_(scale)
+        if prev_scores is not None:
+            scores = scores.add_(prev_scores.flatten(0, 1).to(work))
+    elif prev_scores is None:
         scores = torch.bmm(flat_q, flat_k).mul_(scale)
     else:  # S_l = prev + scale * Q K^T in one fused kernel
         scores = torch.baddbmm(prev_scores.to(work).flatten(0, 1), flat_q, flat_k, alpha=scale)
@@ -106,7 +114,7 @@ def realformer_attention(
     weights = torch.softmax(logits, dim=-1)
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
-    out = weights @ value.to(work)
+    out = weights @ (value if autocast else value.to(work))
     if no_key is not None:
         out = out.masked_fill(no_key, 0.0)
     if return_weights:

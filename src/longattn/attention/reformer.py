@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longattn.attention._triton import kernels_run_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -47,7 +48,6 @@ from longattn.attention.base import (
     split_heads,
     uses_gpu_path,
 )
-from longattn.attention.linear import kernels_run_on
 
 SELF_ATTENTION_SCORE = -5e4  # "attend to itself only if nothing else": large negative but finite
 BLOCK_ELEMENTS = 1 << 18  # scores (or hash projections) computed at once: cache-sized, never [N, N]

@@ -30,7 +30,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
@@ -42,6 +41,7 @@ from longattn.attention.base import (
     merge_heads,
     output_dtype,
     padding_safe,
+    recomputed,
     register_attention,
     split_heads,
     uses_gpu_path,
@@ -245,7 +245,7 @@ def long_short_attention_gpu(query: Tensor, key: Tensor, value: Tensor, attentio
             key_long, value_long = proj @ key, proj @ value
         return _normalised(key, value, key_long, value_long, short_norm, long_norm, dtype)
 
-    terms = checkpoint(keys, key, value, projection_logits, use_reentrant=False, preserve_rng_state=False)
+    terms = recomputed(keys, key, value, projection_logits)
     return _attend_gpu(query, *terms, attention_mask, window_size, is_causal, chunk_size, scale, dropout_p)
 
 
@@ -501,10 +501,8 @@ class LongShortAttention(AttentionBase):
             key_long, value_long = _projected_from_input(tokens, proj, (self.proj.to_k, self.proj.to_v))
             return self.long_norm(key_long).to(dtype), self.long_norm(value_long).to(dtype)
 
-        recomputed = dict(use_reentrant=False, preserve_rng_state=False)
-        key_short, value_short = (checkpoint(short_term, x, linear, **recomputed)
-                                  for linear in (self.proj.to_k, self.proj.to_v))
-        key_long, value_long = checkpoint(long_term, x, **recomputed)
+        key_short, value_short = (recomputed(short_term, x, linear) for linear in (self.proj.to_k, self.proj.to_v))
+        key_long, value_long = recomputed(long_term, x)
         return _attend_gpu(query, key_short, value_short, key_long, value_long, attention_mask, self.window_size,
                            self.causal, self.chunk_size, scale, self.dropout if self.training else 0.0)
 
