@@ -176,6 +176,17 @@ def repeat_kv(key: Tensor, value: Tensor, heads: int) -> tuple[Tensor, Tensor]:
     return key.repeat_interleave(heads // kv_heads, dim=1), value.repeat_interleave(heads // kv_heads, dim=1)
 
 
+def common_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v in one dtype: the autocast dtype inside ``torch.autocast`` (rotary embeddings hand back float32
+    queries and keys next to half-precision values), else the widest of the three."""
+    device_type = query.device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def run_mechanism(
     mechanism: AttentionBase,
     projections: ModelProjections | None,
@@ -191,24 +202,34 @@ def run_mechanism(
     layer_state: dict | None = None,
     ignore_dropout: bool = False,
     rotary: bool = False,
+    cache_layer: Any = None,
 ) -> Tensor:
-    """One attention call of a transformers module through ``mechanism``; returns [B, N, H, Dh]."""
+    """One attention call of a transformers module through ``mechanism``; returns [B, N, H, Dh].
+
+    With ``cache_layer`` (a :class:`~longattn.hf.cache.LongattnCacheLayer`) the call decodes: the first one
+    prefills the mechanism's decoding state, later ones step it one token at a time; ``key``/``value`` are then
+    the new tokens' only and ``attention_mask`` covers every token so far."""
     name = mechanism.name
+    query, key, value = common_dtype(query, key, value)
     b, heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     if getattr(module, "is_cross_attention", False) or "crossattention" in type(module).__name__.lower():
         raise AttentionError(f"longattn_{name} handles self-attention only, not {type(module).__name__}")
-    mask = _check_mask(attention_mask, b, kv_len)
     key, value = repeat_kv(key, value, heads)
-    if q_len != kv_len:
-        if name == "softmax" and q_len == 1:
-            # decoding with a KV cache: the one new query sees every cached key, no causal mask needed
-            out = softmax_attention(query, key, value, mask, scale=scaling)
-            return out.transpose(1, 2).contiguous()
-        raise AttentionError(
-            f"longattn_{name} needs as many queries as keys, got {q_len} queries and {kv_len} keys (decoding "
-            "with a KV cache, or cross-attention): generate with use_cache=False, or use longattn_softmax"
-        )
+    if cache_layer is not None:
+        mask = _check_mask(attention_mask, b, cache_layer.length + q_len)
+    else:
+        mask = _check_mask(attention_mask, b, kv_len)
+        if q_len != kv_len:
+            if name == "softmax" and q_len == 1:
+                # decoding with transformers' own KV cache: the one new query sees every cached key
+                out = softmax_attention(query, key, value, mask, scale=scaling)
+                return out.transpose(1, 2).contiguous()
+            raise AttentionError(
+                f"longattn_{name} needs as many queries as keys, got {q_len} queries and {kv_len} keys: decoding "
+                "with a cache needs longattn's decoding state (longattn.hf.enable(model, name) or "
+                "longattn.hf.convert install it), or generate with use_cache=False"
+            )
 
     options = get_spec(name).option_names
     rescaled = False
@@ -236,14 +257,53 @@ def run_mechanism(
     x = hidden_states
     if x is None:  # function path: the module form only reads the shape, device and dtype of x
         x = query.new_zeros(()).expand(b, q_len, heads * head_dim)
-    if projections is not None:
-        projections.load(query, key, value, rotary=rotary, rescaled=rescaled)
+
+    def load(sl: slice = slice(None)) -> None:
+        if projections is not None:
+            projections.load(query[:, :, sl], key[:, :, sl], value[:, :, sl], rotary=rotary, rescaled=rescaled)
+
+    load()
     try:
-        out = mechanism(x, attention_mask=mask, layer_state=layer_state)
+        if cache_layer is None:
+            out = mechanism(x, attention_mask=mask, layer_state=layer_state)
+        elif cache_layer.state is None:
+            out, cache_layer.state = mechanism.prefill(x, mask, layer_state)
+        else:
+            if q_len > 1 and mechanism.capabilities.uses_layer_state:
+                raise AttentionError(f"{name} continues a cached sequence one token per forward call only")
+            steps = []
+            for i in range(q_len):  # several new tokens after a prefill: one step each
+                load(slice(i, i + 1))
+                token_mask = None if mask is None else mask[:, cache_layer.length + i:cache_layer.length + i + 1]
+                step_out, cache_layer.state = mechanism.step(x[:, i:i + 1], cache_layer.state, token_mask, layer_state)
+                steps.append(step_out)
+            out = torch.cat(steps, dim=1)
     finally:
         if projections is not None:
             projections.load(None)
+    if cache_layer is not None:
+        cache_layer.length += q_len
     return out.view(b, q_len, heads, head_dim)
+
+
+def causal_options(name: str, options: dict[str, Any], causal: bool, config: Any) -> dict[str, Any]:
+    """``options`` with what a causal mechanism needs from the model: cosFormer's M (``max_positions``, eq. 9)
+    is the model's ``max_position_embeddings`` unless given, so that a token's re-weighting does not change as
+    the sequence grows (with M = N it would, and cached decoding could not follow it)."""
+    if causal and "max_positions" in get_spec(name).option_names and options.get("max_positions") is None:
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is None:
+            raise AttentionError(f"causal {name} needs max_positions (M of eq. 9): the model config has no "
+                                 "max_position_embeddings to take it from")
+        options = {**options, "max_positions": int(limit)}
+    return options
+
+
+def _cache_layer(module: nn.Module) -> Any:
+    """The LongattnCacheLayer of this call (None without a cache, or when no hooks were installed)."""
+    from longattn.hf.cache import cache_layer_of
+
+    return cache_layer_of(module)
 
 
 def _causal_of(module: nn.Module, kwargs: dict) -> bool:
@@ -333,7 +393,8 @@ def register(name: str, *, ignore_dropout: bool = False, seed: int = 0, **option
             if causal and not get_spec(name).capabilities.causal:
                 raise AttentionError(f"{name} does not support causal masking, which {type(module).__name__} needs")
             layer_seed = seed + int(getattr(module, "layer_idx", 0) or 0)
-            per_module[shape] = _function_mechanism(name, options, causal, query.shape[1], query.shape[3], layer_seed)
+            per_module[shape] = _function_mechanism(name, causal_options(name, options, causal, module.config),
+                                                    causal, query.shape[1], query.shape[3], layer_seed)
         mechanism, projections = per_module[shape]
         mechanism.train(module.training)
         mechanism.to(query.device)
@@ -345,7 +406,8 @@ def register(name: str, *, ignore_dropout: bool = False, seed: int = 0, **option
             value = repeat_kv(value, value, query.shape[1])[1]
             return get_spec(name).functional(query, value, value, mask).transpose(1, 2).contiguous(), None
         out = run_mechanism(mechanism, projections, module, query, key_, value, attention_mask,
-                            dropout=dropout, scaling=scaling, ignore_dropout=ignore_dropout)
+                            dropout=dropout, scaling=scaling, ignore_dropout=ignore_dropout,
+                            cache_layer=_cache_layer(module))
         return out, None
 
     AttentionInterface.register(key, attention)
@@ -468,4 +530,8 @@ def enable(model: nn.Module, name: str, **options: Any) -> nn.Module:
             f"{type(model).__name__} kept attn_implementation={actual!r}: it does not route its attention "
             "through transformers' AttentionInterface, so longattn cannot replace it"
         )
+    from longattn.hf.cache import install_cache_hooks
+    from longattn.hf.convert import attention_modules
+
+    install_cache_hooks([module for _, module, _ in attention_modules(model)])  # generate(use_cache=True)
     return check_dispatch(model)

@@ -31,8 +31,10 @@ from longattn.attention.base import AttentionBase, AttentionError, build, get_sp
 from longattn.hf.bridge import (
     CONVERTED_KEY,
     ModelProjections,
+    _cache_layer,
     _register_converted,
     _transformers,
+    causal_options,
     check_dispatch,
     run_mechanism,
     uses_projections,
@@ -170,6 +172,7 @@ def attend_converted(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         mechanism, runtime.projections, module, query, key, value, attention_mask,
         dropout=dropout, scaling=scaling, hidden_states=runtime.hidden_states,
         layer_state=runtime.holder.get("current"), ignore_dropout=runtime.ignore_dropout, rotary=runtime.rotary,
+        cache_layer=_cache_layer(module),
     )
 
 
@@ -222,7 +225,8 @@ def convert(
             raise AttentionError(f"{name} does not support causal masking, which {type(module).__name__} needs")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + i)
-            mechanism = build(name, dim=heads * head_dim, heads=heads, max_len=max_len, causal=causal, **options)
+            mechanism = build(name, dim=heads * head_dim, heads=heads, max_len=max_len, causal=causal,
+                              **causal_options(name, options, causal, model.config))
         projections = _attach(mechanism, module, family, fresh, name)
         param = next(module.parameters())
         mechanism.to(device=param.device, dtype=param.dtype).train(module.training)
@@ -230,6 +234,9 @@ def convert(
         module.longattn = mechanism
         module.register_forward_pre_hook(_before_attention, with_kwargs=True)
         module.register_forward_hook(_after_attention, with_kwargs=True)
+    from longattn.hf.cache import install_cache_hooks
+
+    install_cache_hooks([found[i][1] for i in indices])  # generate(use_cache=True) keeps the decoding states
     model.__dict__[STATE_ATTR] = holder
     model.register_forward_pre_hook(_before_model)
     model.register_forward_hook(_after_model)
