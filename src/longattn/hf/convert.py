@@ -19,6 +19,7 @@ points for fine-tuning, not zero-shot replacements.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,6 +177,18 @@ def attend_converted(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     )
 
 
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` its own copy of its config (and sub-configs), in every module that holds it: the conversion
+    records itself there and switches the attention implementation, which must not reach the caller's config
+    object (nor other models built from it)."""
+    memo: dict[int, Any] = {}
+    copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        held = module.__dict__.get("config")
+        if held is not None and id(held) in memo:
+            module.__dict__["config"] = memo[id(held)]
+
+
 def convert(
     model: nn.Module,
     name: str,
@@ -210,6 +223,7 @@ def convert(
             f"{type(model).__name__} has no self-attention module with query/key/value or "
             "q_proj/k_proj/v_proj projections that longattn.hf.convert can map"
         )
+    _own_config(model)
     indices = list(range(len(found))) if layers is None else [int(i) for i in layers]
     bad = [i for i in indices if not 0 <= i < len(found)]
     if bad:
