@@ -540,6 +540,15 @@ class AttentionBase(nn.Module):
             out = out.masked_fill(~attention_mask.unsqueeze(-1), 0.0)
         return out
 
+    def forward_packed(self, x: Tensor, *, cu_seqlens: Tensor | None = None, position_ids: Tensor | None = None,
+                       attention_mask: Tensor | None = None, layer_state: dict | None = None) -> Tensor:
+        """The forward of packed sequences ``x`` [B, N, dim] (several sequences per row, given by ``cu_seqlens`` or
+        restarting ``position_ids``), each computed on its own; see :mod:`longattn.attention.packing`."""
+        from longattn.attention.packing import forward_packed
+
+        return forward_packed(self, x, cu_seqlens=cu_seqlens, position_ids=position_ids,
+                              attention_mask=attention_mask, layer_state=layer_state)
+
     # -- decoding one token at a time (longattn.attention.decoding) ----------------------------
     def prefill(self, x: Tensor, attention_mask: Tensor | None = None,
                 layer_state: dict | None = None) -> tuple[Tensor, Any]:

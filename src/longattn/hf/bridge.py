@@ -21,9 +21,10 @@ parameters (under :func:`longattn.hf.convert`) it owns.
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -151,7 +152,60 @@ def _default_scaling(head_dim: int) -> float:
     return head_dim**-0.5
 
 
+class PackedMask(NamedTuple):
+    """What longattn's mask function hands the attention function for a packed batch (several sequences per row,
+    transformers' ``DataCollatorWithFlattening``): the sequence of each token [B, N] and the padding mask."""
+
+    segments: Tensor
+    padding: Tensor | None
+
+
+def _mask_parts(mask_function: Callable) -> list[tuple[str, dict[str, Any]]]:
+    """(qualified name, closure variables) of a transformers mask function and of the parts ``and_masks`` joins."""
+    name = getattr(mask_function, "__qualname__", "")
+    closure = inspect.getclosurevars(mask_function).nonlocals if inspect.isfunction(mask_function) else {}
+    if name.startswith("and_masks.") and "mask_functions" in closure:
+        return [part for f in closure["mask_functions"] for part in _mask_parts(f)]
+    return [(name, closure)]
+
+
+def _packed_segments(mask_function: Callable) -> Tensor | None:
+    """The [B, N] sequence ids of transformers' packed-sequence mask (causal or bidirectional within each
+    sequence, detected from position ids that restart), or None for any other pattern."""
+    parts = dict(_mask_parts(mask_function))
+    remap = parts.pop("remap_positions_for_packed_sequence.<locals>.inner_mask", None)
+    packed = parts.pop("packed_sequence_mask_function.<locals>.inner_mask", None)
+    if parts or remap is None or packed is None:
+        return None
+    inner = getattr(remap.get("mask_function"), "__name__", "")
+    if inner not in ("causal_mask_function", "bidirectional_mask_function"):
+        return None
+    segments = packed.get("packed_sequence_mask")
+    return segments if isinstance(segments, Tensor) and segments.dim() == 2 else None
+
+
+def packed_segments_of(attention_mask: Any, kwargs: dict, batch: int, length: int) -> Tensor | None:
+    """The [B, N] sequence ids of a packed batch, None when the batch is not packed: from longattn's mask function
+    (transformers' packed-sequence pattern), from flash-attention's ``cu_seq_lens_q`` among the call's kwargs, or,
+    without a padding mask, from ``position_ids`` that restart (transformers itself detects packing only
+    without a cache, so a model called with its default ``use_cache=True`` would mix the sequences)."""
+    from longattn.attention.packing import segment_ids
+
+    if isinstance(attention_mask, PackedMask):
+        return attention_mask.segments
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return segment_ids(cu_seqlens=kwargs["cu_seq_lens_q"], shape=(batch, length))
+    positions = kwargs.get("position_ids")
+    if attention_mask is None and isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[1] == length:
+        segments = segment_ids(position_ids=positions, shape=(batch, length))
+        if bool((segments[:, -1] > 0).any()):
+            return segments
+    return None
+
+
 def _check_mask(mask: Any, batch: int, kv_len: int) -> Tensor | None:
+    if isinstance(mask, PackedMask):
+        mask = mask.padding
     if mask is None:
         return None
     if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.dtype != torch.bool:
@@ -203,12 +257,14 @@ def run_mechanism(
     ignore_dropout: bool = False,
     rotary: bool = False,
     cache_layer: Any = None,
+    segments: Tensor | None = None,
 ) -> Tensor:
     """One attention call of a transformers module through ``mechanism``; returns [B, N, H, Dh].
 
     With ``cache_layer`` (a :class:`~longattn.hf.cache.LongattnCacheLayer`) the call decodes: the first one
     prefills the mechanism's decoding state, later ones step it one token at a time; ``key``/``value`` are then
-    the new tokens' only and ``attention_mask`` covers every token so far."""
+    the new tokens' only and ``attention_mask`` covers every token so far. With ``segments`` ([B, N] sequence
+    ids of a packed batch) each sequence is computed on its own (see :mod:`longattn.attention.packing`)."""
     name = mechanism.name
     query, key, value = common_dtype(query, key, value)
     b, heads, q_len, head_dim = query.shape
@@ -216,6 +272,9 @@ def run_mechanism(
     if getattr(module, "is_cross_attention", False) or "crossattention" in type(module).__name__.lower():
         raise AttentionError(f"longattn_{name} handles self-attention only, not {type(module).__name__}")
     key, value = repeat_kv(key, value, heads)
+    if cache_layer is not None and cache_layer.packed:
+        raise AttentionError("this cache was filled by a packed batch (several sequences per row): it cannot be "
+                             "continued; decode from a padded batch")
     if cache_layer is not None:
         mask = _check_mask(attention_mask, b, cache_layer.length + q_len)
     else:
@@ -257,6 +316,20 @@ def run_mechanism(
     x = hidden_states
     if x is None:  # function path: the module form only reads the shape, device and dtype of x
         x = query.new_zeros(()).expand(b, q_len, heads * head_dim)
+    plan = None
+    if segments is not None:  # a packed batch: its sequences side by side, each padded to the longest
+        from longattn.attention.packing import check_packable, packing_plan
+
+        if cache_layer is not None:
+            if cache_layer.state is not None:
+                raise AttentionError("packed sequences cannot continue a cached sequence: decode from a padded batch")
+            cache_layer.packed = True  # a training forward's cache (use_cache=True by default): never continued
+            cache_layer = None
+        check_packable(name, mechanism)
+        plan = packing_plan(segments)
+        query, key, value = (plan.unpack(t, dim=2) for t in (query, key, value))
+        x = plan.unpack(x)
+        mask = plan.valid if mask is None else plan.valid & plan.unpack(mask)
 
     def load(sl: slice = slice(None)) -> None:
         if projections is not None:
@@ -283,6 +356,8 @@ def run_mechanism(
             projections.load(None)
     if cache_layer is not None:
         cache_layer.length += q_len
+    if plan is not None:
+        out = plan.repack(out)
     return out.view(b, q_len, heads, head_dim)
 
 
@@ -399,15 +474,24 @@ def register(name: str, *, ignore_dropout: bool = False, seed: int = 0, **option
         mechanism.train(module.training)
         mechanism.to(query.device)
         _CALLS[0] += 1
+        segments = packed_segments_of(attention_mask, kwargs, query.shape[0], query.shape[2])
         if projections is None:  # V-Mean: no projections to stand in for, its functional form on v
             mask = _check_mask(attention_mask, query.shape[0], key_.shape[2])
             if key_.shape[2] != query.shape[2]:
                 raise AttentionError(f"longattn_{name} needs as many queries as keys")
             value = repeat_kv(value, value, query.shape[1])[1]
-            return get_spec(name).functional(query, value, value, mask).transpose(1, 2).contiguous(), None
+            functional = get_spec(name).functional
+            if segments is None:
+                return functional(query, value, value, mask).transpose(1, 2).contiguous(), None
+            from longattn.attention.packing import packing_plan
+
+            plan = packing_plan(segments)
+            q, v = plan.unpack(query, dim=2), plan.unpack(value, dim=2)
+            unpacked_mask = plan.valid if mask is None else plan.valid & plan.unpack(mask)
+            return plan.repack(functional(q, v, v, unpacked_mask), dim=2).transpose(1, 2).contiguous(), None
         out = run_mechanism(mechanism, projections, module, query, key_, value, attention_mask,
                             dropout=dropout, scaling=scaling, ignore_dropout=ignore_dropout,
-                            cache_layer=_cache_layer(module))
+                            cache_layer=_cache_layer(module), segments=segments)
         return out, None
 
     AttentionInterface.register(key, attention)
@@ -438,27 +522,54 @@ def register_all() -> list[str]:
 
 def key_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                      mask_function: Callable | None = None, attention_mask: Tensor | None = None,
-                     **kwargs: Any) -> Tensor | None:
+                     **kwargs: Any) -> Tensor | PackedMask | None:
     """transformers' mask hook for longattn: the bool [B, kv_len] padding mask (None without padding).
 
-    Only the plain causal and bidirectional patterns are accepted: causality is the mechanism's own
-    (``is_causal``), and patterns it cannot express (sliding windows, chunks, packed sequences, overlays)
-    raise instead of being dropped.
+    Only the plain causal and bidirectional patterns are accepted, and transformers' packed sequences (position
+    ids that restart), handed on as a :class:`PackedMask`: causality is the mechanism's own (``is_causal``), and
+    patterns it cannot express (sliding windows, chunks, overlays) raise instead of being dropped.
     """
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
+    segments = None
     if mask_function not in (None, causal_mask_function, bidirectional_mask_function):
-        raise AttentionError(
-            f"longattn supports key padding with plain causal or bidirectional attention, not the mask pattern "
-            f"{getattr(mask_function, '__name__', mask_function)!r} (sliding window, chunked, packed sequences "
-            "or an overlay)"
-        )
-    if attention_mask is None:
-        return None
-    mask = attention_mask[:, -kv_length:].to(torch.bool)
-    if mask.shape[-1] != kv_length:
-        raise AttentionError(f"attention_mask covers {mask.shape[-1]} keys but the model attends to {kv_length}")
-    return None if bool(mask.all()) else mask
+        segments = _packed_segments(mask_function)
+        if segments is None:
+            raise AttentionError(
+                f"longattn supports key padding with plain causal or bidirectional attention, and packed sequences, "
+                f"not the mask pattern {getattr(mask_function, '__name__', mask_function)!r} (sliding window, "
+                "chunked or an overlay)"
+            )
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask[:, -kv_length:].to(torch.bool)
+        if mask.shape[-1] != kv_length:
+            raise AttentionError(f"attention_mask covers {mask.shape[-1]} keys but the model attends to {kv_length}")
+        mask = None if bool(mask.all()) else mask
+    if segments is not None:
+        return PackedMask(segments.expand(batch_size, -1), mask)
+    return mask
+
+
+def _exact_softmax(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, dropout: float,
+                   scaling: float | None, kwargs: dict) -> Tensor:
+    """The attention of a layer that a conversion left out (``layers=...``): exact softmax, [B, N, H, Dh]."""
+    query, key, value = common_dtype(query, key, value)
+    b, heads = query.shape[:2]
+    segments = packed_segments_of(attention_mask, kwargs, b, query.shape[2])
+    mask = _check_mask(attention_mask, b, key.shape[2])
+    key, value = repeat_kv(key, value, heads)
+    causal = _causal_of(module, kwargs) and query.shape[2] == key.shape[2]
+    if segments is None:
+        return softmax_attention(query, key, value, mask, dropout_p=dropout, is_causal=causal,
+                                 scale=scaling).transpose(1, 2).contiguous()
+    from longattn.attention.packing import packing_plan
+
+    plan = packing_plan(segments)
+    query, key, value = (plan.unpack(t, dim=2) for t in (query, key, value))
+    mask = plan.valid if mask is None else plan.valid & plan.unpack(mask)
+    out = softmax_attention(query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling)
+    return plan.repack(out, dim=2).transpose(1, 2).contiguous()
 
 
 def _register_converted() -> None:
@@ -471,16 +582,11 @@ def _register_converted() -> None:
                   dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
         _CALLS[0] += 1
         if not isinstance(getattr(module, "longattn", None), AttentionBase):  # a layer left out of the conversion (layers=...): exact softmax attention
-            b, heads = query.shape[:2]
-            mask = _check_mask(attention_mask, b, key.shape[2])
-            key, value = repeat_kv(key, value, heads)
-            causal = _causal_of(module, kwargs) and query.shape[2] == key.shape[2]
-            out = softmax_attention(query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling)
-            return out.transpose(1, 2).contiguous(), None
+            return _exact_softmax(module, query, key, value, attention_mask, dropout, scaling, kwargs), None
         from longattn.hf.convert import attend_converted
 
         return attend_converted(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                causal=_causal_of(module, kwargs)), None
+                                causal=_causal_of(module, kwargs), kwargs=kwargs), None
 
     AttentionInterface.register(CONVERTED_KEY, attention)
     AttentionMaskInterface.register(CONVERTED_KEY, key_padding_mask)

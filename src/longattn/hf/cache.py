@@ -50,6 +50,7 @@ class LongattnCacheLayer(CacheLayerMixin):
         super().__init__()
         self.state: DecodingState | None = None
         self.length = 0
+        self.packed = False  # filled by a packed batch (a training forward): not to be continued
 
     def __repr__(self) -> str:
         kind = type(self.state).__name__ if self.state is not None else "empty"
@@ -74,7 +75,7 @@ class LongattnCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.state, self.length = None, 0
+        self.state, self.length, self.packed = None, 0, False
 
     def offload(self) -> None:  # the states are small (recurrent, windowed) or the KV cache itself: kept in place
         pass

@@ -36,6 +36,7 @@ from longattn.hf.bridge import (
     _register_converted,
     _transformers,
     causal_options,
+    packed_segments_of,
     check_dispatch,
     run_mechanism,
     uses_projections,
@@ -152,7 +153,7 @@ def _after_model(model: nn.Module, args: tuple, output: Any) -> None:
 
 
 def attend_converted(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, *,
-                     dropout: float, scaling: float | None, causal: bool) -> Tensor:
+                     dropout: float, scaling: float | None, causal: bool, kwargs: dict | None = None) -> Tensor:
     """The attention call of a converted layer (see longattn.hf.bridge)."""
     mechanism: AttentionBase = module.longattn
     runtime = _runtime(mechanism)
@@ -174,6 +175,7 @@ def attend_converted(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         dropout=dropout, scaling=scaling, hidden_states=runtime.hidden_states,
         layer_state=runtime.holder.get("current"), ignore_dropout=runtime.ignore_dropout, rotary=runtime.rotary,
         cache_layer=_cache_layer(module),
+        segments=packed_segments_of(attention_mask, kwargs or {}, query.shape[0], query.shape[2]),
     )
 
 
