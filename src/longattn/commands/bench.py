@@ -250,3 +250,4 @@ from longattn.commands import _bench_seqpar  # noqa: E402,F401
 from longattn.commands import _bench_singular  # noqa: E402,F401
 # registers the papers' analyses: flops, fsat-fig3, ... (issue 18)
 from longattn.commands import _bench_papers  # noqa: E402,F401
+from longattn.commands import _bench_lm  # noqa: E402,F401
