@@ -7,15 +7,18 @@ Three measurements, each written to the output folder and reused by ``--resume``
   validation perplexity per seed, mean ± std, the paired difference from softmax over the same seeds
   (:mod:`longattn.experiment.stats`), test and word-level perplexities, learning curves;
 * **throughput**: training tokens per second of one optimiser step (forward, backward, AdamW) at the preset's
-  batch and context, process CPU time on one thread, the median of ``throughput_steps`` steps after one warm-up;
+  batch, context and precision, the median of ``throughput_steps`` steps after one warm-up;
 * **decode**: milliseconds per generated token after a prompt of each length in ``prefixes`` (1k, 4k, 16k),
-  float32 on one CPU thread, process CPU time: the model's cached forward of one token (embedding, every
+  in float32: the model's cached forward of one token (embedding, every
   layer with its decoding state, output layer), the mean over ``decode_tokens`` tokens after two warm-up
   ones. Softmax is transformers' own SDPA attention with its KV cache; every other mechanism decodes with
   its longattn state (:mod:`longattn.attention.decoding`). The model has the preset's shape and random
   weights (a token's cost does not depend on their values) and positions up to the longest prefix, which
   sets cosFormer's M. The ratio of the longest to the shortest prefix is the growth: about 1 for the
   recurrent and windowed states, the KV cache's for softmax.
+
+Both measurements run on ``device``: on the CPU (the default) on one thread, in process CPU time; on a GPU in
+wall time between CUDA synchronisations, the device named in the table.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class LMBenchConfig:
     decode_tokens: int = 16
     throughput_steps: int = 3
     workers: int = 1
+    device: str = "cpu"  # of the throughput and decoding measurements (training runs use train.device)
 
 
 def _run_config(config: LMBenchConfig, attention: str, seed: int = 0) -> Any:
@@ -73,16 +77,27 @@ def _run_config(config: LMBenchConfig, attention: str, seed: int = 0) -> Any:
 # ----------------------------------------------------------------------------- throughput
 
 
-def _one_thread() -> Any:
-    class OneThread:
-        def __enter__(self) -> None:
-            self.threads = torch.get_num_threads()
+class _Clock:
+    """Timing of the measurements: on CPU one thread and process CPU time, on CUDA the wall time between
+    synchronisations (the kernels of a step have finished when it is read)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> "_Clock":
+        self.threads = torch.get_num_threads()
+        if self.device.type == "cpu":
             torch.set_num_threads(1)
+        return self
 
-        def __exit__(self, *exc: Any) -> None:
-            torch.set_num_threads(self.threads)
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_num_threads(self.threads)
 
-    return OneThread()
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return time.perf_counter()
+        return time.process_time()
 
 
 def training_throughput(config: LMBenchConfig, attention: str, data: Any = None) -> dict[str, Any]:
@@ -90,29 +105,34 @@ def training_throughput(config: LMBenchConfig, attention: str, data: Any = None)
     from longattn.experiment.run import build_run_model
     from longattn.tasks.base import get_task
 
+    from longattn.train.loop import _autocast
+
     run_config = _run_config(config, attention)
     task = get_task("lm")
     data = data if data is not None else task.build_data(run_config)
+    device = torch.device(config.device)
     torch.manual_seed(0)
-    model = build_run_model(run_config, task, data).train()
+    model = build_run_model(run_config, task, data).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=run_config.optim.lr)
     batch_size = run_config.train.batch_size
-    batch = data.collate([data.train[i] for i in range(batch_size)])
+    batch = {k: v.to(device) for k, v in data.collate([data.train[i] for i in range(batch_size)]).items()}
     step = task.step_fn(run_config, data)
     times = []
-    with _one_thread():
+    with _Clock(device) as clock:
         for index in range(config.throughput_steps + 1):
-            started = time.process_time()
-            loss = step(model, batch).loss
+            started = clock.now()
+            with _autocast(device, run_config.train.precision):
+                loss = step(model, batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             if index:  # the first step warms up (allocations, lazy initialisation)
-                times.append(time.process_time() - started)
+                times.append(clock.now() - started)
     seconds = statistics.median(times)
     tokens = batch_size * run_config.data.context
     return {"attention": attention, "batch": batch_size, "context": run_config.data.context,
-            "step_cpu_s": seconds, "tokens_per_s": tokens / seconds, "steps": len(times)}
+            "precision": run_config.train.precision, "device": str(device), "step_s": seconds,
+            "tokens_per_s": tokens / seconds, "steps": len(times)}
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -131,31 +151,32 @@ def _decode_model(config: LMBenchConfig, attention: str, vocab_size: int) -> Any
 @torch.no_grad()
 def decode_timing(config: LMBenchConfig, attention: str, vocab_size: int) -> dict[str, Any]:
     """Milliseconds per generated token after each prompt length of ``config.prefixes`` (module docstring)."""
-    model = _decode_model(config, attention, vocab_size).lm
+    device = torch.device(config.device)
+    model = _decode_model(config, attention, vocab_size).lm.to(device)
     generator = torch.Generator().manual_seed(0)
     rows = []
-    with _one_thread():
+    with _Clock(device) as clock:
         for prefix in config.prefixes:
-            prompt = torch.randint(0, vocab_size, (1, prefix), generator=generator)
-            started = time.process_time()
+            prompt = torch.randint(0, vocab_size, (1, prefix), generator=generator).to(device)
+            started = clock.now()
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            prefill = time.process_time() - started
+            prefill = clock.now() - started
             cache = out.cache if hasattr(out, "cache") else out.past_key_values
             token = out.logits[:, -1:].argmax(-1)
             times = []
             for index in range(config.decode_tokens + 2):
-                started = time.process_time()
+                started = clock.now()
                 out = model(input_ids=token, cache=cache, use_cache=True)
                 token = out.logits[:, -1:].argmax(-1)
                 if index >= 2:  # two warm-up tokens
-                    times.append(time.process_time() - started)
+                    times.append(clock.now() - started)
             rows.append({"prefix": prefix, "ms_per_token": 1000 * statistics.fmean(times),
                          "ms_per_token_median": 1000 * statistics.median(times), "prefill_s": prefill,
                          "tokens": len(times)})
     first, last = rows[0]["ms_per_token"], rows[-1]["ms_per_token"]
     kind = capabilities(attention).decode_state
     return {"attention": attention, "decode_state": "kv_cache (transformers)" if attention == REFERENCE else kind,
-            "rows": rows, "growth": last / first,
+            "device": str(device), "rows": rows, "growth": last / first,
             "bounded": kind in ("recurrent", "window") and attention != REFERENCE}
 
 
@@ -260,10 +281,10 @@ def lm_tables(config: LMBenchConfig, cells: list[Cell], throughput: dict[str, di
                           "val word perplexity", "observed train tokens/s (wall)"], rows)
                      + f"\n\n{legend(REFERENCE)}\n")
     if throughput:
-        rows = [[f"`{name}`", f"{t['tokens_per_s']:.0f}", f"{1000 * t['step_cpu_s']:.0f}", t["batch"], t["context"]]
+        rows = [[f"`{name}`", f"{t['tokens_per_s']:.0f}", f"{1000 * t['step_s']:.0f}", t["batch"], t["context"]]
                 for name, t in throughput.items()]
-        parts.append("Training throughput, one thread, process CPU time (median of "
-                     f"{config.throughput_steps} steps):\n\n" + markdown_table(
+        parts.append(f"Training throughput on {_where(config.device)} (median of {config.throughput_steps} "
+                     "steps):\n\n" + markdown_table(
                          ["mechanism", "tokens/s", "ms/step", "batch", "context"], rows) + "\n")
         summary["throughput"] = throughput
     if decoding:
@@ -274,12 +295,19 @@ def lm_tables(config: LMBenchConfig, cells: list[Cell], throughput: dict[str, di
             verdict = ("within" if d["growth"] <= GROWTH_LIMIT else "OVER") if d["bounded"] else "-"
             rows.append([f"`{name}`", d["decode_state"], *cells_ms, f"{d['growth']:.2f}x",
                          f"{verdict} {GROWTH_LIMIT}x" if d["bounded"] else "-"])
-        parts.append(f"Decoding, ms per token after a prompt of N tokens (float32, one CPU thread, process CPU time, "
-                     f"mean of {config.decode_tokens} tokens):\n\n" + markdown_table(
+        parts.append(f"Decoding, ms per token after a prompt of N tokens (float32 on {_where(config.device)}, mean of "
+                     f"{config.decode_tokens} tokens):\n\n" + markdown_table(
                          ["mechanism", "state", *[f"N = {p}" for p in prefixes], f"{prefixes[-1]} / {prefixes[0]}",
                           "bound"], rows) + "\n")
         summary["decode"] = decoding
     return "\n".join(parts), summary
+
+
+def _where(device: str) -> str:
+    if torch.device(device).type == "cpu":
+        return "one CPU thread, process CPU time"
+    name = torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else device
+    return f"{name} (torch {torch.__version__}), wall time between synchronisations"
 
 
 def plot_decode(decoding: dict[str, dict[str, Any]], path: Path) -> None:
@@ -292,7 +320,7 @@ def plot_decode(decoding: dict[str, dict[str, Any]], path: Path) -> None:
     axis.set_yscale("log")
     axis.set_xlabel("prompt length (tokens)")
     axis.set_ylabel("ms per generated token")
-    axis.set_title("decoding cost per token (one CPU thread)")
+    axis.set_title("decoding cost per token")
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
     figure.tight_layout()

@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
         preset=args.preset, attentions=names, seeds=[int(s) for s in _names(args.seeds)], data_dir=args.data_dir,
         overrides=list(args.overrides), measure=_names(args.measure),
         prefixes=[_length(p) for p in _names(args.prefixes)], decode_tokens=args.decode_tokens,
-        throughput_steps=args.throughput_steps, workers=args.workers)
+        throughput_steps=args.throughput_steps, workers=args.workers, device=args.device)
     lm.run_lm_bench(config, args.out, resume=args.resume)
     return 0
 
@@ -52,6 +52,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt lengths of the decoding measurement (k suffix: 1k = 1024)")
     parser.add_argument("--decode-tokens", type=int, default=16, help="timed tokens per prompt length")
     parser.add_argument("--throughput-steps", type=int, default=3, help="timed training steps per mechanism")
+    parser.add_argument("--device", default="cpu",
+                        help="device of the throughput and decoding measurements: cpu (one thread, process CPU "
+                             "time) or cuda (training runs use the preset's train.device)")
     parser.add_argument("--workers", type=int, default=1,
                         help="training runs at once, each with an even share of the threads (OMP_NUM_THREADS)")
     parser.add_argument("--resume", action="store_true",
