@@ -1,7 +1,9 @@
-"""The ``longattn`` command line.
+"""The ``longattn`` command line: a few verbs, some with their own subcommands.
 
-Each module in :mod:`longattn.commands` adds one or more subcommands through a
-``register(subparsers)`` function, so new experiments plug in without touching this file.
+Every module of :mod:`longattn.commands` is imported (so a module that registers a ``bench`` or ``paper`` entry
+plugs in by existing); the modules named in :data:`VERBS` add the top-level verbs through their
+``register(subparsers)``, in the order ``longattn --help`` lists them. The command names of earlier versions are
+kept in :data:`ALIASES`: they still work and say, in one line, what replaced them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,42 @@ import sys
 
 import longattn.commands
 from longattn import __version__
+from longattn.commands._args import HelpFormatter, note
+
+# module of longattn.commands -> the verbs it registers, in the order of `longattn --help` (at most 10 verbs)
+VERBS: dict[str, tuple[str, ...]] = {
+    "train": ("train", "eval"),
+    "compare": ("compare",),
+    "bench": ("bench",),
+    "report": ("report",),
+    "paper": ("paper",),
+    "data": ("data",),
+    "demo": ("demo",),
+    "transfer": ("pretrain", "finetune"),
+}
+
+# Earlier command names (a prefix of the arguments) -> what replaced them. The old form runs as the new one.
+ALIASES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("forecast",): ("train", "--resume", "--task", "forecasting"),
+    ("forecast-table",): ("paper", "sktformer-table2"),
+    ("forecast-select",): ("compare", "settings"),
+    ("forecast-download",): ("data", "download"),
+    ("sweep",): ("compare", "sweep"),
+    ("noise",): ("paper", "sktformer-table5"),
+    ("crossval",): ("paper", "singularformer-table4"),
+    ("table3",): ("paper", "sktformer-table3"),
+    ("curves",): ("report", "curves", "--run"),
+    ("bench", "fsat-fig3"): ("paper", "fsat-fig3"),
+    ("bench", "thresholds"): ("paper", "singularformer-table3"),
+    ("bench", "accuracy-cost"): ("paper", "singularformer-fig6"),
+    ("bench", "rank-sweep"): ("paper", "singularformer-fig7"),
+    ("bench", "attention-correlation"): ("paper", "singularformer-fig8"),
+    ("bench", "lr-batch"): ("paper", "skeinformer-fig3"),
+    ("bench", "incoherence"): ("paper", "s3-table14"),
+}
+
+# Verbs whose bare form runs one of their subcommands: `longattn compare` is `longattn compare mechanisms`.
+DEFAULT_SUBCOMMANDS = {"compare": "mechanisms"}
 
 
 def import_plugins() -> None:
@@ -26,21 +64,31 @@ def import_plugins() -> None:
             raise ValueError(f"LONGATTN_PLUGINS names {name!r}, which cannot be imported: {err}") from None
 
 
+class Parser(argparse.ArgumentParser):
+    """Every parser of the command line (subcommands inherit it): defaults shown in --help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="longattn", description="Efficient attention for long sequences: train, compare, benchmark."
-    )
+    parser = Parser(prog="longattn", description="Efficient attention for long sequences: train, compare, "
+                    "benchmark, and reproduce the papers' tables. `longattn VERB --help` says more.")
     parser.add_argument("--version", action="version", version=f"longattn {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = parser.add_subparsers(dest="command", metavar="VERB", required=True)
+    modules, failed = {}, {}
     for info in sorted(pkgutil.iter_modules(longattn.commands.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue  # shared helpers, not commands
-        try:
-            module = importlib.import_module(f"longattn.commands.{info.name}")
+        try:  # every module: those with entries (bench, paper) register them on import
+            modules[info.name] = importlib.import_module(f"longattn.commands.{info.name}")
         except ImportError as err:  # an optional package of the experiments is not installed
-            _unavailable(subparsers, info.name, err)
-            continue
-        module.register(subparsers)
+            failed[info.name] = err
+    for name, verbs in VERBS.items():
+        if name in modules:
+            modules[name].register(subparsers)
+        else:
+            for verb in verbs:
+                _unavailable(subparsers, verb, failed[name])
     return parser
 
 
@@ -56,6 +104,24 @@ def _unavailable(subparsers: argparse._SubParsersAction, name: str, err: ImportE
     command.set_defaults(func=fail)
 
 
+def resolve_aliases(argv: list[str]) -> list[str]:
+    """``argv`` in today's names: an old command name is replaced (with a note saying by what), and a verb
+    with a default subcommand gets it when none is named."""
+    for old, new in sorted(ALIASES.items(), key=lambda item: -len(item[0])):
+        if tuple(argv[:len(old)]) == old:
+            rest = argv[len(old):]
+            if new[-1].startswith("--") and (not rest or rest[0].startswith("-")):
+                new = new[:-1]  # `curves --help`: the option that takes the old positional has nothing to take
+            note(f"`longattn {' '.join(old)}` is now `longattn {' '.join(new)}`; the old name still works")
+            argv = [*new, *rest]
+            break
+    if argv and argv[0] in DEFAULT_SUBCOMMANDS:
+        rest = argv[1:]
+        if not rest or (rest[0].startswith("-") and rest[0] not in ("-h", "--help")):
+            argv = [argv[0], DEFAULT_SUBCOMMANDS[argv[0]], *rest]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         import_plugins()
@@ -63,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"longattn: error: {err}", file=sys.stderr)
         return 2
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(resolve_aliases(list(sys.argv[1:] if argv is None else argv)))
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError, KeyError, ImportError) as err:

@@ -37,9 +37,10 @@ class RegistryError(KeyError):
 
 
 def nearest(name: str, valid: list[str] | tuple[str, ...] | set[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest valid name, or an empty string."""
-    close = difflib.get_close_matches(str(name), sorted(valid), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """`` (did you mean 'x'?)`` for the closest valid name (case aside: ``etm2`` finds ``ETTm2``), or ``""``."""
+    lowered = {str(v).lower(): v for v in sorted(valid)}
+    close = difflib.get_close_matches(str(name).lower(), list(lowered), n=1, cutoff=0.6)
+    return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
 
 
 class Registry(Generic[T]):

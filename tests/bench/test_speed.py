@@ -113,8 +113,9 @@ def test_cli_rejects_malformed_options(tmp_path, capsys):
 
 
 def test_cli_rejects_unknown_target(tmp_path, capsys):
-    assert main(["bench", "speed", "--attention", "nope", "--out", str(tmp_path)]) == 2
-    assert "unknown target" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "speed", "--attention", "softmx", "--out", str(tmp_path)])
+    assert stop.value.code == 2 and "unknown mechanism 'softmx' (did you mean 'softmax'?)" in capsys.readouterr().err
 
 
 def test_model_level_benchmark_trains_the_lra_text_model(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import types
 from pathlib import Path
 
@@ -49,9 +50,11 @@ def test_unknown_config_key_is_a_clear_cli_error(tmp_path, capsys):
 
 
 def test_compare_rejects_an_unknown_mechanism_before_training(tmp_path, capsys):
-    code = main(["compare", "--task", "listops", "--attentions", "softmax,skeletn", "--out", str(tmp_path / "c")])
-    err = capsys.readouterr().err
-    assert code == 2 and "skeletn" in err and "skeleton" in err
+    for names in (["softmax,skeletn"], ["softmax", "skeletn"]):  # either list spelling
+        with pytest.raises(SystemExit) as stop:
+            main(["compare", "--task", "listops", "--attentions", *names, "--out", str(tmp_path / "c")])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and "unknown mechanism 'skeletn' (did you mean 'skeleton'?)" in err
     assert not (tmp_path / "c").exists()
 
 
@@ -67,6 +70,11 @@ def test_compare_writes_table_results_and_plot(tmp_path, capsys):
     assert [r["attention"] for r in summary["runs"]] == ["softmax"]
     assert summary["runs"][0]["results"][0]["test"]["examples"] == 5
     assert (out / "compare.png").stat().st_size > 1000
+    # one line per finished run (stdout is no terminal here): which run, its result, the time left
+    printed = capsys.readouterr().out
+    assert re.search(r"^\[1/3\] done: softmax / listops seed 0 \(\d+ s; test accuracy [\d.]+\); elapsed \d+ s, "
+                     r"about \d+ s left$", printed, re.M)
+    assert re.search(r"^\[3/3\] done: softmax / listops seed 2 .*; elapsed \d+ s, all 3 ended$", printed, re.M)
 
 
 class RecordingDataset(torch.utils.data.Dataset):

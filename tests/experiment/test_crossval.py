@@ -118,7 +118,7 @@ def test_crossval_layout_table_resume_and_command(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(grid, "run", lambda config, folder, **kw: calls.append(Path(folder)) or real_run(config, folder, **kw))
     capsys.readouterr()
     code = main(["crossval", "--tasks", "r8", "--models", "post_ln,singularformer", "--data-dir", str(data_dir),
-                 "--folds", "3", "--out", str(out), "--resume", *(a for s in TINY for a in ("--set", s))])
+                 "--folds", "3", "--out", str(out), "--resume", *(a for s in TINY for a in ("--set", s))])  # old name
     assert code == 0 and calls == [out / "r8" / "singularformer" / "fold1"]
     assert "Singularformer" in capsys.readouterr().out
     shutil.rmtree(out / "r8" / "post_ln" / "fold2")
@@ -126,9 +126,10 @@ def test_crossval_layout_table_resume_and_command(tmp_path, monkeypatch, capsys)
     report = run_crossval(["r8"], ["post_ln", "singularformer"], out, folds=3, report_only=True)
     assert calls == [] and "(2/3 folds)" in (out / "table.md").read_text()
     assert [len(e["folds"]) for e in report["entries"]] == [2, 3]
-    assert main(["crossval", "--tasks", "r8", "--models", "post_lnn", "--out", str(out)]) == 2
-    assert "unknown model(s) ['post_lnn']" in capsys.readouterr().err
-    assert main(["crossval", "--tasks", "r8", "--only-folds", "7", "--out", str(out)]) == 2
+    with pytest.raises(SystemExit) as stop:  # checked as the command line is read, with the nearest name
+        main(["paper", "singularformer-table4", "--tasks", "r8", "--models", "post_lnn", "--out", str(out)])
+    assert stop.value.code == 2 and "unknown model 'post_lnn' (did you mean 'post_ln'?)" in capsys.readouterr().err
+    assert main(["paper", "singularformer-table4", "--tasks", "r8", "--only-folds", "7", "--out", str(out)]) == 2
 
 
 def test_cifar100_patches_task_trains_a_fold(tmp_path):

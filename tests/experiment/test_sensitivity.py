@@ -38,4 +38,4 @@ def test_paper_analyses_take_their_default_seeds_from_the_grid():
 
     assert _seeds(argparse.Namespace(seeds=None, preset="demo")) == list(range(DEMO_SEEDS))
     assert _seeds(argparse.Namespace(seeds=None, preset="paper")) == list(range(PAPER_SEEDS))
-    assert _seeds(argparse.Namespace(seeds="4,7", preset="paper")) == [4, 7]
+    assert _seeds(argparse.Namespace(seeds=[4, 7], preset="paper")) == [4, 7]

@@ -57,12 +57,13 @@ def test_workers_train_the_same_runs_as_one_at_a_time(tmp_path, torch_threads, c
     assert parallel == sequential  # bit for bit
     assert "worker process(es) of 1 thread(s) each" in printed
     # a line per finished run: its time and score
-    assert re.search(rf"done: ili/24 / skt seed 1 \(\d+ s; test mse {sequential[('ili', 'skt', 1)]:.4g}\)", printed)
+    assert re.search(rf"done: ili/24 / skt seed 1 \(\d+ s; test mse {sequential[('ili', 'skt', 1)]:.4g}\); "
+                     r"elapsed [^,]+(, about .* left|, all \d+ ended)$", printed, re.M)
     # the run that failed inside a worker: one line here, its traceback in its folder's log
     assert "failed: short/24 / dlinear seed 0: TimeSeriesDataError: need seq_len" in printed
     assert "Traceback" in (tmp_path / "parallel" / "short" / "dlinear" / "h24_s0" / LOG_NAME).read_text()
-    # every outcome line ends with how many runs have ended of how many: 1 to n, in order
-    counts = re.findall(r"^\s*(?:done|failed|skipped): .* \[(\d+)/(\d+)\]$", printed, re.M)
+    # every outcome line starts with how many runs have ended of how many: 1 to n, in order
+    counts = re.findall(r"^\[(\d+)/(\d+)\] (?:done|failed|skipped): ", printed, re.M)
     assert [int(k) for k, _ in counts] == list(range(1, len(counts) + 1)) and len(counts) >= 5
     assert {int(n) for _, n in counts} == {len(counts)}
     # the option that cannot be resolved fails before anything trains

@@ -1,35 +1,275 @@
-"""Command-line pieces shared by the commands: the config flags and registry-backed choices."""
+"""The one grammar of the ``longattn`` command line, shared by every command.
+
+* Lists are space-separated, ``--attentions softmax skeleton --seeds 0 1 2``; commas are accepted too
+  (``--seeds 0,1,2``), so both spellings work everywhere (:func:`add_list_argument`).
+* A name is checked against its registry when the command line is read, with the nearest valid name for a typo
+  (``unknown mechanism 'skeletn' (did you mean 'skeleton'?)``): :func:`name_type`, :func:`add_list_argument`.
+* The data folder is always ``--data-dir`` (:func:`add_data_dir_argument`); ``--out`` is always the folder a
+  command writes, ``--run`` the folder it reads. Older spellings stay as hidden aliases that say what replaced
+  them (:func:`deprecated_alias`).
+* Every option shows its default in ``--help`` (:class:`HelpFormatter`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from longattn import attention
-from longattn.config import ConfigError
-from longattn.tasks.base import task_names
+from longattn.registry import nearest
 
-__all__ = ["add_config_arguments", "add_run_arguments", "add_workers_argument", "attention_list", "int_list",
-           "seed_list"]
+__all__ = ["HelpFormatter", "ListAction", "add_config_arguments", "add_data_dir_argument", "add_list_argument",
+           "add_renamed_argument", "add_run_arguments", "add_set_argument", "add_workers_argument", "attention_names", "deprecated_alias",
+           "length", "name_type", "no_progress", "note", "preset_help", "task_data_dirs"]
+
+Names = Callable[[], Iterable[str]]
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with every option's default shown (lists space-separated, as they are typed); an option
+    whose help already says what its default is, or that has none (None, off), is left as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, argparse.SUPPRESS) or default == [] or "default" in text.lower()
+                or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        old = getattr(action, "old_spellings", ())
+        if old:  # an option's earlier spellings still work but are not advertised
+            action = copy.copy(action)
+            action.option_strings = [flag for flag in action.option_strings if flag not in old]
+        return super()._format_action_invocation(action)
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if isinstance(action.default, (list, tuple)) and action.default:
+            action = copy.copy(action)
+            action.default = " ".join(map(str, action.default))
+        return super()._expand_help(action)
+
+
+def note(text: str) -> None:
+    """One line on stderr that does not mix into a command's output (e.g. what replaced an old name)."""
+    print(f"note: {text}", file=sys.stderr, flush=True)
+
+
+def _check_names(kind: str, values: list[str], names: Names | None) -> str | None:
+    """The error for the first of ``values`` that is not among ``names()``, or None."""
+    if names is None:
+        return None
+    valid = list(names())
+    for value in values:
+        if value not in valid:
+            return f"unknown {kind} {value!r}{nearest(value, valid)}; valid: {', '.join(valid)}"
+    return None
+
+
+def name_type(kind: str, names: Names) -> Callable[[str], str]:
+    """An argparse ``type`` that accepts one of ``names()`` and names the nearest valid one for a typo."""
+
+    def check(text: str) -> str:
+        error = _check_names(kind, [text], names)
+        if error:
+            raise argparse.ArgumentTypeError(error)
+        return text
+
+    check.__name__ = kind  # argparse names the type in some messages
+    return check
+
+
+def length(text: str) -> int:
+    """A whole number with an optional k (x1024) or m (x1024^2) suffix: 4096, 4k, 1m."""
+    units = {"k": 1024, "m": 1024 * 1024}
+    part = text.strip().lower()
+    try:
+        return int(part[:-1]) * units[part[-1]] if part and part[-1] in units else int(part)
+    except ValueError:
+        raise ValueError(f"expected a whole number (k and m suffixes allowed), got {text!r}") from None
+
+
+class ListAction(argparse.Action):
+    """``nargs="+"`` whose items may also be comma-separated (``a b``, ``a,b`` and ``a, b`` are one list);
+    each item converted by ``item`` and, given ``names``, checked against them with a nearest-name hint.
+    Given twice, the option's lists add up."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, item: Callable[[str], Any] = str,
+                 names: Names | None = None, kind: str = "value", **kwargs: Any) -> None:
+        kwargs.setdefault("nargs", "+")
+        super().__init__(option_strings, dest, **kwargs)
+        self.item, self.names, self.kind = item, names, kind
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        texts = [part.strip() for value in values for part in str(value).split(",") if part.strip()]
+        if not texts:
+            raise argparse.ArgumentError(self, "expected at least one value")
+        error = _check_names(self.kind, texts, self.names)
+        if error:
+            raise argparse.ArgumentError(self, error)
+        try:
+            items = [self.item(text) for text in texts]
+        except (ValueError, TypeError) as err:
+            raise argparse.ArgumentError(self, str(err)) from None
+        seen = getattr(namespace, "_lists_given", set())
+        previous = getattr(namespace, self.dest, None) if self.dest in seen else None
+        setattr(namespace, "_lists_given", seen | {self.dest})
+        setattr(namespace, self.dest, [*(previous or []), *items])
+
+
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number, got {text!r}") from None
+
+
+ITEM_TYPES: dict[Any, Callable[[str], Any]] = {int: _whole, float: _number, "length": length}
+
+
+def add_list_argument(parser: argparse.ArgumentParser, *flags: str, item: Any = str, names: Names | None = None,
+                      kind: str = "value", **kwargs: Any) -> argparse.Action:
+    """A list option in the one list syntax: ``--flag a b c`` (commas accepted: ``--flag a,b,c``). ``item``:
+    str, int, float or "length" (k/m suffixes); ``names``: the valid names, for the nearest-name hint."""
+    kwargs.setdefault("metavar", kind.upper().replace(" ", "_"))
+    return parser.add_argument(*flags, action=ListAction, item=ITEM_TYPES.get(item, item), names=names, kind=kind,
+                               **kwargs)
+
+
+def attention_names() -> list[str]:
+    from longattn import attention
+
+    return attention.available()
+
+
+def add_attentions_argument(parser: argparse.ArgumentParser, help: str, **kwargs: Any) -> argparse.Action:
+    """``--attentions`` (also ``--attention``): registered mechanisms, checked with the nearest-name hint."""
+    return add_list_argument(parser, "--attentions", "--attention", dest="attentions", names=attention_names,
+                             kind="mechanism", help=help, **kwargs)
+
+
+def add_set_argument(parser: argparse.ArgumentParser, dest: str = "overrides",
+                     help: str = "override config values, e.g. --set optim.lr=3e-4 train.max_steps=100 "
+                     "(repeatable)") -> argparse.Action:
+    """``--set KEY=VALUE [KEY=VALUE ...]`` (repeatable): config overrides, in order (a later one wins)."""
+    return parser.add_argument("--set", dest=dest, nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                               help=help)
+
+
+class _Renamed(argparse._StoreAction):
+    """A stored option with earlier spellings: they still work, say once what replaced them, and are not shown
+    in --help."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, old_spellings: tuple[str, ...] = (),
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.old_spellings = old_spellings
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if option_string in self.old_spellings:
+            note(f"{option_string} is now {self.option_strings[0]}; the old spelling still works")
+        super().__call__(parser, namespace, values, option_string)
+
+
+def add_renamed_argument(parser: argparse.ArgumentParser, flag: str, *old: str, **kwargs: Any) -> argparse.Action:
+    """Option ``flag`` that also takes its earlier spellings ``old`` (each use of one prints what replaced it)."""
+    return parser.add_argument(flag, *old, action=_Renamed, old_spellings=old, **kwargs)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old option spelling: says once what replaced it, then does what the new one does."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, replacement: str, store: Callable[..., Any],
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.replacement, self.store = replacement, store
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        note(f"{option_string} is now {self.replacement}; the old spelling still works")
+        self.store(namespace, values)
+
+
+def deprecated_alias(parser: argparse.ArgumentParser, flag: str, replacement: str, dest: str, *,
+                     transform: Callable[[Any], Any] = lambda value: value, append: bool = False,
+                     nargs: Any = None) -> argparse.Action:
+    """Hidden ``flag`` that prints "FLAG is now REPLACEMENT" and stores ``transform(value)`` into ``dest``
+    (appended to its list with ``append``); ``nargs=0`` for a switch."""
+
+    def store(namespace: argparse.Namespace, value: Any) -> None:
+        value = transform(value)
+        if append:
+            value = [*(getattr(namespace, dest, None) or []), value]
+        setattr(namespace, dest, value)
+
+    return parser.add_argument(flag, dest=f"_alias_{flag.strip('-').replace('-', '_')}", action=_DeprecatedAlias,
+                               replacement=replacement, store=store, nargs=nargs, default=argparse.SUPPRESS)
+
+
+def add_data_dir_argument(parser: argparse.ArgumentParser, help: str, *old: str, **kwargs: Any) -> argparse.Action:
+    """``--data-dir``: the one name of the data-folder option (``old``: earlier spellings it replaces)."""
+    return add_renamed_argument(parser, "--data-dir", *old, metavar=kwargs.pop("metavar", "DIR"), help=help, **kwargs)
+
+
+def task_data_dirs(pairs: list[str], keys: list[str], what: str = "task") -> dict[str, str]:
+    """``--data-dir KEY=PATH ...`` -> {key: path}, for a command whose runs read several data folders."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, path = pair.partition("=")
+        if not sep or not path or key not in keys:
+            raise ValueError(f"--data-dir takes {what.upper()}=PATH for {' or '.join(keys)}, got {pair!r}"
+                             f"{nearest(key, keys) if sep else ''}")
+        out[key] = path
+    return out
+
+
+def preset_help(tasks: list[str] | None = None) -> str:
+    """The ``--preset`` help: the shipped preset names of each task (all tasks when ``tasks`` is None)."""
+    from longattn.tasks.base import get_task, task_names
+
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name in tasks or task_names():
+        groups.setdefault(tuple(get_task(name).presets()), []).append(name)
+    listed = "; ".join(f"{', '.join(names)}: {', '.join(presets) or '(none)'}" for presets, names in groups.items())
+    if tasks is not None and len(tasks) == 1:
+        listed = ", ".join(get_task(tasks[0]).presets())
+        return f"shipped preset ({listed}) or a YAML file; the config file and --set are applied after it"
+    return f"shipped preset of the task ({listed}) or a YAML file; the config file and --set are applied after it"
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, tasks: list[str] | None = None) -> None:
     """--config / --preset / --set: the layers of a run config (see longattn.experiment.config)."""
     parser.add_argument("--config", help="YAML config file (applied after the preset)")
-    parser.add_argument("--preset", help="preset of the task, e.g. demo or standard (configs/lra/<task>/<preset>.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config value, e.g. --set optim.lr=3e-4 (repeatable)")
+    parser.add_argument("--preset", help=preset_help(tasks))
+    add_set_argument(parser)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, task_required: bool = True) -> None:
-    """--task / --model / --attention with their choices taken from the registries."""
-    parser.add_argument("--task", required=task_required, choices=task_names(), metavar="TASK",
+    """--task / --model / --attention with their names checked against the registries."""
+    from longattn.tasks.base import task_names
+
+    parser.add_argument("--task", required=task_required, type=name_type("task", task_names), metavar="TASK",
                         help=f"registered task: {', '.join(task_names())}")
     parser.add_argument("--model", dest="model_name", metavar="MODEL",
                         help="registered model of the task's family (default: the task's)")
-    parser.add_argument("--attention", choices=attention.available(), metavar="ATTENTION",
+    parser.add_argument("--attention", type=name_type("mechanism", attention_names), metavar="MECHANISM",
                         help=f"registered mechanism (default: the config's, else the model's): "
-                        f"{', '.join(attention.available())}")
+                        f"{', '.join(attention_names())}")
 
 
 def add_workers_argument(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +278,15 @@ def add_workers_argument(parser: argparse.ArgumentParser) -> None:
                         help="train N runs at once, each in its own process with an even share of the threads "
                         "(OMP_NUM_THREADS, else torch's default); each run's output goes to log.txt in its "
                         "folder (default 1: one run at a time, output here)")
+
+
+def add_resume_argument(parser: argparse.ArgumentParser,
+                        help: str = "reuse finished runs in --out and resume interrupted ones") -> None:
+    parser.add_argument("--resume", action="store_true", help=help)
+
+
+def add_no_progress_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while training")
 
 
 def _positive_int(text: str) -> int:
@@ -50,23 +299,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def attention_list(text: str) -> list[str]:
-    names = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = [n for n in names if n not in attention.available()]
-    if unknown:
-        raise ConfigError(f"unknown attention(s) {unknown}; valid: {', '.join(attention.available())}")
-    return names
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ConfigError(f"expected comma-separated integers, got {text!r}") from None
-
-
-seed_list = int_list
-
-
 def no_progress(args: Any) -> list[str]:
+    """``--set`` overrides, with the progress bar switched off for ``--no-progress``."""
     return list(args.overrides) + (["train.progress=false"] if getattr(args, "no_progress", False) else [])

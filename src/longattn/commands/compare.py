@@ -1,4 +1,6 @@
-"""``longattn compare``: several mechanisms on one task with the same config and budget."""
+"""``longattn compare``: grids of training runs. ``compare mechanisms`` (the default): several mechanisms on one
+task with the same config and budget; ``compare sweep``: the rows of a sweep file; ``compare settings``: a
+forecaster's settings chosen on validation only."""
 
 from __future__ import annotations
 
@@ -8,11 +10,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from longattn.commands._args import add_config_arguments, add_workers_argument, attention_list, no_progress, seed_list
+from longattn.commands._args import (add_attentions_argument, add_config_arguments, add_data_dir_argument,
+                                    add_list_argument, add_no_progress_argument, add_resume_argument, add_set_argument,
+                                    add_workers_argument, attention_names, name_type, no_progress, preset_help)
 from longattn.config import ConfigError
+from longattn.data.timeseries import SERIES
 from longattn.experiment.curves import CurveGroup, curve_groups, learning_curves, write_learning_curves
-from longattn.experiment.grid import (DEMO_SEEDS, PAPER_SEEDS, Cell, default_seeds, difference_record, paired_against,
-                                      run_cells)
+from longattn.experiment.grid import (DEMO_SEEDS, PAPER_SEEDS, Cell, default_seeds, difference_record, load_sweep,
+                                      paired_against, run_cells, run_sweep, shipped_sweeps)
 from longattn.experiment.results import markdown_table, now, write_results
 from longattn.experiment.stats import format_difference, format_sem, legend, mean_std, summarize
 from longattn.tasks.base import get_task, task_names
@@ -131,29 +136,113 @@ def plot_compare(cells: list[Cell], path: Path, task: str) -> None:
     plt.close(fig)
 
 
-def _cmd(args: argparse.Namespace) -> int:
-    summary = run_compare(args.task, attention_list(args.attentions), args.out, preset=args.preset,
-                          config_file=args.config, overrides=no_progress(args),
-                          seeds=seed_list(args.seeds) if args.seeds else None, resume=args.resume,
+def _mechanisms(args: argparse.Namespace) -> int:
+    summary = run_compare(args.task, args.attentions, args.out, preset=args.preset, config_file=args.config,
+                          overrides=_data_dir(args) + no_progress(args), seeds=args.seeds, resume=args.resume,
                           reference=args.reference, workers=args.workers)
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
+def _data_dir(args: argparse.Namespace) -> list[str]:
+    """--data-dir as the override it stands for (first: a --set of the same key wins)."""
+    return [f"data.data_dir={args.data_dir}"] if args.data_dir else []
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    spec = load_sweep(args.config)
+    summary = run_sweep(spec, args.out, preset=args.preset, tasks=args.tasks,
+                        extra_overrides=_data_dir(args) + args.overrides, seeds=args.seeds, resume=args.resume,
+                        reference=args.reference, workers=args.workers)
+    return 1 if any(cell["error"] for cell in summary["cells"]) else 0
+
+
+def sweep_arguments(parser: argparse.ArgumentParser, config: str | None = None) -> None:
+    """The options of a sweep; ``config`` fixes the sweep file (a paper's table) instead of --config."""
+    if config is None:
+        parser.add_argument("--config", required=True, help="sweep file, or the name of a shipped one "
+                            f"({', '.join(shipped_sweeps())})")
+    else:
+        parser.set_defaults(config=config)
+    parser.add_argument("--preset", help="task preset to use instead of the sweep file's (e.g. demo for a quick "
+                        "check); " + preset_help(task_names("lra")))
+    add_list_argument(parser, "--tasks", names=task_names, kind="task", help="subset of the sweep's tasks")
+    add_data_dir_argument(parser, help="data folder of every run (same as --set data.data_dir=DIR)")
+    add_set_argument(parser, help="override for every run, e.g. --set train.max_steps=100 (repeatable)")
+    add_list_argument(parser, "--seeds", item=int, kind="seed",
+                      help=f"seeds of every row (default: the sweep file's, else {DEMO_SEEDS} for the demo preset "
+                      f"and {PAPER_SEEDS} for the papers')")
+    parser.add_argument("--reference", help="row the others are compared with, paired by seed (default: the sweep "
+                        "file's `reference`, else its first row)")
+    parser.add_argument("--out", required=True, help="output folder (one folder per row, task and seed)")
+    add_resume_argument(parser)
+    add_workers_argument(parser)
+
+
+def _settings(args: argparse.Namespace) -> int:
+    from longattn.forecast.select import select_settings
+
+    select_settings(args.dataset, args.data_dir, args.model, args.pred_len, args.grid, args.out,
+                    overrides=args.overrides, seeds=args.seeds, attention=args.attention, workers=args.workers)
+    return 0
+
+
+def _settings_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.models.registry import model_names
+
+    forecasters = lambda: model_names("forecaster")  # noqa: E731
+    parser.add_argument("--dataset", required=True, help=f"{', '.join(SERIES)} or a path to a CSV with a date column")
+    add_data_dir_argument(parser, help="folder holding the benchmark CSV files")
+    parser.add_argument("--model", required=True, type=name_type("forecaster", forecasters), metavar="MODEL",
+                        help=f"registered forecaster: {', '.join(forecasters())}")
+    parser.add_argument("--attention", type=name_type("mechanism", attention_names), metavar="MECHANISM",
+                        help="registered attention for models that take one (default: the config's)")
+    parser.add_argument("--pred-len", type=int, required=True, help="the horizon, in time steps")
+    parser.add_argument("--grid", nargs="+", action="extend", required=True, metavar="KEY=V1,V2",
+                        help="candidate values of one key each, e.g. --grid optim.lr=1e-4,1e-3 model.d_model=64,128 "
+                        "(every combination is tried)")
+    add_set_argument(parser, help="fixed override for every candidate (repeatable)")
+    add_list_argument(parser, "--seeds", item=int, kind="seed", default=[0], help="seeds of every candidate")
+    parser.add_argument("--out", required=True, help="folder for the candidates' runs and selection.md/json")
+    add_workers_argument(parser)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("compare", help="train several mechanisms on one task: table + plot",
-                              description="Train each mechanism with the same config and budget; write table.md, "
-                              "results.json and compare.png to --out.")
-    p.add_argument("--task", default="listops", choices=task_names(), metavar="TASK",
+    group = subparsers.add_parser(
+        "compare", help="grids of training runs: mechanisms x seeds (the default), a sweep or ablation file, "
+        "a settings search", description="Grids of training runs, each run in its own folder under --out, with "
+        "a table (mean ± std over seeds, paired differences) and plots. `longattn compare` alone is "
+        "`longattn compare mechanisms`: the README's main job.")
+    sub = group.add_subparsers(dest="grid", metavar="GRID", required=True)
+    p = sub.add_parser("mechanisms", help="train several mechanisms on one task with the same config and budget "
+                       "(the default)", description="Train each mechanism with the same config, budget and seeds; "
+                       "write table.md, results.json, compare.png and the learning curves to --out.")
+    p.add_argument("--task", default="listops", type=name_type("task", task_names), metavar="TASK",
                    help=f"registered task: {', '.join(task_names())}")
-    p.add_argument("--attentions", default=",".join(DEFAULT_ATTENTIONS), help="comma-separated mechanisms")
+    add_attentions_argument(p, default=list(DEFAULT_ATTENTIONS), help="the mechanisms compared")
     add_config_arguments(p)
     p.set_defaults(preset="demo")
-    p.add_argument("--seeds", help=f"comma-separated seeds (default: {DEMO_SEEDS} for the demo preset, "
-                   f"{PAPER_SEEDS} for the papers' presets)")
+    add_data_dir_argument(p, help="the task's data folder (same as --set data.data_dir=DIR; generated tasks need "
+                          "none)")
+    add_list_argument(p, "--seeds", item=int, kind="seed", help=f"seeds of every mechanism (default: {DEMO_SEEDS} "
+                      f"for the demo preset, {PAPER_SEEDS} for the papers' presets)")
     p.add_argument("--reference", help=f"mechanism the others are compared with, paired by seed (default: "
                    f"{DEFAULT_REFERENCE} when compared, else the first)")
     p.add_argument("--out", default="runs/compare", help="output folder")
-    p.add_argument("--resume", action="store_true", help="reuse finished runs and resume interrupted ones")
-    p.add_argument("--no-progress", action="store_true")
+    add_resume_argument(p)
+    add_no_progress_argument(p)
     add_workers_argument(p)
-    p.set_defaults(func=_cmd)
+    p.set_defaults(func=_mechanisms)
+
+    s = sub.add_parser("sweep", help="the rows of a sweep file (a config grid or named ablations) on its tasks",
+                       description="Run every row (grid point or named variant) of a sweep file on every task; "
+                       "write table.md and results.json (see docs/lra.md for the file format). The papers' shipped "
+                       "sweeps are also under `longattn paper`.")
+    sweep_arguments(s)
+    s.set_defaults(func=_sweep)
+
+    t = sub.add_parser("settings", help="choose a forecaster's settings on validation MSE only (every combination "
+                       "of --grid values)", description="Train every combination of the --grid values without a "
+                       "test split (no test window is ever scored); the lowest mean validation MSE wins. Writes "
+                       "selection.md and selection.json (the winner's overrides, ready for a config file).")
+    _settings_arguments(t)
+    t.set_defaults(func=_settings)

@@ -1,51 +1,76 @@
-"""``longattn crossval``: Singularformer's 5-fold cross-validation protocol and its Table 4 (docs/doccls.md)."""
+"""Singularformer's 5-fold cross-validation protocol and its Table 4 (docs/doccls.md): ``longattn paper
+singularformer-table4`` trains, ``longattn report crossval`` tabulates the folds finished in a folder."""
 
 from __future__ import annotations
 
 import argparse
 
-from longattn.commands._args import add_config_arguments, add_workers_argument, int_list, no_progress
-from longattn.config import ConfigError
+from longattn.commands._args import (add_config_arguments, add_data_dir_argument, add_list_argument,
+                                    add_no_progress_argument, add_resume_argument, add_workers_argument,
+                                    deprecated_alias, no_progress)
+from longattn.experiment.analyses import register_paper, register_report
 from longattn.experiment.crossval import TABLE4_DATASETS, run_crossval, table4_models
-
-
-def _names(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise ConfigError(f"expected comma-separated names, got {text!r}")
-    return names
+from longattn.models.registry import model_names
+from longattn.tasks.base import task_names
 
 
 def _cmd(args: argparse.Namespace) -> int:
     overrides = no_progress(args)
     if args.data_dir:
         overrides.insert(0, f"data.data_dir={args.data_dir}")
-    summary = run_crossval(_names(args.tasks), _names(args.models), args.out, preset=args.preset,
+    report = getattr(args, "report", False)
+    summary = run_crossval(args.tasks, args.models, args.run if report else args.out, preset=args.preset,
                            config_file=args.config, overrides=overrides, folds=args.folds,
-                           only_folds=int_list(args.only_folds) if args.only_folds else None, seed=args.seed,
-                           resume=args.resume, report_only=args.report, workers=args.workers)
+                           only_folds=args.only_folds, seed=args.seed, resume=getattr(args, "resume", False),
+                           report_only=report, workers=getattr(args, "workers", 1))
     return 1 if any(entry["errors"] for entry in summary["entries"]) else 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "crossval", help="k-fold cross-validation of models on document classification (Singularformer Table 4)",
-        description="Train every model on every fold of each dataset's training set (each fold keeps its best "
-        "validation epoch), test each fold's model, and write OUT/<dataset>/<model>/fold<k>/ (config.yaml, "
-        "checkpoints/best.pt, results.json) and OUT/{results.json,table.md,table4.png}: test accuracy as mean ± std "
-        "over folds beside the paper's Table 4.")
-    p.add_argument("--tasks", default="r8", help=f"comma-separated tasks (Table 4's: {', '.join(TABLE4_DATASETS)})")
-    p.add_argument("--models", default=",".join(table4_models()), help="comma-separated registered classifiers "
-                   "(default: the seven of Table 4)")
-    p.add_argument("--data-dir", help="the dataset's folder (same as --set data.data_dir=DIR)")
-    add_config_arguments(p)
-    p.set_defaults(preset="cpu")
-    p.add_argument("--folds", type=int, default=5, help="number of folds (the paper: 5)")
-    p.add_argument("--only-folds", help="comma-separated folds to train now (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="training seed of every fold")
-    p.add_argument("--out", default="runs/table4", help="output folder")
-    p.add_argument("--resume", action="store_true", help="reuse finished folds and resume interrupted ones")
-    p.add_argument("--report", action="store_true", help="train nothing: write the table from the folds finished in --out")
-    p.add_argument("--no-progress", action="store_true")
-    add_workers_argument(p)
-    p.set_defaults(func=_cmd)
+def _common(parser: argparse.ArgumentParser) -> None:
+    add_list_argument(parser, "--tasks", names=task_names, kind="task", default=["r8"],
+                      help=f"datasets (Table 4's: {', '.join(TABLE4_DATASETS)})")
+    add_list_argument(parser, "--models", names=lambda: model_names("classifier"), kind="model",
+                      default=table4_models(), help="registered classifiers (default: the seven of Table 4)")
+    add_data_dir_argument(parser, help="the dataset's folder (same as --set data.data_dir=DIR)")
+    add_config_arguments(parser, tasks=["r8"])
+    parser.set_defaults(preset="cpu")
+    parser.add_argument("--folds", type=int, default=5, help="number of folds (the paper: 5)")
+    parser.add_argument("--seed", type=int, default=0, help="training seed of every fold")
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    _common(parser)
+    add_list_argument(parser, "--only-folds", item=int, kind="fold", help="folds to train now (default: all)")
+    parser.add_argument("--out", default="runs/table4", help="output folder")
+    add_resume_argument(parser, help="reuse finished folds and resume interrupted ones")
+    deprecated_alias(parser, "--report", "`longattn report crossval --run OUT`", "report", nargs=0,
+                     transform=lambda _: True)
+    add_no_progress_argument(parser)
+    add_workers_argument(parser)
+    parser.set_defaults(report=False)
+
+
+def _report(args: argparse.Namespace) -> int:
+    args.report = True
+    return _cmd(args)
+
+
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", default="runs/table4", metavar="DIR",
+                        help="output folder of `longattn paper singularformer-table4` (read; the table is "
+                        "written there)")
+    _common(parser)
+    parser.set_defaults(only_folds=None)
+
+
+def _run_report_flag(args: argparse.Namespace) -> int:
+    if args.report:  # the old `crossval --report`: the folder named by --out is the one read
+        args.run = args.out
+    return _cmd(args)
+
+
+register_paper("singularformer-table4", "Singularformer", "Table 4", "document classification, k-fold "
+               "cross-validation of the seven models (test accuracy, mean ± std over folds, beside the paper's)",
+               _train_arguments, _run_report_flag)
+register_report("crossval", "Singularformer Table 4 from the folds finished in a `paper singularformer-table4` "
+                "folder (a missing fold is counted as not done)", _report_arguments, _report)

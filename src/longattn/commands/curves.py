@@ -1,24 +1,28 @@
-"""``longattn curves DIR``: learning curves of the runs in an existing output folder (compare, sweep, noise,
-forecast-table, or one run): validation loss and metric against step and training time, one plot per task."""
+"""``longattn report curves --run DIR``: learning curves of the runs in an existing output folder (compare, sweep,
+a paper's grid, or one run): validation loss and metric against step and training time, one plot per task."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from longattn.experiment.analyses import register_report
 from longattn.experiment.curves import groups_from_folder, write_learning_curves
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    written = write_learning_curves(groups_from_folder(args.folder), args.folder)
-    print((args.folder / "curves.md").read_text())
+    written = write_learning_curves(groups_from_folder(args.run), args.run)
+    print((args.run / "curves.md").read_text())
     print(f"wrote {', '.join(str(path) for path in written)}")
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("curves", help="learning curves of the runs in an output folder",
-                              description="Read every run's results.json under FOLDER (runs that differ only in "
-                              "the seed are averaged) and write curves.json, curves.md and curves_<task>.png there.")
-    p.add_argument("folder", type=Path, help="output folder of compare, sweep, noise, ... or a run")
-    p.set_defaults(func=_cmd)
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", type=Path, required=True, metavar="DIR",
+                        help="output folder of compare, a paper's grid, ... or of one run (read; the curves are "
+                        "written there)")
+
+
+register_report("curves", "learning curves of the runs in a folder: every run's results.json under --run (runs "
+                "that differ only in the seed averaged), written as curves.json, curves.md, curves_<task>.png",
+                _arguments, _cmd)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from longattn import attention
+from longattn.commands._args import add_attentions_argument
 from longattn.experiment.results import write_results
 from longattn.utils import seed_everything
 
@@ -49,7 +50,7 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    names = args.attention or attention.available()
+    names = args.attentions or attention.available()
     rows = run_demo(names, args.length, args.dim, args.heads, args.batch, args.seed)
     print(format_table(rows, ["attention", "output_shape", "parameters", "fwd_bwd_ms", "finite"]))
     if args.out:
@@ -59,12 +60,14 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="run every mechanism once on generated data")
-    p.add_argument("--attention", nargs="*", help="mechanisms (default: all registered)")
-    p.add_argument("--length", type=int, default=1023)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="folder for demo.json")
+    p = subparsers.add_parser("demo", help="run every mechanism once on generated data: output shape, parameters, "
+                              "time, finiteness", description="Forward and backward of each mechanism once (after a "
+                              "warm-up) on random data with one padded sequence; prints a table.")
+    add_attentions_argument(p, help="mechanisms (default: all registered)")
+    p.add_argument("--length", type=int, default=1023, help="sequence length N")
+    p.add_argument("--dim", type=int, default=64, help="model width")
+    p.add_argument("--heads", type=int, default=2, help="attention heads")
+    p.add_argument("--batch", type=int, default=2, help="sequences per batch")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    p.add_argument("--out", help="folder for demo.json (default: none written)")
     p.set_defaults(func=_cmd)

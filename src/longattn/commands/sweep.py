@@ -1,27 +1,21 @@
-"""``longattn sweep`` (a config grid or named ablations, e.g. SKTformer Tables 6-7) and
-``longattn noise`` (SKTformer Table 5: uniform input noise on the Image task)."""
+"""The papers' LRA grids as ``longattn paper`` entries: SKTformer Table 5 (uniform input noise on the Image task)
+and the shipped sweep files (SKTformer Tables 6-7, Skeinformer Table 1, FSAT Table 3), each a
+``longattn compare sweep`` of its file."""
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from typing import Any
 
-from longattn.commands._args import add_workers_argument, attention_list, seed_list
-from longattn.experiment.grid import DEMO_SEEDS, PAPER_SEEDS, load_sweep, run_sweep
+from longattn.commands._args import (add_attentions_argument, add_data_dir_argument, add_list_argument,
+                                    add_resume_argument, add_set_argument, add_workers_argument)
+from longattn.commands.compare import _data_dir, _sweep, sweep_arguments
+from longattn.experiment.analyses import register_paper
+from longattn.experiment.grid import DEMO_SEEDS, PAPER_SEEDS, run_sweep
 
 NOISE_LEVELS = (0, 2, 4, 8)
-
-
-def _split(text: str | None) -> list[str] | None:
-    return [t.strip() for t in text.split(",") if t.strip()] if text else None
-
-
-def _sweep(args: argparse.Namespace) -> int:
-    spec = load_sweep(args.config)
-    seeds = seed_list(args.seeds) if args.seeds else None
-    summary = run_sweep(spec, args.out, preset=args.preset, tasks=_split(args.tasks), extra_overrides=args.overrides,
-                        seeds=seeds, resume=args.resume, reference=args.reference, workers=args.workers)
-    return 1 if any(cell["error"] for cell in summary["cells"]) else 0
+NOISE_ATTENTIONS = ("softmax", "skeleton", "nystrom", "linformer", "performer")
 
 
 def noise_spec(attentions: list[str], levels: list[float]) -> dict[str, Any]:
@@ -48,46 +42,41 @@ def noise_spec(attentions: list[str], levels: list[float]) -> dict[str, Any]:
 
 
 def _noise(args: argparse.Namespace) -> int:
-    try:
-        levels = [float(v) if "." in v else int(v) for v in _split(args.levels) or []]
-    except ValueError:
-        raise ValueError(f"--levels must be comma-separated numbers, got {args.levels!r}") from None
-    spec = noise_spec(attention_list(args.attentions), levels)
-    seeds = seed_list(args.seeds) if args.seeds else None
-    summary = run_sweep(spec, args.out, preset=args.preset, extra_overrides=args.overrides, seeds=seeds,
-                        resume=args.resume, reference=args.reference, workers=args.workers)
+    spec = noise_spec(args.attentions, args.levels)
+    summary = run_sweep(spec, args.out, preset=args.preset, extra_overrides=_data_dir(args) + args.overrides,
+                        seeds=args.seeds, resume=args.resume, reference=args.reference, workers=args.workers)
     return 1 if any(cell["error"] for cell in summary["cells"]) else 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("sweep", help="train over a config grid / ablation list and write a result table",
-                              description="Run every row (grid point or named variant) of a sweep file on every "
-                              "task; write table.md and results.json (see docs/lra.md for the file format).")
-    p.add_argument("--config", required=True, help="sweep file, or the name of a shipped one: configs/lra/sweeps/skt_table7_r.yaml or skt_table7_r")
-    p.add_argument("--preset", help="task preset to use instead of the sweep file's (e.g. demo for a quick check)")
-    p.add_argument("--tasks", help="comma-separated subset of the sweep's tasks")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override for every run (repeatable)")
-    p.add_argument("--seeds", help=f"comma-separated seeds (default: the sweep file's, else {DEMO_SEEDS} for the "
-                   f"demo preset and {PAPER_SEEDS} for the papers')")
-    p.add_argument("--reference", help="row the others are compared with, paired by seed (default: the sweep "
-                   "file's `reference`, else its first row)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--resume", action="store_true", help="reuse finished runs, resume interrupted ones")
-    add_workers_argument(p)
-    p.set_defaults(func=_sweep)
+def _noise_arguments(parser: argparse.ArgumentParser) -> None:
+    add_attentions_argument(parser, default=list(NOISE_ATTENTIONS), help="the mechanisms (rows)")
+    add_list_argument(parser, "--levels", item=float, kind="level", default=list(NOISE_LEVELS),
+                      help="noise amplitudes a of U(-a, a) added to every pixel, train and test (columns)")
+    parser.add_argument("--preset", default="skt_noise", help="Image preset (skt_noise: 5k steps as in the paper; "
+                        "demo for a quick check) or a YAML file")
+    add_data_dir_argument(parser, help="the CIFAR-10 folder (same as --set data.data_dir=DIR)")
+    add_set_argument(parser, help="override for every run (repeatable)")
+    add_list_argument(parser, "--seeds", item=int, kind="seed", help=f"seeds per cell (default: {PAPER_SEEDS}, the "
+                      f"paper's replicates; {DEMO_SEEDS} with --preset demo)")
+    parser.add_argument("--reference", help="mechanism the others are compared with (default: the first)")
+    parser.add_argument("--out", required=True, help="output folder")
+    add_resume_argument(parser)
+    add_workers_argument(parser)
 
-    n = subparsers.add_parser("noise", help="noise robustness on Image (SKTformer Table 5)",
-                              description="Train each mechanism on Image with U(-a, a) noise added to every pixel "
-                              "(dataset option noise_amplitude) for each level a; write table.md.")
-    n.add_argument("--attentions", default="softmax,skeleton,nystrom,linformer,performer")
-    n.add_argument("--levels", default=",".join(str(v) for v in NOISE_LEVELS))
-    n.add_argument("--preset", default="skt_noise", help="Image preset (default: 5k steps as in the paper)")
-    n.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    n.add_argument("--seeds", help=f"comma-separated seeds (default: {PAPER_SEEDS}, the paper's replicates; "
-                   f"{DEMO_SEEDS} with --preset demo)")
-    n.add_argument("--reference", help="mechanism the others are compared with (default: the first)")
-    n.add_argument("--out", required=True)
-    n.add_argument("--resume", action="store_true")
-    add_workers_argument(n)
-    n.set_defaults(func=_noise)
+
+register_paper("sktformer-table5", "SKTformer", "Table 5", "robustness to uniform noise on the Image task: each "
+               "mechanism trained and tested with U(-a, a) added to every pixel", _noise_arguments, _noise)
+
+# The shipped sweep files that reproduce a paper's table: (entry, paper, table, sweep file, what).
+PAPER_SWEEPS = (
+    ("sktformer-table6", "SKTformer", "Table 6", "skt_table6_ablation", "removing one component at a time"),
+    ("sktformer-table7a", "SKTformer", "Table 7a", "skt_table7_r", "r, the segment count of the Smoother"),
+    ("sktformer-table7b", "SKTformer", "Table 7b", "skt_table7_s1", "s1, rows sampled in Row Attention"),
+    ("sktformer-table7c", "SKTformer", "Table 7c", "skt_table7_s2", "s2, columns sampled in Column Attention"),
+    ("skeinformer-table1", "Skeinformer", "Table 1", "skein_table1", "LRA accuracy of the mechanisms and the "
+     "Skeinformer ablations"),
+    ("fsat-table3", "FSAT", "Table 3", "fsat_table3", "number of predicted indices and component ablations"),
+)
+for name, paper, item, sweep, what in PAPER_SWEEPS:
+    register_paper(name, paper, item, f"{what} (the sweep file {sweep}: `longattn compare sweep --config {sweep}`)",
+                   partial(sweep_arguments, config=sweep), _sweep)

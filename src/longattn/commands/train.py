@@ -7,18 +7,25 @@ import json
 import os
 from pathlib import Path
 
-from longattn.commands._args import add_config_arguments, add_run_arguments, no_progress
+from longattn.commands._args import (add_config_arguments, add_data_dir_argument, add_no_progress_argument,
+                                    add_resume_argument, add_renamed_argument, add_run_arguments, no_progress)
 from longattn.config import merge, parse_set
 from longattn.experiment.config import resolve_config
 from longattn.experiment.results import write_results
 from longattn.experiment.run import evaluate_run, run
+from longattn.data.timeseries import SERIES
 from longattn.tasks.base import get_task
+from longattn.tasks.forecasting import find_preset
 
 
 def _train(args: argparse.Namespace) -> int:
-    config = resolve_config(args.task, args.preset, args.config, no_progress(args), attention=args.attention,
-                            model_name=args.model_name)
-    results = run(config, args.out, resume=args.resume)
+    preset = args.preset
+    if args.task == "forecasting" and args.dataset and preset is None and args.config is None:
+        preset = find_preset(args.dataset)  # the dataset's shipped config (configs/forecast/<dataset>.yaml)
+    data = {"dataset": args.dataset, "data_dir": args.data_dir, "pred_len": args.pred_len}
+    config = resolve_config(args.task, preset, args.config, no_progress(args), attention=args.attention,
+                            model_name=args.model_name, seed=args.seed, data=data, train={"device": args.device})
+    results = run(config, args.out, resume=args.resume, log=print, plots=not args.no_plot)
     if results.get("world_size", 1) == 1 or os.environ.get("RANK", "0") == "0":
         print(json.dumps(get_task(config.task).summary(results), indent=2, default=str))
     return 0
@@ -28,29 +35,42 @@ def _eval(args: argparse.Namespace) -> int:
     options: dict = {}
     for text in args.data_option:
         options = merge(options, parse_set(text))
-    result = evaluate_run(args.out, split=args.split, checkpoint=args.checkpoint, data_options=options)
+    result = evaluate_run(args.run, split=args.split, checkpoint=args.checkpoint, data_options=options)
     suffix = "".join(f"_{k}={v}" for k, v in options.items())
-    write_results(Path(args.out) / f"eval_{args.split}_{Path(args.checkpoint).stem}{suffix}.json", result)
+    write_results(Path(args.run) / f"eval_{args.split}_{Path(args.checkpoint).stem}{suffix}.json", result)
     print(json.dumps(result, indent=2))
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("train", help="train one model/attention on one task (LRA, forecasting, ...)",
-                              description="Train on a registered task. Writes config.yaml, metrics.jsonl, "
-                              "checkpoints/ and results.json to --out. Run under torchrun for DDP.")
+    p = subparsers.add_parser(
+        "train", help="one training run of any task: LRA, forecasting, MLM pretraining, document classification",
+        description="Train one model on one registered task. Writes config.yaml, metrics.jsonl, checkpoints/ and "
+        "results.json to --out. Config layers: the task's defaults, --preset, --config, --set, then the flags "
+        "below. Run under torchrun for DDP. Forecasting: --task forecasting --dataset ETTm2 --model skt "
+        "--pred-len 96 --data-dir DIR.")
     add_run_arguments(p)
     add_config_arguments(p)
+    add_data_dir_argument(p, help="the task's data folder (same as --set data.data_dir=DIR; generated tasks need "
+                          "none)")
+    p.add_argument("--seed", type=int, help="seed of the weights and the data order (default: the config's, 0)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the config's)")
+    p.add_argument("--dataset", help=f"forecasting: {', '.join(SERIES)} or a path to a CSV with a date column "
+                   "(its shipped config is the preset unless --preset or --config is given)")
+    p.add_argument("--pred-len", type=int, help="forecasting: the horizon, in time steps")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--resume", action="store_true", help="continue exactly from --out/checkpoints/last.pt")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_resume_argument(p, help="continue exactly from --out/checkpoints/last.pt (a fresh run if there is none)")
+    add_no_progress_argument(p)
+    p.add_argument("--no-plot", action="store_true", help="no plots of the run (e.g. forecasting's forecast.png)")
     p.set_defaults(func=_train)
 
-    e = subparsers.add_parser("eval", help="evaluate a trained run's checkpoint on a split",
+    e = subparsers.add_parser("eval", help="re-evaluate a finished run's checkpoint on a split",
                               description="Re-evaluate the best (or last, or any) checkpoint of a `longattn train` "
-                              "run, in eval mode, on every example of the split.")
-    e.add_argument("--out", required=True, help="the --out folder of a training run")
-    e.add_argument("--split", default="test", choices=("train", "val", "test"))
+                              "run, in eval mode, on every example of the split; writes "
+                              "eval_<split>_<checkpoint>.json into the run's folder.")
+    add_renamed_argument(e, "--run", "--out", required=True, metavar="DIR",
+                         help="the --out folder of a training run (read)")
+    e.add_argument("--split", default="test", choices=("train", "val", "test"), help="the split evaluated")
     e.add_argument("--checkpoint", default="best", help="best, last, or a checkpoint path")
     e.add_argument("--data-option", action="append", default=[], metavar="KEY=VALUE",
                    help="dataset option for this evaluation, e.g. noise_amplitude=4 (repeatable)")

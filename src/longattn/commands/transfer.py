@@ -1,9 +1,9 @@
-"""``longattn pretrain`` / ``finetune`` / ``table3``: the transfer-learning experiment of SKTformer / S^3 Table 3.
+"""``longattn pretrain`` / ``finetune`` / ``paper sktformer-table3``: transfer learning (SKTformer / S^3 Table 3).
 
 * ``pretrain``: one MLM pretraining (task ``mlm``) of a BERT with one mechanism;
 * ``finetune``: fine-tune pretrained encoders (``pretrain`` folders, or the pretrained MiniLM with any
   mechanism) on GLUE tasks with a spec's search and seeds; Table 3 layout, JSON, plot;
-* ``table3``: both, for every mechanism of a spec (the whole Table 3 grid).
+* ``paper sktformer-table3``: both, for every mechanism of a spec (the whole Table 3 grid).
 """
 
 from __future__ import annotations
@@ -12,11 +12,16 @@ import argparse
 import json
 from pathlib import Path
 
-from longattn.commands._args import add_config_arguments, add_workers_argument, attention_list, no_progress
+from longattn.commands._args import (add_attentions_argument, add_config_arguments, add_data_dir_argument,
+                                    add_list_argument, add_no_progress_argument, add_resume_argument, add_set_argument,
+                                    add_workers_argument, attention_names, deprecated_alias, name_type, no_progress,
+                                    task_data_dirs)
 from longattn.config import ConfigError, read_yaml
 from longattn.experiment.config import resolve_config
+from longattn.experiment.analyses import register_paper
 from longattn.experiment.results import now
 from longattn.experiment.run import run
+from longattn.data.glue import GLUE_TASKS
 from longattn.experiment.transfer import finetune_grid, load_spec, run_table3, write_transfer_table
 from longattn.hf.bert import MINILM
 
@@ -42,9 +47,9 @@ def _pretrained_attention(folder: str) -> str:
 def _finetune(args: argparse.Namespace) -> int:
     spec = load_spec(args.config)
     if args.tasks:
-        spec.setdefault("finetune", {})["tasks"] = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        spec.setdefault("finetune", {})["tasks"] = list(args.tasks)
     if args.pretrained == [MINILM]:
-        names = attention_list(args.attentions) if args.attentions else list(spec["mechanisms"])
+        names = args.attentions or list(spec["mechanisms"])
         starts = {name: MINILM for name in names}
     else:
         if args.attentions:
@@ -57,7 +62,7 @@ def _finetune(args: argparse.Namespace) -> int:
             starts[name] = str(Path(folder).resolve())
     started = now()
     out = Path(args.out)
-    cells = finetune_grid(spec, out, starts, [f"data.data_dir={args.glue_dir}"], args.resume,
+    cells = finetune_grid(spec, out, starts, [f"data.data_dir={args.data_dir}"], args.resume,
                           extra_overrides=args.overrides, workers=args.workers)
     reference = "softmax" if args.pretrained == [MINILM] and "softmax" in starts else None
     label = "MiniLM" if args.pretrained == [MINILM] else out.name
@@ -67,23 +72,55 @@ def _finetune(args: argparse.Namespace) -> int:
 
 def _table3(args: argparse.Namespace) -> int:
     spec = load_spec(args.config)
-    corpus = [f"data.data_dir={args.corpus_dir}", *args.corpus_set]
-    summary = run_table3(spec, args.out, corpus, [f"data.data_dir={args.glue_dir}"], resume=args.resume,
+    folders = task_data_dirs(args.data_dir, list(TABLE3_DATA), what="part")
+    missing = [key for key in TABLE3_DATA if key not in folders]
+    if missing:
+        raise ValueError(f"--data-dir needs {' and '.join(f'{key}=PATH' for key in missing)} "
+                         f"({'; '.join(TABLE3_DATA[key] for key in missing)})")
+    corpus = [f"data.data_dir={folders['corpus']}", *args.corpus_set]
+    summary = run_table3(spec, args.out, corpus, [f"data.data_dir={folders['glue']}"], resume=args.resume,
                          workers=args.workers)
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
+SPECS = "table3_cpu, table3_paper, minilm_cpu"
+# The two data folders of the Table 3 grid: --data-dir corpus=PATH glue=PATH.
+TABLE3_DATA = {"corpus": "the pretraining corpus, WikiText-2 layout", "glue": "the glue_data/ folder"}
+
+
+def _table3_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="table3_cpu", help=f"transfer spec (a file, or shipped: {SPECS})")
+    parser.add_argument("--data-dir", nargs="+", action="extend", default=[], metavar="PART=DIR",
+                        help="the two data folders: corpus=DIR (pretraining corpus, WikiText-2 layout) and glue=DIR "
+                        "(the glue_data/ folder), required")
+    deprecated_alias(parser, "--corpus-dir", "--data-dir corpus=DIR", "data_dir", append=True,
+                     transform=lambda path: f"corpus={path}")
+    deprecated_alias(parser, "--glue-dir", "--data-dir glue=DIR", "data_dir", append=True,
+                     transform=lambda path: f"glue={path}")
+    parser.add_argument("--corpus-set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override for the pretraining runs, e.g. data.train_file=wiki.train.tokens.reordered "
+                        "(repeatable)")
+    parser.add_argument("--out", required=True, help="output folder (pretrain/<mechanism>, finetune/..., the table)")
+    add_resume_argument(parser)
+    add_workers_argument(parser)
+
+
+register_paper("sktformer-table3", "SKTformer / S^3", "Table 3", "transfer learning: MLM-pretrain every mechanism, "
+               "fine-tune each on GLUE with the Table 15 search, the Table 3 layout", _table3_arguments, _table3)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("pretrain", help="MLM-pretrain a BERT with one mechanism (SKTformer Table 3)",
+    p = subparsers.add_parser("pretrain", help="MLM-pretrain a BERT encoder with one mechanism (then `finetune`)",
                               description="BERT masked-language-model pretraining (task mlm) on a text corpus "
                               "(WikiText-2 layout by default). Writes config.yaml, metrics.jsonl, checkpoints/ and "
                               "results.json to --out; `longattn finetune --pretrained OUT` continues from it.")
-    p.add_argument("--attention", required=True, help="registered mechanism (fnet and ponet replace the attention)")
-    p.add_argument("--data-dir", help="corpus folder (wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens)")
-    add_config_arguments(p)
-    p.add_argument("--out", required=True)
-    p.add_argument("--resume", action="store_true", help="continue exactly from --out/checkpoints/last.pt")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--attention", required=True, type=name_type("mechanism", attention_names), metavar="MECHANISM",
+                   help="registered mechanism (fnet and ponet replace the attention)")
+    add_data_dir_argument(p, help="corpus folder (wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens)")
+    add_config_arguments(p, tasks=["mlm"])
+    p.add_argument("--out", required=True, help="output folder")
+    add_resume_argument(p, help="continue exactly from --out/checkpoints/last.pt")
+    add_no_progress_argument(p)
     p.set_defaults(func=_pretrain)
 
     f = subparsers.add_parser("finetune", help="fine-tune pretrained encoders on GLUE with a search (Table 3 layout)",
@@ -92,27 +129,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "table.md, results.json and table3.png to --out.")
     f.add_argument("--pretrained", nargs="+", required=True,
                    help="`longattn pretrain` --out folders, or `minilm` (the pretrained MiniLM-L6, converted)")
-    f.add_argument("--attentions", help="with --pretrained minilm: comma-separated mechanisms (default: the spec's)")
-    f.add_argument("--config", default="table3_cpu", help="transfer spec (file or shipped name: table3_cpu, "
-                   "table3_paper, minilm_cpu)")
-    f.add_argument("--tasks", help="comma-separated GLUE tasks (default: the spec's)")
-    f.add_argument("--glue-dir", required=True, help="the glue_data/ folder")
-    f.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override for every fine-tuning run (repeatable)")
-    f.add_argument("--out", required=True)
-    f.add_argument("--resume", action="store_true", help="reuse finished runs, resume interrupted ones")
+    add_attentions_argument(f, help="with --pretrained minilm: the mechanisms (default: the spec's)")
+    f.add_argument("--config", default="table3_cpu", help=f"transfer spec (a file, or shipped: {SPECS})")
+    add_list_argument(f, "--tasks", names=GLUE_TASKS.names, kind="GLUE task", help="GLUE tasks (default: the spec's)")
+    add_data_dir_argument(f, "the glue_data/ folder", "--glue-dir", required=True)
+    add_set_argument(f, help="override for every fine-tuning run (repeatable)")
+    f.add_argument("--out", required=True, help="output folder")
+    add_resume_argument(f)
     add_workers_argument(f)
     f.set_defaults(func=_finetune)
-
-    t = subparsers.add_parser("table3", help="the whole Table 3 grid: pretrain every mechanism, fine-tune on GLUE",
-                              description="MLM-pretrain every mechanism of the spec, fine-tune each on its GLUE tasks "
-                              "with the search, and write the Table 3 layout (table.md, results.json, table3.png).")
-    t.add_argument("--config", default="table3_cpu", help="transfer spec (file or shipped name)")
-    t.add_argument("--corpus-dir", required=True, help="pretraining corpus folder (WikiText-2 layout)")
-    t.add_argument("--corpus-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override for the pretraining runs, e.g. data.train_file=wiki.train.tokens.reordered")
-    t.add_argument("--glue-dir", required=True, help="the glue_data/ folder")
-    t.add_argument("--out", required=True)
-    t.add_argument("--resume", action="store_true", help="reuse finished runs, resume interrupted ones")
-    add_workers_argument(t)
-    t.set_defaults(func=_table3)

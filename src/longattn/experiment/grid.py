@@ -13,15 +13,18 @@ import itertools
 import json
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from longattn import attention as attention_registry
 from longattn.config import ConfigError, read_yaml
+from longattn.registry import nearest
 from longattn.experiment.config import RunConfig, resolve_config
 from longattn.experiment.results import markdown_table, now, write_results
 from longattn.experiment.run import run
+from longattn.experiment.progress import GridProgress, score
 from longattn.experiment.workers import RUN_ERRORS, Job, Outcome, run_jobs
 from longattn.experiment.curves import curve_groups, write_learning_curves
 from longattn.experiment.stats import (PairedDifference, format_difference, legend, mean_with_sem, paired_difference,
@@ -29,7 +32,7 @@ from longattn.experiment.stats import (PairedDifference, format_difference, lege
 from longattn.tasks.base import get_task, task_names
 
 __all__ = ["Cell", "default_seeds", "difference_record", "load_sweep", "markdown_table", "paired_against", "run_cells",
-           "sweep_cells", "write_sweep_table"]
+           "shipped_sweeps", "sweep_cells", "write_sweep_table"]
 
 
 @dataclass
@@ -105,22 +108,30 @@ def run_cells(cells: list[Cell], seeds: list[int], out_dir: str | Path, *,
     if workers > 1:
         return _run_cells_in_workers(cells, seeds, run_dir, resume, log, plots, workers)
     cache: dict[Any, Any] = {}
-    for cell in cells:
+    finished = {(index, seed): run_dir(cell, seed) / "results.json" for index, cell in enumerate(cells)
+                for seed in seeds if resume and (run_dir(cell, seed) / "results.json").is_file()}
+    progress = GridProgress(len(cells) * len(seeds) - len(finished))
+    for index, cell in enumerate(cells):
         print(f"== {cell.row} / {cell.column}", flush=True)
-        for seed in seeds:
-            folder = run_dir(cell, seed)
-            finished = folder / "results.json"
-            if resume and finished.is_file():
-                cell.results.append(json.loads(finished.read_text()))
+        for position, seed in enumerate(seeds):
+            if (index, seed) in finished:
+                cell.results.append(json.loads(finished[(index, seed)].read_text()))
                 continue
+            label, started = f"{cell.row} / {cell.column} seed {seed}", time.perf_counter()
             try:
                 config = _cell_config(cell, seed)
-                cell.results.append(run(config, folder, resume=resume, data_cache=cache, log=log, plots=plots))
+                cell.results.append(run(config, run_dir(cell, seed), resume=resume, data_cache=cache, log=log,
+                                        plots=plots))
             except RUN_ERRORS as err:
                 # One broken mechanism or option must not lose the other cells of the table.
                 cell.error = f"{type(err).__name__}: {err}"
-                print(f"  failed: {cell.row} / {cell.column}: {cell.error}", flush=True)
+                progress.failed(label, cell.error)
+                for later in seeds[position + 1:]:  # a cell stops at its first failed seed
+                    if (index, later) not in finished:
+                        progress.skipped(f"{cell.row} / {cell.column} seed {later}", "an earlier seed of its cell "
+                                         "failed")
                 break
+            progress.done(label, time.perf_counter() - started, score(cell.task, cell.results[-1]))
     return cells
 
 
@@ -185,6 +196,13 @@ VARIANT_KEYS = {"name", "attention", "set"}
 COLUMN_KEYS = {"key", "values"}
 
 
+def shipped_sweeps() -> list[str]:
+    """The names of the sweep files shipped in ``configs/lra/sweeps``."""
+    from longattn.tasks.lra import LRA_CONFIGS
+
+    return sorted(p.stem for p in (LRA_CONFIGS / "sweeps").glob("*.yaml"))
+
+
 def sweep_path(path_or_name: str | Path) -> Path:
     """A sweep file, or the name of one shipped in ``configs/lra/sweeps`` (e.g. ``skt_table7_r``)."""
     from longattn.tasks.lra import LRA_CONFIGS
@@ -195,8 +213,9 @@ def sweep_path(path_or_name: str | Path) -> Path:
     shipped = LRA_CONFIGS / "sweeps" / f"{path.stem}.yaml"
     if path.parent == Path(".") and shipped.is_file():
         return shipped
-    found = ", ".join(sorted(p.stem for p in (LRA_CONFIGS / "sweeps").glob("*.yaml")))
-    raise FileNotFoundError(f"sweep file {path} does not exist (shipped sweeps: {found})")
+    found = shipped_sweeps()
+    raise FileNotFoundError(f"sweep file {path} does not exist{nearest(path.stem, found)} (shipped sweeps: "
+                            f"{', '.join(found)})")
 
 
 def _check_keys(node: Any, valid: set[str], where: str) -> None:

@@ -6,15 +6,14 @@ works the same way (a finished ``results.json`` is reused, an interrupted run co
 checkpoint). The workers are a ``spawn`` process pool from the standard library (no fork of a process that
 holds torch's thread pools); the machine's thread budget, ``torch.get_num_threads()`` of the calling process
 (``OMP_NUM_THREADS``), is split evenly among them. A run's own output (its validation lines, warnings,
-traceback) goes to ``log.txt`` in its folder; the calling process prints one line per finished run and a
-progress bar over the runs. As with any spawn pool, a script that calls the grid with workers must do so under
+traceback) goes to ``log.txt`` in its folder; the calling process prints one line per finished run (its result,
+the time elapsed and an estimate of the time left: :class:`longattn.experiment.progress.GridProgress`). As with any spawn pool, a script that calls the grid with workers must do so under
 ``if __name__ == "__main__":`` (the workers import the script); the ``longattn`` commands need nothing.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import sys
 import threading
 import time
 import traceback
@@ -29,7 +28,7 @@ import torch
 
 from longattn.experiment.config import RunConfig
 from longattn.experiment.run import run
-from longattn.tasks.base import get_task
+from longattn.experiment.progress import GridProgress, score
 from longattn.utils import optional_import
 
 __all__ = ["Job", "Outcome", "run_jobs", "threads_per_worker", "LOG_NAME"]
@@ -107,16 +106,6 @@ def _train(config: RunConfig, folder: Path, resume: bool, log: bool, plots: bool
     return Outcome(results=results, seconds=time.perf_counter() - started)
 
 
-def _score(job: Job, outcome: Outcome) -> str:
-    """"; test <metric> <value>" of a finished run (the task's selection metric), or nothing."""
-    metric = get_task(job.config.task).select_metric
-    for split in ("test", "val"):
-        value = (outcome.results or {}).get(split) or {}
-        if isinstance(value.get(metric), (int, float)):
-            return f"; {split} {metric} {value[metric]:.4g}"
-    return ""
-
-
 def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: bool,
              threads: int | None = None) -> dict[Any, Outcome]:
     """Train ``jobs`` in ``workers`` processes of ``threads`` threads each (default: an even share), in the
@@ -138,15 +127,9 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
     others = set(multiprocessing.active_children())  # the caller's own child processes, not ours to stop
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start_worker, initargs=(threads,))
-    bar = optional_import("tqdm.auto").tqdm(total=len(jobs), desc="runs", unit="run",
-                                            disable=not sys.stderr.isatty())  # as the trainer's bars
+    progress = GridProgress(len(jobs))
     pending: dict[Future, Job] = {}
     queued, failed_groups = deque(jobs), set()
-
-    def report(line: str) -> None:
-        # "[k/n]" on every outcome line: the bar is off without a terminal (a grid under nohup), the count is not.
-        bar.write(f"{line} [{len(outcomes)}/{len(jobs)}]")
-        bar.update()
 
     def start_next() -> None:
         # Submitted one at a time as workers free up (not all at once), so that a failure can still skip the
@@ -156,7 +139,7 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
             if job.group is not None and job.group in failed_groups:
                 reason = "an earlier run of its group failed"
                 outcomes[job.key] = Outcome(error=f"not run: {reason}")
-                report(f"  skipped: {job.label} ({reason})")
+                progress.skipped(job.label, reason)
                 continue
             pending[pool.submit(_train, job.config, job.folder, resume, log, plots)] = job
             return
@@ -171,10 +154,10 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
                 outcome = future.result()  # a crashed worker or a bug raises here and stops the grid
                 outcomes[job.key] = outcome
                 if outcome.error is None:
-                    report(f"done: {job.label} ({outcome.seconds:.0f} s{_score(job, outcome)})")
+                    progress.done(job.label, outcome.seconds, score(job.config.task, outcome.results))
                 else:
                     failed_groups.add(job.group)
-                    report(f"  failed: {job.label}: {outcome.error} (traceback in {job.folder / LOG_NAME})")
+                    progress.failed(job.label, f"{outcome.error} (traceback in {job.folder / LOG_NAME})")
             for _ in done:  # after every finished run is recorded: a failure among them skips its group
                 start_next()
     except KeyboardInterrupt:
@@ -192,7 +175,5 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
         print("stopping the grid: waiting for the run(s) in progress to end (Ctrl-C stops them; they resume from "
               "their last checkpoint)", flush=True)
         raise
-    finally:
-        bar.close()
     pool.shutdown()
     return outcomes

@@ -1,0 +1,21 @@
+"""``longattn report <what>``: tables and plots rebuilt from finished output folders, training nothing (the
+entries of :data:`longattn.experiment.analyses.REPORTS`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from longattn.experiment.analyses import REPORTS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    report = subparsers.add_parser("report", help="tables and plots rebuilt from finished output folders: "
+                                   + ", ".join(REPORTS.names()),
+                                   description="Rebuild a table or plots from the runs finished in a folder "
+                                   "(--run); nothing is trained.")
+    sub = report.add_subparsers(dest="report_command", metavar="REPORT", required=True)
+    for name in REPORTS.names():
+        entry = REPORTS.get(name)
+        parser = sub.add_parser(name, help=entry.help, description=entry.help)
+        entry.arguments(parser)
+        parser.set_defaults(func=entry.run)
