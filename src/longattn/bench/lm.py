@@ -10,7 +10,7 @@ Three measurements, each written to the output folder and reused by ``--resume``
   batch, context and precision, the median of ``throughput_steps`` steps after one warm-up;
 * **decode**: milliseconds per generated token after a prompt of each length in ``prefixes`` (1k, 4k, 16k),
   in float32: the model's cached forward of one token (embedding, every
-  layer with its decoding state, output layer), the mean over ``decode_tokens`` tokens after two warm-up
+  layer with its decoding state, output layer), the median over ``decode_tokens`` tokens after two warm-up
   ones. Softmax is transformers' own SDPA attention with its KV cache; every other mechanism decodes with
   its longattn state (:mod:`longattn.attention.decoding`). The model has the preset's shape and random
   weights (a token's cost does not depend on their values) and positions up to the longest prefix, which
@@ -63,7 +63,7 @@ class LMBenchConfig:
     overrides: list[str] = field(default_factory=list)
     measure: list[str] = field(default_factory=lambda: list(MEASUREMENTS))
     prefixes: list[int] = field(default_factory=lambda: list(DEFAULT_PREFIXES))
-    decode_tokens: int = 16
+    decode_tokens: int = 32
     throughput_steps: int = 3
     workers: int = 1
     device: str = "cpu"  # of the throughput and decoding measurements (training runs use train.device)
@@ -170,10 +170,10 @@ def decode_timing(config: LMBenchConfig, attention: str, vocab_size: int) -> dic
                 token = out.logits[:, -1:].argmax(-1)
                 if index >= 2:  # two warm-up tokens
                     times.append(clock.now() - started)
-            rows.append({"prefix": prefix, "ms_per_token": 1000 * statistics.fmean(times),
-                         "ms_per_token_median": 1000 * statistics.median(times), "prefill_s": prefill,
+            rows.append({"prefix": prefix, "ms_per_token_median": 1000 * statistics.median(times),
+                         "ms_per_token_mean": 1000 * statistics.fmean(times), "prefill_s": prefill,
                          "tokens": len(times)})
-    first, last = rows[0]["ms_per_token"], rows[-1]["ms_per_token"]
+    first, last = rows[0]["ms_per_token_median"], rows[-1]["ms_per_token_median"]
     kind = capabilities(attention).decode_state
     return {"attention": attention, "decode_state": "kv_cache (transformers)" if attention == REFERENCE else kind,
             "device": str(device), "rows": rows, "growth": last / first,
@@ -239,7 +239,7 @@ def run_lm_bench(config: LMBenchConfig, out: str | Path, resume: bool = False) -
             vocab = task_data.info["vocab_size"]
             decoding[name] = _saved(path, settings, resume) or decode_timing(config, name, vocab)
             _save(path, settings, decoding[name])
-            times = ", ".join(f"{r['prefix']}: {r['ms_per_token']:.2f}" for r in decoding[name]["rows"])
+            times = ", ".join(f"{r['prefix']}: {r['ms_per_token_median']:.2f}" for r in decoding[name]["rows"])
             print(f"decode {name}: ms/token at prefix {times}", flush=True)
     text, summary = lm_tables(config, cells, throughput, decoding)
     (out / "lm.md").write_text(text)
@@ -291,11 +291,11 @@ def lm_tables(config: LMBenchConfig, cells: list[Cell], throughput: dict[str, di
         prefixes = config.prefixes
         rows = []
         for name, d in decoding.items():
-            cells_ms = [f"{r['ms_per_token']:.2f}" for r in d["rows"]]
+            cells_ms = [f"{r['ms_per_token_median']:.2f}" for r in d["rows"]]
             verdict = ("within" if d["growth"] <= GROWTH_LIMIT else "OVER") if d["bounded"] else "-"
             rows.append([f"`{name}`", d["decode_state"], *cells_ms, f"{d['growth']:.2f}x",
                          f"{verdict} {GROWTH_LIMIT}x" if d["bounded"] else "-"])
-        parts.append(f"Decoding, ms per token after a prompt of N tokens (float32 on {_where(config.device)}, mean of "
+        parts.append(f"Decoding, ms per token after a prompt of N tokens (float32 on {_where(config.device)}, median of "
                      f"{config.decode_tokens} tokens):\n\n" + markdown_table(
                          ["mechanism", "state", *[f"N = {p}" for p in prefixes], f"{prefixes[-1]} / {prefixes[0]}",
                           "bound"], rows) + "\n")
@@ -315,7 +315,8 @@ def plot_decode(decoding: dict[str, dict[str, Any]], path: Path) -> None:
     plt = optional_import("matplotlib.pyplot")
     figure, axis = plt.subplots(figsize=(6, 4))
     for name, d in decoding.items():
-        axis.plot([r["prefix"] for r in d["rows"]], [r["ms_per_token"] for r in d["rows"]], marker="o", label=name)
+        axis.plot([r["prefix"] for r in d["rows"]], [r["ms_per_token_median"] for r in d["rows"]], marker="o",
+                  label=name)
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
     axis.set_xlabel("prompt length (tokens)")

@@ -39,7 +39,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                       default=list(lm.MEASUREMENTS), help="what to measure")
     add_list_argument(parser, "--prefixes", item="length", kind="N", default=list(lm.DEFAULT_PREFIXES),
                       help="prompt lengths of the decoding measurement (k suffix: 1k = 1024)")
-    parser.add_argument("--decode-tokens", type=int, default=16, help="timed tokens per prompt length")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="timed tokens per prompt length")
     parser.add_argument("--throughput-steps", type=int, default=3, help="timed training steps per mechanism")
     parser.add_argument("--device", default="cpu",
                         help="device of the throughput and decoding measurements: cpu (one thread, process CPU "

@@ -104,8 +104,8 @@ class ModelProjections(nn.Module):
     def load(self, query: Tensor | None, key: Tensor | None = None, value: Tensor | None = None, *,
              rotary: bool = False, rescaled: bool = False) -> None:
         """Hand over (or, with None, take back) the model's q, k, v for one attention call."""
-        self._qkv = None if query is None else (query, key, value)
-        self._rotary, self._rescaled = rotary, rescaled
+        # plain attributes, set directly: nn.Module.__setattr__ costs more than the rest of a decoding step's call
+        self.__dict__.update(_qkv=None if query is None else (query, key, value), _rotary=rotary, _rescaled=rescaled)
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self._qkv is None:
@@ -196,7 +196,8 @@ def packed_segments_of(attention_mask: Any, kwargs: dict, batch: int, length: in
     if kwargs.get("cu_seq_lens_q") is not None:
         return segment_ids(cu_seqlens=kwargs["cu_seq_lens_q"], shape=(batch, length))
     positions = kwargs.get("position_ids")
-    if attention_mask is None and isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[1] == length:
+    if attention_mask is None and length > 1 and isinstance(positions, Tensor) and positions.dim() == 2 \
+            and positions.shape[1] == length:
         segments = segment_ids(position_ids=positions, shape=(batch, length))
         if bool((segments[:, -1] > 0).any()):
             return segments
@@ -236,6 +237,8 @@ def common_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Ten
     device_type = query.device.type
     if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
+    elif query.dtype == key.dtype == value.dtype:
+        return query, key, value
     else:
         dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
     return query.to(dtype), key.to(dtype), value.to(dtype)
