@@ -34,7 +34,6 @@ States hold tensors with the batch first and ``length``, the positions consumed;
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
@@ -266,7 +265,3 @@ def step(module: AttentionBase, x: Tensor, state: Any, attention_mask: Tensor | 
 def ones_or(real: Tensor | None, batch: int, device: torch.device) -> Tensor:
     """The new token's [B] real flags (all True when ``real`` is None)."""
     return torch.ones(batch, dtype=torch.bool, device=device) if real is None else real
-
-
-def default_scale(head_dim: int, scale: float | None) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else scale
