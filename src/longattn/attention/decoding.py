@@ -103,12 +103,14 @@ def _real(mask: Tensor | None, batch: int, length: int, device: torch.device) ->
 @dataclass
 class KVState(DecodingState):
     """Every key and value so far: [B, H, capacity, D] buffers grown by doubling (appending is amortised O(1)),
-    of which the first ``size`` entries are filled, and which of them are real. Padded entries hold zeros."""
+    of which the first ``size`` entries are filled, and which of them are real (``padded``: whether any may not
+    be, so that a step over a cache without padding needs no mask). Padded entries hold zeros."""
 
     keys: Tensor | None = None
     values: Tensor | None = None
     real: Tensor | None = None
     size: int = 0
+    padded: bool = False
 
     @classmethod
     def start(cls, key: Tensor | None, value: Tensor, attention_mask: Tensor | None) -> KVState:
@@ -116,11 +118,13 @@ class KVState(DecodingState):
         real = _real(attention_mask, b, n, value.device)
         keep = real[:, None, :, None]
         return cls(length=n, keys=None if key is None else key.masked_fill(~keep, 0.0),
-                   values=value.masked_fill(~keep, 0.0), real=real.clone(), size=n)
+                   values=value.masked_fill(~keep, 0.0), real=real.clone(), size=n,
+                   padded=attention_mask is not None and not bool(attention_mask.all()))
 
     def append(self, key: Tensor | None, value: Tensor, real: Tensor | None) -> None:
-        """Add one entry (``real``: [B] bool or None)."""
+        """Add one entry (``real``: [B] bool, or None when it is real in every row)."""
         b = value.shape[0]
+        self.padded = self.padded or real is not None
         real = torch.ones(b, dtype=torch.bool, device=value.device) if real is None else real
         if self.size == self.values.shape[2]:
             grow = max(self.size, 16)

@@ -160,7 +160,7 @@ def packed_call(fn: Callable[..., Tensor], *args: Any, cu_seqlens: Tensor | None
     name = _spec_of(fn)
     if name is not None:
         check_packable(name, {k: v for k, v in bound.arguments.items() if k not in sequence_names})
-    plan = packing_plan(segment_ids(cu_seqlens=cu_seqlens, position_ids=position_ids, shape=(b, n)))
+    plan = packing_plan(segment_ids(cu_seqlens=cu_seqlens, position_ids=position_ids, shape=(b, n)).to(first.device))
     for key, value in list(bound.arguments.items()):
         per_token = isinstance(value, Tensor) and value.dim() == 4 and value.shape[0] == b and value.shape[2] == n
         if key in sequence_names or per_token:
@@ -178,6 +178,7 @@ def forward_packed(module: AttentionBase, x: Tensor, *, cu_seqlens: Tensor | Non
     check_packable(module.name, module)
     if not isinstance(x, Tensor) or x.dim() != 3:
         raise AttentionError(f"input must be [B, N, dim], got {getattr(x, 'shape', type(x).__name__)}")
-    plan = packing_plan(segment_ids(cu_seqlens=cu_seqlens, position_ids=position_ids, shape=tuple(x.shape[:2])))
+    segments = segment_ids(cu_seqlens=cu_seqlens, position_ids=position_ids, shape=tuple(x.shape[:2]))
+    plan = packing_plan(segments.to(x.device))
     mask = plan.valid if attention_mask is None else plan.valid & plan.unpack(attention_mask)
     return plan.repack(module(plan.unpack(x), mask, layer_state))

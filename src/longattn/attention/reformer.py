@@ -39,7 +39,7 @@ from longattn.attention.base import (
     register_attention,
     split_heads,
 )
-from longattn.attention.decoding import KVState, ones_or
+from longattn.attention.decoding import KVState
 
 SELF_ATTENTION_SCORE = -5e4  # "attend to itself only if nothing else": large negative but finite
 BLOCK_ELEMENTS = 1 << 18  # scores (or hash projections) computed at once: cache-sized, never [N, N]
@@ -456,8 +456,7 @@ class ReformerAttention(AttentionBase):
 
     def step_attend(self, x: Tensor, state: KVState, real: Tensor | None,
                     layer_state: dict | None) -> tuple[Tensor, KVState]:
-        state.append(split_heads(self.to_qk(x), self.heads), split_heads(self.to_v(x), self.heads),
-                     ones_or(real, x.shape[0], x.device))
+        state.append(split_heads(self.to_qk(x), self.heads), split_heads(self.to_v(x), self.heads), real)
         qk, v, visible = state.view()
-        out = self._lsh(qk, v, None if bool(visible.all()) else visible)[:, :, -1:]
+        out = self._lsh(qk, v, visible if state.padded else None)[:, :, -1:]
         return self.to_out(merge_heads(out)), state

@@ -159,7 +159,7 @@ class SoftmaxAttention(AttentionBase):
         """The new query against every cached key (the new one included)."""
         state.append(key, value, real)
         keys, values, visible = state.view()
-        visible = None if bool(visible.all()) else visible[:, None, None, :]
+        visible = visible[:, None, None, :] if state.padded else None
         out = attend_keys(query, keys, values, visible, scale=self.scale,
                           dropout_p=self.dropout if self.training else 0.0)
         return out, state

@@ -35,7 +35,7 @@ from longattn.attention.base import (
     register_attention,
     split_heads,
 )
-from longattn.attention.decoding import KVState, ones_or
+from longattn.attention.decoding import KVState
 
 __all__ = ["SynthesizerAttention", "synthesizer_attention", "synthesizer_attention_reference"]
 
@@ -309,7 +309,7 @@ class SynthesizerAttention(AttentionBase):
                     layer_state: dict | None) -> tuple[Tensor, KVState]:
         t = state.length
         key = split_heads(self.to_k(x), self.heads) if self.mix_dot_product else None
-        state.append(key, split_heads(self.to_v(x), self.heads), ones_or(real, x.shape[0], x.device))
+        state.append(key, split_heads(self.to_v(x), self.heads), real)
         keys, values, visible = state.view()
         rows = [self.part_row(x, part, t) for part in self.parts]
         weights = [1.0] * len(rows) if self.mix_weights is None else list(self.mix_weights)

@@ -329,7 +329,7 @@ def run_mechanism(
             cache_layer.packed = True  # a training forward's cache (use_cache=True by default): never continued
             cache_layer = None
         check_packable(name, mechanism)
-        plan = packing_plan(segments)
+        plan = packing_plan(segments.to(query.device))
         query, key, value = (plan.unpack(t, dim=2) for t in (query, key, value))
         x = plan.unpack(x)
         mask = plan.valid if mask is None else plan.valid & plan.unpack(mask)
@@ -488,7 +488,7 @@ def register(name: str, *, ignore_dropout: bool = False, seed: int = 0, **option
                 return functional(query, value, value, mask).transpose(1, 2).contiguous(), None
             from longattn.attention.packing import packing_plan
 
-            plan = packing_plan(segments)
+            plan = packing_plan(segments.to(query.device))
             q, v = plan.unpack(query, dim=2), plan.unpack(value, dim=2)
             unpacked_mask = plan.valid if mask is None else plan.valid & plan.unpack(mask)
             return plan.repack(functional(q, v, v, unpacked_mask), dim=2).transpose(1, 2).contiguous(), None
@@ -568,7 +568,7 @@ def _exact_softmax(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                                  scale=scaling).transpose(1, 2).contiguous()
     from longattn.attention.packing import packing_plan
 
-    plan = packing_plan(segments)
+    plan = packing_plan(segments.to(query.device))
     query, key, value = (plan.unpack(t, dim=2) for t in (query, key, value))
     mask = plan.valid if mask is None else plan.valid & plan.unpack(mask)
     out = softmax_attention(query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling)
