@@ -122,6 +122,10 @@ def test_decoding_without_the_hooks_or_with_a_foreign_cache_raises():
     with pytest.raises(AttentionError, match="decoding state"):
         generate(model, True, max_new_tokens=2)
     assert generate(model, False, max_new_tokens=2).sequences.shape == (3, 12)
+    model = decoder("llama")
+    model.set_attn_implementation(lhf.register("softmax"))  # softmax decodes with transformers' own KV cache
+    cached, recomputed = (generate(model, use_cache, max_new_tokens=4).sequences for use_cache in (True, False))
+    assert torch.equal(cached, recomputed)
     model = routed("linear")  # a recurrent state is not croppable: transformers refuses assisted decoding
     with pytest.raises(ValueError, match="cropped"):
         model.generate(torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]]), max_new_tokens=6, do_sample=False, pad_token_id=PAD,
