@@ -12,6 +12,7 @@ pytest.importorskip("transformers", reason="the LM benchmark's model comes from 
 from longattn.bench import lm as bench  # noqa: E402
 from longattn.data import lm as data  # noqa: E402
 from longattn.tasks.lm import lm_step, perplexity  # noqa: E402
+from longattn.train.outputs import OutputFolderError  # noqa: E402
 
 WORDS = ["the", "a", "season", "club", "played", "league", "first", "<unk>", "in", "of", "and", "York", "=", ","]
 
@@ -86,6 +87,8 @@ def test_the_benchmark_writes_tables_and_plots_and_resumes(corpus, tmp_path):
     again = bench.run_lm_bench(config, out, resume=True)
     assert again["decode"] == summary["decode"] and again["throughput"] == summary["throughput"]
     assert [r["val_perplexity"] for r in again["rows"]] == [r["val_perplexity"] for r in summary["rows"]]
+    with pytest.raises(OutputFolderError, match="--resume"):  # neither: finished runs are not trained over
+        bench.run_lm_bench(config, out)
 
 
 def test_the_benchmark_refuses_mechanisms_a_decoder_cannot_use(corpus, tmp_path):

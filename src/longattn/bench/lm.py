@@ -198,8 +198,12 @@ def _save(path: Path, settings: dict[str, Any], result: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def run_lm_bench(config: LMBenchConfig, out: str | Path, resume: bool = False) -> dict[str, Any]:
-    """Run the measurements of ``config.measure`` into ``out``; write ``lm.json``, ``lm.md`` and the plots."""
+def run_lm_bench(config: LMBenchConfig, out: str | Path, resume: bool = False,
+                 overwrite: bool = False) -> dict[str, Any]:
+    """Run the measurements of ``config.measure`` into ``out``; write ``lm.json``, ``lm.md`` and the plots.
+
+    Training runs already in ``out`` are refused unless ``resume`` (reuse finished ones, continue interrupted
+    ones; saved measurements of the same settings are reused too) or ``overwrite`` (train and measure again)."""
     from longattn.tasks.base import get_task
 
     started = now()
@@ -218,7 +222,7 @@ def run_lm_bench(config: LMBenchConfig, out: str | Path, resume: bool = False) -
         cells = [Cell(name, "lm", "lm", config.preset, overrides=list(config.overrides),
                       explicit={"attention": name, **({"data": data} if data else {})})
                  for name in config.attentions]
-        run_cells(cells, config.seeds, out / "runs", resume=resume, workers=config.workers,
+        run_cells(cells, config.seeds, out / "runs", resume=resume, overwrite=overwrite, workers=config.workers,
                   run_dir=lambda cell, seed: out / "runs" / cell.row / f"seed{seed}")
         write_learning_curves(curve_groups(cells), out)
     throughput, decoding = {}, {}

@@ -17,7 +17,7 @@ def _run(args: argparse.Namespace) -> int:
         overrides=list(args.overrides), measure=args.measure, prefixes=args.prefixes,
         decode_tokens=args.decode_tokens, throughput_steps=args.throughput_steps, workers=args.workers,
         device=args.device)
-    lm.run_lm_bench(config, args.out, resume=args.resume)
+    lm.run_lm_bench(config, args.out, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 
