@@ -13,19 +13,21 @@ The cache itself is whatever transformers builds (``DynamicCache``, by ``generat
 before the module's first ``update`` (:func:`install_cache_hooks`). Beam search and several samples per prompt
 reorder and repeat the states (``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``); a
 recurrent state cannot be rolled back, so ``crop`` (assisted generation) raises.
+
+The module imports without transformers (the ``hf`` extra): ``LongattnCacheLayer`` is built on first use.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from transformers.cache_utils import CacheLayerMixin
-
 from longattn.attention.base import AttentionError
 from longattn.attention.decoding import DecodingState
+from longattn.utils import optional_import
 
 __all__ = ["CACHE_LAYER_ATTR", "LongattnCacheLayer", "cache_layer_of", "install_cache_hooks"]
 
@@ -33,7 +35,7 @@ CACHE_LAYER_ATTR = "_longattn_cache_layer"  # the module's cache layer during on
 _HOOKED_ATTR = "_longattn_cache_hooks"
 
 
-class LongattnCacheLayer(CacheLayerMixin):
+class _CacheLayerMethods:
     """One layer's longattn decoding state in a transformers ``Cache``.
 
     ``update`` hands the new tokens' keys and values straight back (the mechanism's state takes them in);
@@ -105,6 +107,24 @@ class LongattnCacheLayer(CacheLayerMixin):
             )
 
 
+@functools.cache
+def _layer_class() -> type:
+    """``LongattnCacheLayer``: the methods above on transformers' ``CacheLayerMixin`` (imported here, when used)."""
+    mixin = optional_import("transformers.cache_utils", extra="hf").CacheLayerMixin
+
+    class LongattnCacheLayer(_CacheLayerMethods, mixin):
+        __doc__ = _CacheLayerMethods.__doc__
+
+    LongattnCacheLayer.__module__, LongattnCacheLayer.__qualname__ = __name__, "LongattnCacheLayer"
+    return LongattnCacheLayer
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LongattnCacheLayer":
+        return _layer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _attach(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook: put a LongattnCacheLayer in this module's slot of the call's cache (if any)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -123,13 +143,13 @@ def _attach(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if len(layers) <= index:
             raise AttentionError(f"the cache has {len(layers)} layers, none for layer {index}")
         layer = layers[index]
-        if not isinstance(layer, LongattnCacheLayer):
+        if not isinstance(layer, _CacheLayerMethods):
             if layer.get_seq_length() > 0:
                 raise AttentionError(
                     f"layer {index} of the cache already holds {layer.get_seq_length()} tokens from another "
                     "attention: start generation from an empty cache"
                 )
-            layer = layers[index] = LongattnCacheLayer()
+            layer = layers[index] = _layer_class()()
     module.__dict__[CACHE_LAYER_ATTR] = layer
 
 
