@@ -34,7 +34,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -97,6 +97,13 @@ class Capabilities:
             sequence split across processes, equal to the single-process result).
         attention_map: can hand its n x n attention matrix to :func:`record_attention_maps`
             (analysis only, in eval mode).
+        decode_state: how the causal form decodes one token at a time (:meth:`AttentionBase.prefill`,
+            :meth:`AttentionBase.step`; see :mod:`longattn.attention.decoding`): ``"recurrent"`` (running
+            sums, O(1) per token), ``"window"`` (a sliding window of keys and values, O(window)),
+            ``"chunked"`` (the current chunk or window plus a summary of the earlier ones), ``"kv_cache"``
+            (every key and value, O(N)), ``"recompute"`` (the causal forward over the cached prefix, for a
+            mechanism without an incremental form); ``""``: no decoding state (not causal). Declared by
+            the class attribute of the same name.
     """
 
     causal: bool = False
@@ -109,6 +116,7 @@ class Capabilities:
     replaces_ffn: bool = False
     sequence_parallel: bool = False
     attention_map: bool = False
+    decode_state: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -153,11 +161,14 @@ def register_attention(
         if not issubclass(cls, AttentionBase):
             raise TypeError(f"{cls.__name__} must subclass AttentionBase")
         cls.name = name
-        cls.capabilities = capabilities
+        declared = capabilities
+        if cls.decode_state:  # declared next to the decoding methods it names
+            declared = replace(capabilities, decode_state=cls.decode_state)
+        cls.capabilities = declared
         _REGISTRY[name] = MechanismSpec(
             name=name,
             module_cls=cls,
-            capabilities=capabilities,
+            capabilities=declared,
             functional=functional,
             reference=reference,
             paper=paper,
@@ -616,6 +627,7 @@ class AttentionBase(nn.Module):
 
     name: str = ""
     capabilities: Capabilities = Capabilities()
+    decode_state: str = ""  # see Capabilities.decode_state; set by the classes that implement the decoding hooks
 
     def __init__(self, dim: int, heads: int, max_len: int | None = None, causal: bool = False) -> None:
         super().__init__()
@@ -696,6 +708,57 @@ class AttentionBase(nn.Module):
         if attention_mask is not None:
             out = out.masked_fill(~attention_mask.unsqueeze(-1), 0.0)
         return out
+
+    def forward_packed(self, x: Tensor, *, cu_seqlens: Tensor | None = None, position_ids: Tensor | None = None,
+                       attention_mask: Tensor | None = None, layer_state: dict | None = None) -> Tensor:
+        """The forward of packed sequences ``x`` [B, N, dim] (several sequences per row, given by ``cu_seqlens`` or
+        restarting ``position_ids``), each computed on its own; see :mod:`longattn.attention.packing`."""
+        from longattn.attention.packing import forward_packed
+
+        return forward_packed(self, x, cu_seqlens=cu_seqlens, position_ids=position_ids,
+                              attention_mask=attention_mask, layer_state=layer_state)
+
+    # -- decoding one token at a time (longattn.attention.decoding) ----------------------------
+    def prefill(self, x: Tensor, attention_mask: Tensor | None = None,
+                layer_state: dict | None = None) -> tuple[Tensor, Any]:
+        """The causal forward over a prompt ``x`` [B, N, dim] and the state that :meth:`step` continues
+        from: ``(output [B, N, dim], state)``. Needs ``causal=True`` and ``capabilities.decode_state``."""
+        from longattn.attention.decoding import prefill
+
+        return prefill(self, x, attention_mask, layer_state)
+
+    def step(self, x: Tensor, state: Any, attention_mask: Tensor | None = None,
+             layer_state: dict | None = None) -> tuple[Tensor, Any]:
+        """One new token ``x`` [B, 1, dim] (``attention_mask`` [B, 1], True = real) after the tokens
+        ``state`` holds: ``(output [B, 1, dim], state)``, the output equal to the last row of the causal
+        forward over all of them. The state is updated in place and returned."""
+        from longattn.attention.decoding import step
+
+        return step(self, x, state, attention_mask, layer_state)
+
+    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
+                       layer_state: dict | None) -> tuple[Tensor, Any]:
+        """Hook of :meth:`prefill` on checked, masked input: (output, state). By default the projections
+        around :meth:`prefill_heads`."""
+        q, k, v = self.proj.qkv(x)
+        out, state = self.prefill_heads(q, k, v, attention_mask, layer_state)
+        return self.proj.out(out), state
+
+    def step_attend(self, x: Tensor, state: Any, real: Tensor | None,
+                    layer_state: dict | None) -> tuple[Tensor, Any]:
+        """Hook of :meth:`step` (``real``: [B] bool, or None when every new token is real); by default
+        the projections around :meth:`step_heads`."""
+        q, k, v = self.proj.qkv(x)
+        out, state = self.step_heads(q, k, v, state, real, layer_state)
+        return self.proj.out(out), state
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, Any]:
+        raise NotImplementedError(f"{self.name!r} has no decoding state")
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: Any, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, Any]:
+        raise NotImplementedError(f"{self.name!r} has no decoding state")
 
     def check_input(self, x: Tensor, attention_mask: Tensor | None) -> None:
         if not isinstance(x, Tensor):

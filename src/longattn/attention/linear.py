@@ -39,6 +39,7 @@ from longattn.attention.base import (
     register_attention,
     uses_gpu_path,
 )
+from longattn.attention.decoding import RecurrentState, kernel_state_sums, kernel_step_output
 
 CAUSAL_CHUNK = 64
 
@@ -268,3 +269,19 @@ class LinearAttention(AttentionBase):
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         q, k, v = self.proj.qkv(x)
         return self.proj.out(linear_attention(q, k, v, attention_mask, is_causal=self.causal, eps=self.eps))
+
+    # -- decoding: the running sums of eq. 8-9 ---------------------------------------------------
+    decode_state = "recurrent"
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        out = linear_attention(query, key, value, attention_mask, is_causal=True, eps=self.eps)
+        phi_k, value = _mask_keys(elu_feature_map(key), value, attention_mask)
+        return out, RecurrentState(length=key.shape[2], sums=kernel_state_sums(phi_k, value))
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: RecurrentState, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        """S_i = S_{i-1} + phi(K_i) [V_i, 1]^T, then phi(Q_i) S_i normalised (eq. 8-9 as a recurrence)."""
+        phi_k, value = _mask_keys(elu_feature_map(key), value, None if real is None else real[:, None])
+        state.sums = state.sums + kernel_state_sums(phi_k, value)
+        return kernel_step_output(elu_feature_map(query), state.sums, eps=self.eps), state

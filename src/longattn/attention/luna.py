@@ -36,6 +36,7 @@ from longattn.attention.base import (
     register_attention,
     split_heads,
 )
+from longattn.attention.decoding import RecurrentState
 from longattn.attention.softmax import softmax_attention
 
 __all__ = [
@@ -384,3 +385,43 @@ class LunaAttention(AttentionBase):
             f"pack_heads={self.pack_heads}, "
             f"tie_kv={self.tie_kv}, pass_p={self.pass_p}"
         )
+
+    # -- decoding: the packed sums and the count of real tokens -----------------------------------
+    decode_state = "recurrent"
+
+    def _causal_parts(self, x: Tensor, layer_state: dict | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Queries, keys, values, pack keys [B, H, N, d] and the pack queries [B, H, l, d] of causal Luna."""
+        key = self.unpack_k(x)
+        value = key if self.unpack_v is None else self.unpack_v(x)
+        p_in = self.incoming_p(x.shape[0], layer_state)
+        return (split_heads(self.unpack_q(x), self.heads), split_heads(key, self.heads), split_heads(value, self.heads),
+                split_heads(self.pack_k(x), self.heads), split_heads(self.pack_q(p_in), self.heads))
+
+    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
+                       layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        query, key, value, pack_key, pack_query = self._causal_parts(x, layer_state)
+        out = luna_causal_attention(query, key, value, attention_mask, pack_key=pack_key, pack_query=pack_query,
+                                    chunk_size=self.chunk_size, dropout_p=self.dropout if self.training else 0.0)
+        pack = _pack_weights(pack_key, pack_query, attention_mask, _scale(self.head_dim, None))  # [B, H, N, l]
+        b, n = x.shape[:2]
+        count = (query.new_full((b,), n) if attention_mask is None else attention_mask.sum(1).to(query.dtype))
+        count = count[:, None, None, None]  # real tokens so far (the running means' divisor, floored at 1 when used)
+        state = RecurrentState(length=x.shape[1], sums=key.transpose(-1, -2) @ pack,  # sum_s k_s A_s^T [d, l]
+                               extra={"packed_values": pack.transpose(-1, -2) @ value, "count": count})
+        return self.to_out(merge_heads(out)), state
+
+    def step_attend(self, x: Tensor, state: RecurrentState, real: Tensor | None,
+                    layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        """A_t = elu(pack_key_t . P_Q) + 1 joins both packed sums; q_t attends to the l running means."""
+        query, key, value, pack_key, pack_query = self._causal_parts(x, layer_state)
+        scale = _scale(self.head_dim, None)
+        pack = _pack_weights(pack_key, pack_query, None if real is None else real[:, None], scale)  # [B, H, 1, l]
+        state.sums = state.sums + key.transpose(-1, -2) @ pack
+        state.extra["packed_values"] = state.extra["packed_values"] + pack.transpose(-1, -2) @ value
+        added = 1.0 if real is None else real.to(query.dtype)[:, None, None, None]
+        state.extra["count"] = state.extra["count"] + added
+        counts = state.extra["count"].clamp_min(1.0)
+        probs = torch.softmax(query @ state.sums * scale / counts, dim=-1)
+        if self.training and self.dropout > 0:
+            probs = F.dropout(probs, p=self.dropout)
+        return self.to_out(merge_heads(probs @ state.extra["packed_values"] / counts)), state

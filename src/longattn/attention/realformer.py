@@ -33,6 +33,7 @@ from longattn.attention.base import (
     padding_safe,
     register_attention,
 )
+from longattn.attention.decoding import KVState
 
 __all__ = ["RealformerAttention", "realformer_attention", "realformer_attention_reference"]
 
@@ -209,3 +210,41 @@ class RealformerAttention(AttentionBase):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, residual_scores={self.residual_scores}, causal={self.causal}"
+
+    # -- decoding: the KV cache; the new query's score row flows to the next layer ---------------
+    decode_state = "kv_cache"
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, KVState]:
+        carry = self.residual_scores and layer_state is not None
+        out, scores = realformer_attention(
+            query, key, value, attention_mask, prev_scores=layer_state.get(SCORES_KEY) if carry else None,
+            is_causal=True, scale=self.scale, dropout_p=self.dropout if self.training else 0.0)
+        if carry:
+            layer_state[SCORES_KEY] = scores
+        return out, KVState.start(key, value, attention_mask)
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: KVState, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, KVState]:
+        """Row t of S_l = Q K^T / sqrt(d) + S_{l-1}: the previous layer's row t (left in ``layer_state`` by its step)
+        plus the new query's scores against the cached keys; its softmax over the real keys weighs the values."""
+        state.append(key, value, real)
+        keys, values, visible = state.view()
+        work = compute_dtype(query.dtype)
+        if real is not None:  # a padded query row scores 0 (its q is zeroed in the full forward too)
+            query = query.masked_fill(~real[:, None, None, None], 0.0)
+        scale = 1.0 / math.sqrt(query.shape[-1]) if self.scale is None else self.scale
+        scores = (query.to(work) @ keys.to(work).transpose(-1, -2)) * scale
+        carry = self.residual_scores and layer_state is not None
+        if carry and layer_state.get(SCORES_KEY) is not None:
+            previous = layer_state[SCORES_KEY]
+            _check_prev_scores(previous, scores.shape)
+            scores = scores + previous.to(work)
+        if carry:
+            layer_state[SCORES_KEY] = scores
+        sees = visible.any(-1)[:, None, None, None]
+        weights = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1)
+        weights = torch.where(sees, weights, 0.0)
+        if self.training and self.dropout > 0:
+            weights = F.dropout(weights, p=self.dropout)
+        return (weights @ values.to(work)).to(value.dtype), state
