@@ -6,8 +6,9 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 class LargestTensorRecorder(TorchDispatchMode):
@@ -59,6 +60,74 @@ class DispatchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.counts[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
+
+
+# CUDA autocast's op lists (torch.amp docs, "CUDA Op-Specific Behavior") where they differ from the CPU's:
+# CUDA runs these in float32 (CPU autocast leaves them in the input's dtype) ...
+_CUDA_FLOAT32_OPS = frozenset({
+    "__pow__", "__rdiv__", "__rpow__", "__rtruediv__", "acos", "asin", "binary_cross_entropy_with_logits", "cosh",
+    "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum", "dist", "erfinv",
+    "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss", "layer_norm", "log", "log_softmax",
+    "log10", "log1p", "log2", "logsumexp", "margin_ranking_loss", "mse_loss", "multilabel_margin_loss",
+    "multi_margin_loss", "nll_loss", "norm", "normalize", "pdist", "poisson_nll_loss", "pow", "prod", "reciprocal",
+    "rsqrt", "sinh", "smooth_l1_loss", "soft_margin_loss", "softmax", "softmin", "softplus", "sum", "renorm", "tan",
+    "triplet_margin_loss",
+})
+# ... these in the autocast dtype (the CPU list has the GEMMs but not the matrix-vector products) ...
+_CUDA_LOWER_OPS = frozenset({"addmv", "addr", "mv", "chain_matmul", "multi_dot", "einsum"})
+# ... these in the widest input type ...
+_CUDA_PROMOTE_OPS = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "index_put", "scatter_add",
+                               "tensordot"})
+# ... and cuFFT has no bfloat16 (CPU autocast runs the FFTs in float32, CUDA autocast leaves them alone).
+_FFT_PREFIXES = ("fft", "rfft", "irfft", "hfft", "ihfft", "ifft", "stft", "istft")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class CudaAutocastOnCPU(TorchFunctionMode):
+    """CUDA autocast's dtype rules on CPU tensors, inside ``torch.autocast("cpu", ...)``.
+
+    CPU and CUDA autocast cast different ops: on CUDA, ``softmax``, ``sum``, ``exp``, ``pow``,
+    ``cumsum``, ``layer_norm``, ``logsumexp`` ... return float32 for half inputs, where CPU autocast
+    leaves them in bfloat16; a mechanism that is fine under CPU autocast can then mix dtypes on CUDA
+    (``index_add_(): self (BFloat16) and source (Float)``). Inside this mode those ops get CUDA's casts
+    (the float32 list, the matrix-vector products in the autocast dtype, the promote list), and an FFT
+    of a half tensor raises as cuFFT would, so the CPU tests see the dtypes a CUDA run sees::
+
+        with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastOnCPU(), force_path("gpu"):
+            layer(x).float().sum().backward()
+
+    An emulation of the documented op lists at the Python level (``torch.softmax``, ``Tensor.sum``,
+    ``F.layer_norm`` ...), not of the dispatcher: ops called from C++ keep the CPU rules.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.is_autocast_enabled("cpu") and kwargs.get("out") is None:  # out= variants are not autocast
+            name = getattr(func, "__name__", "")
+            if name in _CUDA_FLOAT32_OPS and kwargs.get("dtype") is None:
+                args, kwargs = _cast_half((args, kwargs), torch.float32)
+            elif name in _CUDA_LOWER_OPS:
+                args, kwargs = _cast_half((args, kwargs), torch.get_autocast_dtype("cpu"), every_float=True)
+            elif name in _CUDA_PROMOTE_OPS:
+                floats = [t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+                          and t.is_floating_point()]
+                if floats:
+                    widest = max(floats, key=lambda d: torch.finfo(d).bits)
+                    args, kwargs = _cast_half((args, kwargs), widest, every_float=True)
+            elif name.startswith(_FFT_PREFIXES):
+                if any(isinstance(t, torch.Tensor) and t.dtype in _HALF for t in tree_flatten((args, kwargs))[0]):
+                    raise RuntimeError(f"{name} of a half-precision tensor: cuFFT has no bfloat16 kernels and CUDA "
+                                       "autocast leaves FFTs in the input's dtype; cast to float32 first")
+        return func(*args, **kwargs)
+
+
+def _cast_half(tree: Any, dtype: torch.dtype, every_float: bool = False) -> Any:
+    """Floating tensors of ``tree`` cast to ``dtype``: the half ones, or every floating one."""
+    def cast(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and (every_float or t.dtype in _HALF):
+            return t.to(dtype)
+        return t
+    return tree_map(cast, tree)
 
 
 class LocalFileServer:

@@ -26,7 +26,7 @@ def call(fn, t, mask, **options):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("scaling", ["length", "none"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fast_path_matches_reference_forward_and_backward(n, causal, scaling, with_bias):
+def test_fast_path_matches_reference_forward_and_backward(n, causal, scaling, with_bias, path):
     chunk_size = 8  # several chunks, the last one partial for odd n
     t = inputs(n)
     bias = torch.randn(2 * chunk_size - 1, dtype=torch.float64, requires_grad=True) if with_bias else None
@@ -73,7 +73,7 @@ def test_rotary_depends_only_on_relative_positions():
     torch.testing.assert_close(rotary(x).norm(dim=-1), x.norm(dim=-1))
 
 
-def test_module_is_the_gated_unit_over_mixed_chunk_attention():
+def test_module_is_the_gated_unit_over_mixed_chunk_attention(path):
     torch.manual_seed(0)
     layer = attention.build("flash", dim=16, heads=4, chunk_size=8, query_key_dim=12).double()
     with torch.no_grad():

@@ -4,7 +4,7 @@ from longattn.attention import build
 from longattn.attention.fnet import fourier_mix, fourier_mix_reference
 
 
-def test_fft_matches_dft_matrices_forward_and_backward():
+def test_fft_matches_dft_matrices_forward_and_backward(path):
     x = torch.randn(2, 37, 11, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(2, 37) > 0.3
     out, ref = fourier_mix(x, mask), fourier_mix_reference(x, mask)

@@ -62,7 +62,7 @@ def test_merge_worked_example_by_hand():
     torch.testing.assert_close(merged.flatten(), torch.tensor([4.0, 26.0, 40.0, 0.0], dtype=torch.float64))
 
 
-def test_cross_in_float32_and_bfloat16_is_close_to_float64():
+def test_cross_in_float32_and_bfloat16_is_close_to_float64(path):
     f1, f2 = torch.randn(2, 1, 300, 8, dtype=torch.float64)
     ref = pooled_hidden_state_cross_reference(f1, f2)
     torch.testing.assert_close(pooled_hidden_state_cross(f1.float(), f2.float()).double(), ref, rtol=1e-4, atol=1e-3)
@@ -87,7 +87,7 @@ def sparse_inputs(n, m=4, r=4, b=2, h=3, dh=8, seed=0, lmax=None, masked=True):
 @pytest.mark.parametrize("n", [1, 7, 37, 101])
 @pytest.mark.parametrize("truncate", [True, False])
 @pytest.mark.parametrize("use_predicted,r", [(True, 4), (True, 0), (False, 4), (True, 6)])
-def test_sparse_path_matches_explicit_matrix_reference(n, truncate, use_predicted, r):
+def test_sparse_path_matches_explicit_matrix_reference(n, truncate, use_predicted, r, path):
     q, k, v, dominant, random_index, mask = sparse_inputs(n, r=r, seed=n)
     options = dict(random_index=random_index, use_predicted=use_predicted, truncate_gradient=truncate)
 
@@ -200,7 +200,7 @@ def module_reference(layer, x, mask, random_index):
 @pytest.mark.parametrize("n", [1, 7, 37, 100])
 @pytest.mark.parametrize("feature_map", ["dense", "conv"])
 @pytest.mark.parametrize("training,masked,truncate", [(True, True, True), (False, True, True), (True, False, False)])
-def test_module_matches_the_plain_references_with_every_gradient(n, feature_map, training, masked, truncate):
+def test_module_matches_the_plain_references_with_every_gradient(n, feature_map, training, masked, truncate, path):
     """The fast module (the cross's own backward, K and V projected inside the edge blocks, the
     softmax over in-edges in one function) against autograd through the plain references: output,
     input gradient and every parameter's gradient, float64."""
@@ -285,7 +285,7 @@ def test_fixed_lmax_accepts_shorter_sequences():
     assert out.shape == (1, 30, DIM) and torch.isfinite(out).all()
 
 
-def test_fat_is_dense_softmax_with_keys_and_values_from_the_cross():
+def test_fat_is_dense_softmax_with_keys_and_values_from_the_cross(path):
     layer = build("fat").eval()
     x = torch.randn(2, 29, DIM, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(2, 29) > 0.2

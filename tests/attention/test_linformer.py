@@ -16,7 +16,7 @@ from longattn.testing import random_qkv, scattered_mask
 
 @pytest.mark.parametrize("headwise", [True, False])
 @pytest.mark.parametrize("n", [1, 37, 101])
-def test_fast_matches_reference_forward_and_backward(headwise, n):
+def test_fast_matches_reference_forward_and_backward(headwise, n, path):
     max_len, k_dim, heads = 120, 16, 2  # n < max_len: the first n rows of E, F are used
     q, k, v = random_qkv(2, heads, n, 8)
     g = torch.Generator().manual_seed(4)
@@ -94,7 +94,7 @@ def test_matches_the_linformer_package_with_the_same_weights():
 
 
 @pytest.mark.parametrize("n", [1, 57, 203])
-def test_jl_fast_matches_reference_forward_and_backward(n):
+def test_jl_fast_matches_reference_forward_and_backward(n, path):
     q, k, v = random_qkv(2, 2, n, 8)
     sketch = gaussian_sketch(n, 12, dtype=torch.float64, device=torch.device("cpu"))
     mask = scattered_mask(2, n, seed=1)

@@ -21,7 +21,7 @@ DIM, HEADS = 24, 3
 @pytest.mark.parametrize("n", [1, 7, 259])
 @pytest.mark.parametrize("with_unpack_kv", [False, True])
 @pytest.mark.parametrize("pack_batch", [1, 2])
-def test_functional_matches_reference_forward_and_backward(n, with_unpack_kv, pack_batch):
+def test_functional_matches_reference_forward_and_backward(n, with_unpack_kv, pack_batch, path):
     b, h, d, l = 2, 3, 5, 4
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
@@ -70,7 +70,7 @@ def build(seed=0, **options):
 
 @pytest.mark.parametrize("n", [7, 301])
 @pytest.mark.parametrize("options", [{}, {"tie_kv": False}, {"pack_heads": 2}])
-def test_module_matches_reference_forward_and_backward(n, options):
+def test_module_matches_reference_forward_and_backward(n, options, path):
     layer = build(**options)
     x = torch.randn(2, n, DIM, dtype=torch.float64, requires_grad=True)
     mask = scattered_mask(2, n)
@@ -149,7 +149,7 @@ def test_defaults_and_tied_projections():
 @pytest.mark.parametrize("n", [1, 7, 45])
 @pytest.mark.parametrize("chunk_size", [4, 64])
 @pytest.mark.parametrize("masked", [False, True])
-def test_causal_functional_matches_reference_forward_and_backward(n, chunk_size, masked):
+def test_causal_functional_matches_reference_forward_and_backward(n, chunk_size, masked, path):
     b, h, d, l = 2, 3, 5, 4
     g = torch.Generator().manual_seed(1)
     q, k, v, pk = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64).requires_grad_() for _ in range(4))
@@ -179,7 +179,7 @@ def test_causal_outputs_ignore_the_future_and_padding():
     torch.testing.assert_close(layer(x3, mask), layer(x, mask))
 
 
-def test_causal_module_matches_reference_and_reads_but_never_writes_p():
+def test_causal_module_matches_reference_and_reads_but_never_writes_p(path):
     torch.manual_seed(0)
     layer = attention.build("luna", dim=DIM, heads=HEADS, pack_length=5, causal=True, tie_kv=False).double()
     assert layer.p_norm is None and layer.pack_v is None

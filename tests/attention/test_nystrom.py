@@ -17,7 +17,7 @@ from longattn.testing import LargestTensorRecorder, random_qkv
 
 @pytest.mark.parametrize("use_conv", [True, False])
 @pytest.mark.parametrize("n, landmarks", [(1, 4), (7, 16), (333, 16), (160, 8)])
-def test_fast_matches_reference_forward_and_backward(use_conv, n, landmarks):
+def test_fast_matches_reference_forward_and_backward(use_conv, n, landmarks, path):
     heads = 2
     q, k, v = random_qkv(2, heads, n, 8)
     g = torch.Generator().manual_seed(7)
@@ -157,7 +157,7 @@ def test_matches_nystrom_attention_package_with_the_same_weights():
 
 
 @pytest.mark.parametrize("front", [0, 5])
-def test_padding_to_any_length_keeps_the_landmarks(front):
+def test_padding_to_any_length_keeps_the_landmarks(front, path):
     # Fewer landmarks than tokens: the segments are taken over the real tokens, so the same sequence
     # alone and padded (at the end, or also in front) to 64 or 200 gives the same outputs.
     q, k, v = (torch.randn(1, 2, 37, 8, dtype=torch.float64) for _ in range(3))

@@ -30,7 +30,7 @@ def call(fn, t, mask, segment_ids, kernel_size, **options):
 @pytest.mark.parametrize("n", [1, 37, 101])
 @pytest.mark.parametrize("kernel_size", [1, 3, 7])
 @pytest.mark.parametrize("segments", ["fixed", "sentences"])
-def test_fast_path_matches_reference_forward_and_backward(n, kernel_size, segments):
+def test_fast_path_matches_reference_forward_and_backward(n, kernel_size, segments, path):
     t = branches(n)
     mask = scattered_mask(B, n)
     if segments == "fixed":
@@ -76,7 +76,7 @@ def test_each_pooling_does_its_part():
     torch.testing.assert_close(out[0, 0, :, 0], expected.double())
 
 
-def test_module_matches_reference_and_reads_segment_ids_from_layer_state():
+def test_module_matches_reference_and_reads_segment_ids_from_layer_state(path):
     torch.manual_seed(0)
     layer = attention.build("ponet", dim=12, heads=2, segment_num=3, kernel_size=5).double().eval()
     x = torch.randn(2, 29, 12, dtype=torch.float64)
@@ -118,7 +118,7 @@ def test_bad_segment_ids_and_options_raise():
 
 
 @pytest.mark.parametrize("parts", [("segment", "local"), ("global", "local"), ("global", "segment"), ("local",)])
-def test_component_ablations_match_the_reference_and_drop_their_projections(parts):
+def test_component_ablations_match_the_reference_and_drop_their_projections(parts, path):
     t = branches(19)
     mask = scattered_mask(B, 19)
     ids = fixed_segment_ids(B, 19, 3)

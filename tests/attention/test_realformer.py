@@ -21,7 +21,7 @@ def qkv(n, seed=0):
 @pytest.mark.parametrize("n", [1, 37, 129])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_prev", [False, True])
-def test_fast_path_matches_reference_forward_and_backward(n, causal, with_prev):
+def test_fast_path_matches_reference_forward_and_backward(n, causal, with_prev, path):
     q, k, v = qkv(n)
     mask = scattered_mask(B, n)
     prev = torch.randn(B, H, n, n, dtype=torch.float64, requires_grad=True) if with_prev else None

@@ -62,7 +62,7 @@ class Stack(nn.Module):
 
 @pytest.mark.parametrize("n", [1, 7, 259])
 @pytest.mark.parametrize("shared", [True, False])
-def test_functional_matches_reference_forward_and_backward(n, shared):
+def test_functional_matches_reference_forward_and_backward(n, shared, path):
     b, h, d, r = 2, 3, 5, 4
     q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
     logits_shape = (b, n, r) if shared else (b, n, 4, r)
@@ -87,7 +87,7 @@ def test_functional_matches_reference_forward_and_backward(n, shared):
 
 @pytest.mark.parametrize("n", [7, 1023])
 @pytest.mark.parametrize("shared", [True, False])
-def test_module_fast_path_matches_reference_forward_and_backward(n, shared):
+def test_module_fast_path_matches_reference_forward_and_backward(n, shared, path):
     # the module merges X into pseudo tokens *before* projecting (alpha^T X W): check it equals
     # eq. 8 with per-token projections, in values and in every parameter's gradient
     layer = build(shared_factors=shared)

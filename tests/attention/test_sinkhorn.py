@@ -21,7 +21,7 @@ DIM, HEADS = 24, 3
 @pytest.mark.parametrize("local", ["sum", "joint", "none"])
 @pytest.mark.parametrize("with_noise", [False, True])
 @pytest.mark.parametrize("sortcut", [None, 2])
-def test_functional_matches_reference_forward_and_backward(n, local, with_noise, sortcut):
+def test_functional_matches_reference_forward_and_backward(n, local, with_noise, sortcut, path):
     b, h, d, block = 2, 3, 5, 4
     blocks = -(-n // block)
     g = torch.Generator().manual_seed(0)
@@ -101,7 +101,7 @@ def build(max_len=40, **options):
 
 @pytest.mark.parametrize("n", [7, 37])
 @pytest.mark.parametrize("sortcut", [None, 3])
-def test_module_matches_reference(n, sortcut):
+def test_module_matches_reference(n, sortcut, path):
     layer = build(sortcut_blocks=sortcut).eval()
     x = torch.randn(2, n, DIM, dtype=torch.float64, requires_grad=True)
     mask = scattered_mask(2, n)

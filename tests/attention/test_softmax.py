@@ -6,7 +6,7 @@ from longattn.attention.softmax import softmax_attention, softmax_attention_refe
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_matches_reference_forward_and_backward(causal):
+def test_sdpa_matches_reference_forward_and_backward(causal, path):
     b, h, n, d = 2, 3, 1023, 16
     q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = torch.rand(b, n) > 0.2

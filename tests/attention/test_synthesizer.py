@@ -18,7 +18,7 @@ DIM, HEADS = 24, 3
 @pytest.mark.parametrize("n", [1, 7, 131])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mix", [False, True])
-def test_functional_matches_reference_forward_and_backward(n, causal, mix):
+def test_functional_matches_reference_forward_and_backward(n, causal, mix, path):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, 5, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
     logits = (2 * torch.randn(2, 3, n, n, generator=g, dtype=torch.float64)).requires_grad_()
@@ -46,7 +46,7 @@ def build(variant, max_len=12, **options):
 @pytest.mark.parametrize("variant", [*VARIANTS, "dense+random", "factorized_dense+factorized_random"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mix", [False, True])
-def test_module_matches_reference_for_every_variant(variant, causal, mix):
+def test_module_matches_reference_for_every_variant(variant, causal, mix, path):
     layer = build(variant, max_len=15, causal=causal, mix_dot_product=mix)
     n = 11  # shorter than max_len: the leading rows/columns are used
     x = torch.randn(2, n, DIM, dtype=torch.float64, requires_grad=True)

@@ -9,7 +9,7 @@ from longattn.attention.vmean import vmean_attention, vmean_attention_reference
 
 @pytest.mark.parametrize("n", [1, 7, 301])
 @pytest.mark.parametrize("padded", [False, True])
-def test_fast_path_matches_dense_reference_forward_and_backward(n, padded):
+def test_fast_path_matches_dense_reference_forward_and_backward(n, padded, path):
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(2, 3, n, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = None

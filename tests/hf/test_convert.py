@@ -167,3 +167,16 @@ def test_padding_invariance_through_transformers(minilm_path, tokenizer, name):
     else:
         model = convert()
     assert max(padding_differences(model, tokenizer)) <= 1e-4
+
+
+def test_convert_leaves_the_callers_config_alone(tiny_llama):
+    config = tiny_llama().config
+    first = lhf.convert(transformers.LlamaModel(config), "linear")
+    implementation = config._attn_implementation
+    second = lhf.convert(transformers.LlamaModel(config), "softmax")  # the same config object: not "already converted"
+    assert not hasattr(config, "longattn") and config._attn_implementation == implementation != lhf.CONVERTED_KEY
+    assert (first.config.longattn["name"], second.config.longattn["name"]) == ("linear", "softmax")
+    for model in (first, second):  # every module reads the model's own copy
+        assert all(m.config is model.config for m in model.modules() if "config" in m.__dict__)
+        with torch.no_grad():
+            model(torch.randint(0, 101, (1, 6)))

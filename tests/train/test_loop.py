@@ -24,7 +24,9 @@ def _stub(lra_stub_data):
 
 
 def tiny_config(*overrides: str, task: str = "listops"):
+    # short ListOps trees (LRA's are 500-2,000 tokens): a run costs seconds, not a minute
     base = ["train.max_steps=12", "train.eval_every=4", "train.batch_size=8", "data.options.num_examples=40",
+            "data.options.min_length=20", "data.options.max_length=120",
             "optim.lr=3e-3", "optim.warmup_steps=2", "model.dim=16", "model.hidden=32", "train.progress=false"]
     return resolve_config(task, attention="softmax", overrides=[*base, *overrides])
 

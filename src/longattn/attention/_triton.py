@@ -21,9 +21,10 @@ import importlib.util
 import os
 from typing import Iterator
 
+import torch
 from torch import Tensor
 
-__all__ = ["interpret_triton", "triton_installed", "triton_runs_on", "use_triton"]
+__all__ = ["interpret_triton", "kernels_run_on", "triton_installed", "triton_runs_on", "use_triton"]
 
 _INTERPRETING: contextvars.ContextVar[bool] = contextvars.ContextVar("longattn_interpret_triton", default=False)
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("longattn_use_triton", default=True)
@@ -42,6 +43,18 @@ def triton_runs_on(t: Tensor) -> bool:
     if t.device.type == "cuda":
         return True
     return _INTERPRETING.get() and t.device.type == "cpu"
+
+
+def kernels_run_on(t: Tensor) -> bool:
+    """Whether the kernels of the linear family's causal scan, skein, informer and reformer take inputs
+    like ``t``: where :func:`triton_runs_on` says kernels run, in float16, bfloat16 or float32 on CUDA
+    (float64 there takes the PyTorch GPU path), and in Triton's CPU interpreter in any dtype but bfloat16
+    (whose ``tl.dot`` the interpreter of triton 3.9 gets wrong)."""
+    if not triton_runs_on(t):
+        return False
+    if t.device.type == "cuda":
+        return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return t.dtype != torch.bfloat16
 
 
 @contextlib.contextmanager

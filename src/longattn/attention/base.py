@@ -34,7 +34,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -56,9 +56,16 @@ __all__ = [
     "check_qkv",
     "padding_safe",
     "compute_dtype",
+    "allow_tf32",
+    "autocast_disabled",
+    "autocast_state",
+    "exact_float32",
+    "exact_float32_op",
     "force_path",
     "full_float32",
     "output_dtype",
+    "recomputed",
+    "restored_autocast",
     "uses_gpu_path",
     "AttentionMap",
     "record_attention_maps",
@@ -90,6 +97,13 @@ class Capabilities:
             sequence split across processes, equal to the single-process result).
         attention_map: can hand its n x n attention matrix to :func:`record_attention_maps`
             (analysis only, in eval mode).
+        decode_state: how the causal form decodes one token at a time (:meth:`AttentionBase.prefill`,
+            :meth:`AttentionBase.step`; see :mod:`longattn.attention.decoding`): ``"recurrent"`` (running
+            sums, O(1) per token), ``"window"`` (a sliding window of keys and values, O(window)),
+            ``"chunked"`` (the current chunk or window plus a summary of the earlier ones), ``"kv_cache"``
+            (every key and value, O(N)), ``"recompute"`` (the causal forward over the cached prefix, for a
+            mechanism without an incremental form); ``""``: no decoding state (not causal). Declared by
+            the class attribute of the same name.
     """
 
     causal: bool = False
@@ -102,6 +116,7 @@ class Capabilities:
     replaces_ffn: bool = False
     sequence_parallel: bool = False
     attention_map: bool = False
+    decode_state: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -146,11 +161,14 @@ def register_attention(
         if not issubclass(cls, AttentionBase):
             raise TypeError(f"{cls.__name__} must subclass AttentionBase")
         cls.name = name
-        cls.capabilities = capabilities
+        declared = capabilities
+        if cls.decode_state:  # declared next to the decoding methods it names
+            declared = replace(capabilities, decode_state=cls.decode_state)
+        cls.capabilities = declared
         _REGISTRY[name] = MechanismSpec(
             name=name,
             module_cls=cls,
-            capabilities=capabilities,
+            capabilities=declared,
             functional=functional,
             reference=reference,
             paper=paper,
@@ -330,6 +348,150 @@ def output_dtype(t: Tensor) -> torch.dtype:
     return t.dtype
 
 
+AutocastState = tuple[str, bool, torch.dtype]
+
+
+def autocast_state(device: torch.device) -> AutocastState:
+    """Autocast as it is now on ``device`` (off on devices autocast does not know, ``meta`` included), for a
+    hand-written backward to restore with :func:`restored_autocast` (backward runs outside the forward's autocast)."""
+    if device.type not in ("cpu", "cuda"):
+        return device.type, False, torch.float32
+    return device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+def restored_autocast(state: AutocastState) -> contextlib.AbstractContextManager:
+    """Autocast as :func:`autocast_state` saw it (a no-op where it was off)."""
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype) if enabled else contextlib.nullcontext()
+
+
+def autocast_disabled(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device`` for a block that must run in its inputs' own dtype (a small float32 solve
+    under a bfloat16 autocast); a no-op where autocast is off or does not exist (``meta``)."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` whose intermediates are recomputed in backward instead of kept (``torch.utils.checkpoint``,
+    non-reentrant, without the RNG state: ``fn`` draws nothing). The recomputation runs under the forward's
+    autocast, as checkpoint arranges, and under the torch function modes active in the forward, which the
+    autograd engine drops (``with torch.device(...)``, :class:`longattn.testing.CudaAutocastOnCPU`): without
+    them it could save tensors of other dtypes than the forward did, which checkpoint rejects."""
+    from torch.overrides import _get_current_function_mode_stack  # torch has no public reader of the stack
+    from torch.utils.checkpoint import checkpoint
+
+    modes = _get_current_function_mode_stack()
+
+    @contextlib.contextmanager
+    def modes_again() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            yield
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        return contextlib.nullcontext(), modes_again()
+
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
+
+
+# ----------------------------------------------------------------------------- what float32 means on CUDA
+
+# True inside allow_tf32(): the library's own convolutions may use TF32 like cuDNN's default.
+_ALLOW_TF32: contextvars.ContextVar[bool] = contextvars.ContextVar("longattn_allow_tf32", default=False)
+
+
+@contextlib.contextmanager
+def allow_tf32(enabled: bool = True) -> Iterator[None]:
+    """Inside ``with allow_tf32():`` the library's own convolutions run as cuDNN's default has them on
+    Ampere and later GPUs: float32 inputs multiplied in TF32 (10-bit mantissa, about 1e-3 relative error,
+    faster). Outside it they are IEEE float32 (see :func:`exact_float32`)."""
+    token = _ALLOW_TF32.set(enabled)
+    try:
+        yield
+    finally:
+        _ALLOW_TF32.reset(token)
+
+
+def _needs_exact_float32(tensors: tuple[Any, ...]) -> bool:
+    return not _ALLOW_TF32.get() and any(
+        isinstance(t, Tensor) and t.dtype == torch.float32 and uses_gpu_path(t) for t in tensors)
+
+
+@contextlib.contextmanager
+def exact_float32(*tensors: Any) -> Iterator[None]:
+    """What float32 means in the library on CUDA: IEEE float32, as on a CPU.
+
+    PyTorch's float32 matmuls are IEEE by default (``torch.get_float32_matmul_precision() == "highest"``;
+    a user who sets "high" opts every matmul, projections included, into TF32 knowingly, and the library
+    follows that setting). cuDNN's convolutions are not: their TF32 default turns a float32 convolution
+    into one with ~1e-3 relative error. Inside this block, when one of ``tensors`` is float32 on the GPU
+    path, the convolutions run with TF32 off (the flag is set back afterwards); elsewhere, on CPU tensors
+    and inside :func:`allow_tf32`, it does nothing.
+
+    It covers what runs inside the block: hand-written backward passes enter it again; for code whose
+    backward autograd builds (it runs later, outside the block), use :func:`exact_float32_op`.
+    """
+    with _ieee_convolutions() if _needs_exact_float32(tensors) else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def _ieee_convolutions() -> Iterator[None]:
+    """cuDNN's TF32 off for convolutions, set back afterwards."""
+    cudnn = torch.backends.cudnn
+    try:
+        saved: Any = cudnn.allow_tf32  # the legacy flag, which defaults and most users set
+    except RuntimeError:  # the user set TF32 through the per-operator API: use it too, not the legacy flag
+        saved = None
+    if saved is None:
+        previous = cudnn.conv.fp32_precision
+        cudnn.conv.fp32_precision = "ieee"
+    else:
+        cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        if saved is None:
+            cudnn.conv.fp32_precision = previous
+        else:
+            cudnn.allow_tf32 = saved
+
+
+class _ExactFloat32(torch.autograd.Function):
+    """``fn(*inputs)`` with TF32 off for convolutions, and its backward (autograd's, through the subgraph
+    that ``fn`` built) again so (:func:`exact_float32_op` applies it only where that block is wanted)."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable[..., Tensor], *inputs: Any) -> Tensor:  # type: ignore[override]
+        leaves = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, Tensor) and t.is_floating_point()
+                  else t for t in inputs]
+        with torch.enable_grad(), _ieee_convolutions():
+            out = fn(*leaves)
+        ctx.leaves, ctx.out = leaves, out
+        return out.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        wanted = [t for t in ctx.leaves if isinstance(t, Tensor) and t.requires_grad]
+        with _ieee_convolutions():
+            got = iter(torch.autograd.grad(ctx.out, wanted, grad, allow_unused=True) if ctx.out.requires_grad
+                       else [None] * len(wanted))
+        return (None, *(next(got) if isinstance(t, Tensor) and t.requires_grad else None for t in ctx.leaves))
+
+
+def exact_float32_op(fn: Callable[..., Tensor], *inputs: Any) -> Tensor:
+    """``fn(*inputs)`` with :func:`exact_float32` around its forward and its backward. Everything ``fn``
+    differentiates must be among ``inputs`` (pass parameters too); where the block would do nothing
+    (CPU path, no float32 input, :func:`allow_tf32`) it is a plain call."""
+    if not _needs_exact_float32(inputs):
+        return fn(*inputs)
+    return _ExactFloat32.apply(fn, *inputs)
+
+
 def check_qkv(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> None:
     """Validate functional-form inputs: [B, H, N, Dh] floating tensors with matching shapes."""
     for label, t in (("query", query), ("key", key), ("value", value)):
@@ -465,6 +627,7 @@ class AttentionBase(nn.Module):
 
     name: str = ""
     capabilities: Capabilities = Capabilities()
+    decode_state: str = ""  # see Capabilities.decode_state; set by the classes that implement the decoding hooks
 
     def __init__(self, dim: int, heads: int, max_len: int | None = None, causal: bool = False) -> None:
         super().__init__()
@@ -545,6 +708,57 @@ class AttentionBase(nn.Module):
         if attention_mask is not None:
             out = out.masked_fill(~attention_mask.unsqueeze(-1), 0.0)
         return out
+
+    def forward_packed(self, x: Tensor, *, cu_seqlens: Tensor | None = None, position_ids: Tensor | None = None,
+                       attention_mask: Tensor | None = None, layer_state: dict | None = None) -> Tensor:
+        """The forward of packed sequences ``x`` [B, N, dim] (several sequences per row, given by ``cu_seqlens`` or
+        restarting ``position_ids``), each computed on its own; see :mod:`longattn.attention.packing`."""
+        from longattn.attention.packing import forward_packed
+
+        return forward_packed(self, x, cu_seqlens=cu_seqlens, position_ids=position_ids,
+                              attention_mask=attention_mask, layer_state=layer_state)
+
+    # -- decoding one token at a time (longattn.attention.decoding) ----------------------------
+    def prefill(self, x: Tensor, attention_mask: Tensor | None = None,
+                layer_state: dict | None = None) -> tuple[Tensor, Any]:
+        """The causal forward over a prompt ``x`` [B, N, dim] and the state that :meth:`step` continues
+        from: ``(output [B, N, dim], state)``. Needs ``causal=True`` and ``capabilities.decode_state``."""
+        from longattn.attention.decoding import prefill
+
+        return prefill(self, x, attention_mask, layer_state)
+
+    def step(self, x: Tensor, state: Any, attention_mask: Tensor | None = None,
+             layer_state: dict | None = None) -> tuple[Tensor, Any]:
+        """One new token ``x`` [B, 1, dim] (``attention_mask`` [B, 1], True = real) after the tokens
+        ``state`` holds: ``(output [B, 1, dim], state)``, the output equal to the last row of the causal
+        forward over all of them. The state is updated in place and returned."""
+        from longattn.attention.decoding import step
+
+        return step(self, x, state, attention_mask, layer_state)
+
+    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
+                       layer_state: dict | None) -> tuple[Tensor, Any]:
+        """Hook of :meth:`prefill` on checked, masked input: (output, state). By default the projections
+        around :meth:`prefill_heads`."""
+        q, k, v = self.proj.qkv(x)
+        out, state = self.prefill_heads(q, k, v, attention_mask, layer_state)
+        return self.proj.out(out), state
+
+    def step_attend(self, x: Tensor, state: Any, real: Tensor | None,
+                    layer_state: dict | None) -> tuple[Tensor, Any]:
+        """Hook of :meth:`step` (``real``: [B] bool, or None when every new token is real); by default
+        the projections around :meth:`step_heads`."""
+        q, k, v = self.proj.qkv(x)
+        out, state = self.step_heads(q, k, v, state, real, layer_state)
+        return self.proj.out(out), state
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, Any]:
+        raise NotImplementedError(f"{self.name!r} has no decoding state")
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: Any, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, Any]:
+        raise NotImplementedError(f"{self.name!r} has no decoding state")
 
     def check_input(self, x: Tensor, attention_mask: Tensor | None) -> None:
         if not isinstance(x, Tensor):

@@ -319,7 +319,8 @@ class BigBirdAttention(AttentionBase):
         self.window_blocks = window_blocks
         # The random pattern is fixed per layer: drawn from this seed (saved with the model) for
         # each number of blocks met, so eval is deterministic and a reloaded model is identical.
-        seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed
+        # (a host draw, so that a model built under ``with torch.device("meta")`` or "cuda" gets one too)
+        seed = int(torch.randint(0, 2**31 - 1, (), device="cpu")) if seed is None else seed
         self.register_buffer("seed", torch.tensor(seed), persistent=True)
         # the seed as a host int: reading the buffer (on the GPU with the model) would wait for the device
         self._seed_value = seed

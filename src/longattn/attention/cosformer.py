@@ -36,6 +36,7 @@ from longattn.attention.base import (
     register_attention,
     uses_gpu_path,
 )
+from longattn.attention.decoding import RecurrentState, kernel_state_sums, kernel_step_output
 from longattn.attention.linear import causal_kernel_sums, elu_feature_map, kernel_sums, kernel_sums_gpu, normalised
 
 __all__ = [
@@ -239,3 +240,37 @@ class CosformerAttention(AttentionBase):
             f"{super().extra_repr()}, max_positions={self.max_positions}, reweight={self.reweight}, "
             f"causal={self.causal}"
         )
+
+    # -- decoding: running sums of the position-weighted features (eq. 10) -----------------------
+    decode_state = "recurrent"
+
+    def _decoding_positions(self) -> int | None:
+        if self.reweight and self.max_positions is None:
+            raise AttentionError(
+                "cosFormer decodes one token at a time only with a fixed M (max_positions, M of eq. 9): with M = the "
+                "sequence length every new token changes the re-weighting of the whole prefix; build it with "
+                "max_positions = the longest sequence it will see (and train it so)"
+            )
+        return self.max_positions
+
+    def _features(self, x: Tensor, offset: int = 0) -> Tensor:
+        return cosformer_features(x, self._decoding_positions(), self.reweight, self.feature_map, offset)
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        out = cosformer_attention(query, key, value, attention_mask, is_causal=True,
+                                  max_positions=self._decoding_positions(), reweight=self.reweight,
+                                  feature_map=self.feature_map, eps=self.eps, chunk_size=self.chunk_size)
+        phi_k = self._features(key)
+        if attention_mask is not None:
+            phi_k = phi_k * attention_mask[:, None, :, None].to(phi_k.dtype)
+        return out, RecurrentState(length=key.shape[2], sums=kernel_state_sums(phi_k, value))
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: RecurrentState, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        """The features of position ``state.length`` added to the sums, then eq. 11 for the new query."""
+        phi_k = self._features(key, state.length)
+        if real is not None:
+            phi_k = phi_k * real[:, None, None, None].to(phi_k.dtype)
+        state.sums = state.sums + kernel_state_sums(phi_k, value)
+        return kernel_step_output(self._features(query, state.length), state.sums, floor=self.eps), state

@@ -27,6 +27,7 @@ GAU replaces attention *and* the feed-forward network: the mechanism declares
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,21 +41,24 @@ from longattn.attention.base import (
     compute_dtype,
     padding_safe,
     register_attention,
+    uses_gpu_path,
 )
+from longattn.attention.decoding import DecodingState, ones_or
 
-__all__ = ["FlashGAU", "SCALINGS", "mixed_chunk_attention", "mixed_chunk_attention_reference", "rotary"]
+__all__ = ["FlashGAU", "FlashState", "SCALINGS", "mixed_chunk_attention", "mixed_chunk_attention_reference", "rotary"]
 
 #: "length": (1/c) relu^2(QK^T/sqrt(s) + b) within chunks, linear term / (tokens summed);
 #: "none": eqs. 6-8 exactly as printed, no normaliser.
 SCALINGS = ("length", "none")
 
 
-def rotary(x: Tensor, base: float = 10000.0) -> Tensor:
-    """RoPE (Su et al.) on [..., N, s], half-split pairs: rotates pair i by angle n * base^(-2i/s)."""
+def rotary(x: Tensor, base: float = 10000.0, start: int = 0) -> Tensor:
+    """RoPE (Su et al.) on [..., N, s], half-split pairs: rotates pair i by angle n * base^(-2i/s) at positions
+    n = start .. start + N - 1."""
     length, width = x.shape[-2:]
     half = width // 2
     freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
-    angle = torch.arange(length, dtype=torch.float64, device=x.device)[:, None] * freq
+    angle = torch.arange(start, start + length, dtype=torch.float64, device=x.device)[:, None] * freq
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half : 2 * half]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., 2 * half :]], dim=-1)
@@ -125,8 +129,8 @@ def mixed_chunk_attention(
 
     q, k, v = chunked(query), chunked(key), chunked(value)
     q_lin, k_lin = chunked(linear_query), chunked(linear_key)
-    # eq. 6: squared-ReLU attention within each chunk
-    scores = q @ k.transpose(-1, -2)  # [B, H, G, c, c]
+    # eq. 6: squared-ReLU attention within each chunk, relu^2 in float32 for half inputs (it overflows float16)
+    scores = (q @ k.transpose(-1, -2)).to(compute_dtype(q.dtype))  # [B, H, G, c, c]
     if scaling == "length":
         scores = scores / math.sqrt(width)
     if position_bias is not None:
@@ -136,20 +140,21 @@ def mixed_chunk_attention(
         weights = weights.tril()
     if scaling == "length":
         weights = weights / chunk
-    quad = weights @ v
+    quad = weights.to(v.dtype) @ v
     # eqs. 7-8: linear attention across chunks
     if causal:
         kv = k_lin.transpose(-1, -2) @ v  # [B, H, G, s, e], one summary per chunk
-        kv = kv.cumsum(2) - kv  # eq. 8: chunks h < g only
-        lin = q_lin @ kv
-        if scaling == "length":  # / the real tokens of the earlier chunks
+        kv = kv.cumsum(2, dtype=compute_dtype(kv.dtype)) - kv  # eq. 8: chunks h < g only, summed in float32
+        if scaling == "length":  # / the real tokens of the earlier chunks (before the product: half's range)
             per_chunk = F.pad(real, (0, pad)).view(batch, chunks, chunk).sum(-1)
-            before = (per_chunk.cumsum(1) - per_chunk).clamp_min(1).to(lin.dtype)
-            lin = lin / before[:, None, :, None, None]
+            before = (per_chunk.cumsum(1) - per_chunk).clamp_min(1).to(kv.dtype)
+            kv = kv / before[:, None, :, None, None]
+        lin = q_lin @ kv.to(q_lin.dtype)
     else:
+        if scaling == "length":  # / the real tokens, before the sum over them: it stays in half precision's range
+            count = real.sum(-1).clamp_min(1).to(compute_dtype(linear_key.dtype))[:, None, None, None]
+            linear_key = (linear_key / count).to(value.dtype)
         kv = linear_key.transpose(-1, -2) @ value  # eq. 7: [B, H, s, e], all chunks at once
-        if scaling == "length":  # / the real tokens
-            kv = kv / real.sum(-1).clamp_min(1).to(kv.dtype)[:, None, None, None]
         lin = q_lin @ kv[:, :, None]
     return (quad + lin).flatten(2, 3)[:, :, :length]
 
@@ -267,14 +272,27 @@ class FlashGAU(AttentionBase):
         self.position_bias = nn.Parameter(torch.zeros(2 * chunk_size - 1)) if relative_bias else None
         self.to_out = nn.Linear(hidden, dim, bias=bias)
 
-    def gates_and_queries(self, x: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
-        """(U [B, N, e], V [B, N, e], [Q^quad, K^quad, Q^lin, K^lin] each [B, 1, N, s])."""
+    def gates_and_queries(self, x: Tensor, keep_dtype: bool = False,
+                          start: int = 0) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """(U [B, N, e], V [B, N, e], [Q^quad, K^quad, Q^lin, K^lin] each [B, 1, N, s]) of the tokens at positions
+        start .. start + N - 1; with ``keep_dtype`` the four maps in Z's dtype (the autocast dtype under
+        autocast), not promoted by gamma and beta."""
         u, v, z = F.silu(self.to_hidden(x)).split([self.hidden, self.hidden, self.query_key_dim], dim=-1)
-        maps = (z.unsqueeze(-2) * self.gamma + self.beta).unbind(-2)
-        maps = [rotary(m) if self.rotary else m for m in maps]
+        maps = z.unsqueeze(-2) * self.gamma + self.beta
+        maps = (maps.to(z.dtype) if keep_dtype else maps).unbind(-2)
+        maps = [rotary(m, start=start) if self.rotary else m for m in maps]
         return u, v, [m.unsqueeze(1) for m in maps]
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
+        if uses_gpu_path(x):
+            # U, V and the maps stay in the projections' dtype; mixed chunk attention takes relu^2 and its sums
+            # in float32 (no float32 copy of the [B, N, e] gates)
+            u, v, (q_quad, k_quad, q_lin, k_lin) = self.gates_and_queries(x, keep_dtype=True)
+            mixed = mixed_chunk_attention(
+                q_quad, k_quad, v.unsqueeze(1), attention_mask, linear_query=q_lin, linear_key=k_lin,
+                chunk_size=self.chunk_size, causal=self.causal, position_bias=self.position_bias, scaling=self.scaling,
+            )
+            return self.to_out(u * mixed[:, 0])  # eq. 9
         work = compute_dtype(x.dtype)  # relu^2 and the chunk sums overflow half precision
         u, v, (q_quad, k_quad, q_lin, k_lin) = self.gates_and_queries(x)
         bias = None if self.position_bias is None else self.position_bias.to(work)
@@ -290,3 +308,71 @@ class FlashGAU(AttentionBase):
             f"{super().extra_repr()}, hidden={self.hidden}, query_key_dim={self.query_key_dim}, "
             f"chunk_size={self.chunk_size}, scaling={self.scaling!r}, rotary={self.rotary}, causal={self.causal}"
         )
+
+    # -- decoding: the current chunk's tokens and the linear-attention sum over the completed chunks --
+    decode_state = "chunked"
+
+    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
+                       layer_state: dict | None) -> tuple[Tensor, FlashState]:
+        b, n = x.shape[:2]
+        if self.scaling == "length" and n < self.chunk_size:
+            raise AttentionError(
+                f"FLASH decodes a prompt of {n} tokens only from one whole chunk (chunk_size={self.chunk_size}) on: "
+                "below it its causal normaliser 1/min(c, N) follows the sequence length, so the earlier positions' "
+                "outputs change as the sequence grows and no state can carry them; prefill at least chunk_size "
+                "tokens, use scaling='none', or recompute (use_cache=False)"
+            )
+        work = compute_dtype(x.dtype)
+        _, v, (_, k_quad, _, k_lin) = self.gates_and_queries(x)
+        real = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
+        v = v.unsqueeze(1).to(work).masked_fill(~real[:, None, :, None], 0.0)
+        k_lin = k_lin.to(work).masked_fill(~real[:, None, :, None], 0.0)
+        start = (n - 1) // self.chunk_size * self.chunk_size  # the chunk of the last token: kept whole
+        state = FlashState(length=n, key=k_quad[:, :, start:].to(work), linear_key=k_lin[:, :, start:],
+                           value=v[:, :, start:], real=real[:, start:],
+                           summary=k_lin[:, :, :start].transpose(-1, -2) @ v[:, :, :start],
+                           count=real[:, :start].sum(1).to(work))
+        return self.attend(x, attention_mask, layer_state), state
+
+    def step_attend(self, x: Tensor, state: FlashState, real: Tensor | None,
+                    layer_state: dict | None) -> tuple[Tensor, FlashState]:
+        """Eq. 6 over the new token's chunk so far plus eq. 8 over the completed chunks (their summed K^lin^T V)."""
+        t, c = state.length, self.chunk_size
+        work = compute_dtype(x.dtype)
+        real = ones_or(real, x.shape[0], x.device)
+        if t % c == 0:  # a new chunk starts: the finished one joins the linear part
+            state.summary = state.summary + state.linear_key.transpose(-1, -2) @ state.value
+            state.count = state.count + state.real.sum(1).to(work)
+            state.key, state.linear_key = state.key[:, :, :0], state.linear_key[:, :, :0]
+            state.value, state.real = state.value[:, :, :0], state.real[:, :0]
+        u, v, (q_quad, k_quad, q_lin, k_lin) = self.gates_and_queries(x, start=t)
+        keep = real[:, None, None, None]
+        state.key = torch.cat([state.key, k_quad.to(work)], 2)
+        state.linear_key = torch.cat([state.linear_key, k_lin.to(work).masked_fill(~keep, 0.0)], 2)
+        state.value = torch.cat([state.value, v.unsqueeze(1).to(work).masked_fill(~keep, 0.0)], 2)
+        state.real = torch.cat([state.real, real[:, None]], 1)
+        scores = q_quad.to(work) @ state.key.transpose(-1, -2)  # [B, 1, 1, keys of the chunk so far]
+        if self.scaling == "length":
+            scores = scores / math.sqrt(self.query_key_dim)
+        if self.position_bias is not None:
+            offsets = torch.arange(-state.key.shape[2] + 1, 1, device=x.device)  # j - t
+            scores = scores + self.position_bias.to(work)[offsets + c - 1]
+        quad = F.relu(scores).square() @ state.value
+        lin = q_lin.to(work).masked_fill(~keep, 0.0) @ state.summary
+        if self.scaling == "length":
+            quad = quad / min(c, t + 1)
+            lin = lin / state.count.clamp_min(1)[:, None, None, None]
+        return self.to_out((u.to(work) * (quad + lin)[:, 0]).to(x.dtype)), state
+
+
+@dataclass
+class FlashState(DecodingState):
+    """FLASH's decoding state: K^quad, K^lin, V and real flags of the tokens of the current chunk, and the completed
+    chunks' sum of K^lin^T V (``summary``, [B, 1, s, e]) with their number of real tokens (``count``, [B])."""
+
+    key: Tensor | None = None
+    linear_key: Tensor | None = None
+    value: Tensor | None = None
+    real: Tensor | None = None
+    summary: Tensor | None = None
+    count: Tensor | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from longattn.attention.base import AttentionBase, Capabilities, register_attention
+from longattn.attention.base import AttentionBase, Capabilities, output_dtype, register_attention
 
 
 def fourier_mix(x: Tensor, attention_mask: Tensor | None = None, fft_norm: str = "backward") -> Tensor:
@@ -47,4 +47,5 @@ class FNetMixing(AttentionBase):
         self.fft_norm = fft_norm
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        return fourier_mix(x, attention_mask, self.fft_norm)
+        # the FFTs in float32 (cuFFT has no bfloat16), the output in the autocast dtype like any layer's
+        return fourier_mix(x, attention_mask, self.fft_norm).to(output_dtype(x))

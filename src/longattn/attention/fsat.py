@@ -30,11 +30,16 @@ from longattn.attention.base import (
     AttentionBase,
     AttentionError,
     Capabilities,
+    autocast_state,
     check_qkv,
+    compute_dtype,
+    exact_float32,
     merge_heads,
     padding_safe,
     register_attention,
+    restored_autocast,
     split_heads,
+    uses_gpu_path,
 )
 
 __all__ = [
@@ -77,17 +82,20 @@ def pooled_hidden_state_cross(f1x: Tensor, f2x: Tensor) -> Tensor:
 
 
 def _fft_plan(f1x: Tensor) -> tuple[int, torch.dtype, int]:
-    """(n_fft, the dtype the FFT runs in, features per block) for feature maps [B, L, D]."""
-    batch, length = f1x.shape[:2]
+    """(n_fft, the dtype the FFT runs in, features per block) for feature maps [B, L, D]. The CPU path
+    works in blocks of features whose spectrum fits a cache (~2 MB); the GPU path in one block of all
+    of them (one batched FFT, no loop: its [B, n_fft / 2 + 1, D] spectrum is the size of a few X)."""
+    batch, length, dim = f1x.shape
     n_fft = 1 << (2 * length - 2).bit_length()  # smallest power of two >= 2L-1
     # torch.fft has no bf16 kernels and half needs care: cross in float32, return in the input dtype.
     work = torch.promote_types(f1x.dtype, torch.float32)
-    return n_fft, work, max(1, _FFT_BLOCK_ELEMENTS // (batch * n_fft))
+    features = dim if uses_gpu_path(f1x) else max(1, _FFT_BLOCK_ELEMENTS // (batch * n_fft))
+    return n_fft, work, features
 
 
 def _cross_block(part1: Tensor, part2: Tensor, n_fft: int) -> Tensor:
     """Eq. 3 for a block of features: [B, L, d] x 2 -> [B, 2L-1, d]."""
-    spec = torch.fft.rfft(part1, n=n_fft, dim=1) * torch.fft.rfft(part2, n=n_fft, dim=1)
+    spec = torch.fft.rfft(part1, n=n_fft, dim=1).mul_(torch.fft.rfft(part2, n=n_fft, dim=1))  # two spectra, not three
     # irfft returns the real part (eq. 3's Re): the spectrum of a real convolution is Hermitian.
     return torch.fft.irfft(spec, n=n_fft, dim=1)[:, : 2 * part1.shape[1] - 1]
 
@@ -120,7 +128,8 @@ class _PooledCross(torch.autograd.Function):
                 *params: Tensor) -> Tensor:
         maps, norm = (cross.f1, cross.f2), cross.norm
         n_fft, work, features = _fft_plan(x)
-        mixed = [f.mix(x) for f in maps]
+        with exact_float32(x):  # the conv variant's depth-wise convolution
+            mixed = [f.mix(x) for f in maps]
         merged = torch.empty(x.shape, dtype=work, device=x.device)
         for cols in _feature_blocks(x.shape[2], features):
             part1, part2 = (_masked(f.activation(_dense_rows(f, m, cols)), keep).to(work) for f, m in zip(maps, mixed))
@@ -128,7 +137,7 @@ class _PooledCross(torch.autograd.Function):
         c, mean, rstd = torch.native_layer_norm(merged, norm.normalized_shape, norm.weight.to(work),
                                                 norm.bias.to(work), norm.eps)
         c = c.to(norm.weight.dtype)
-        ctx.cross, ctx.keep, ctx.autocast = cross, keep, _autocast_state(x.device)
+        ctx.cross, ctx.keep, ctx.autocast = cross, keep, autocast_state(x.device)
         ctx.save_for_backward(x, c, mean, rstd)
         return c
 
@@ -142,7 +151,7 @@ class _PooledCross(torch.autograd.Function):
         n_fft, work, features = _fft_plan(x)
         grads = {name: torch.zeros_like(p) for name, p in cross.named_parameters()}
         leaf = x.detach().requires_grad_(ctx.needs_input_grad[2])
-        with _restored_autocast(ctx.autocast):
+        with restored_autocast(ctx.autocast), exact_float32(x):
             with torch.enable_grad():
                 mixed = [f.mix(leaf) for f in maps]  # the conv variant's depth-wise part; X itself otherwise
             # the gradients of the dense layers' inputs: one buffer in the dense variant, where X feeds both
@@ -304,16 +313,6 @@ class PooledHiddenStateCross(nn.Module):
 # ----------------------------------------------------------------------------- sparse attention (eqs. 7-10)
 
 
-def _autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
-    return device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-
-
-def _restored_autocast(state: tuple[str, bool, torch.dtype]) -> torch.autocast:
-    """Autocast as it was in a function's forward, for its backward (which runs outside it)."""
-    device_type, enabled, dtype = state
-    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
-
-
 class _TruncateGradient(torch.autograd.Function):
     """Identity forward; backward keeps only the non-positive part of the gradient (section 4.2.4)."""
 
@@ -332,23 +331,26 @@ class _GaussianConfidence(torch.autograd.Function):
     differentiable in the centre only (I is an integer position).
 
     Why a function: autograd kept two [B, H, N, E] tensors for it (I - I_bar and the exponential);
-    here only the derivative ds / dI_bar = s (I - I_bar) / sigma^2 is kept."""
+    here only the derivative ds / dI_bar = s (I - I_bar) / sigma^2 is kept. Computed and returned in
+    float32 for half centres (positions up to N and a density are not for 8 bits of mantissa)."""
 
     @staticmethod
     def forward(ctx, index: Tensor, centre: Tensor, sigma2: float, normalize: bool) -> Tensor:  # type: ignore[override]
-        offset = index.to(centre.dtype) - centre
+        work = compute_dtype(centre.dtype)
+        offset = index.to(work) - centre.to(work)
         conf = torch.exp(-offset.square() / (2.0 * sigma2))
         if normalize:
             conf = conf / math.sqrt(2.0 * math.pi * sigma2)
         if ctx.needs_input_grad[1]:
             ctx.save_for_backward(offset.mul_(conf).div_(sigma2))
+        ctx.centre_dtype = centre.dtype
         return conf
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[None, Tensor, None, None]:  # type: ignore[override]
         (slope,) = ctx.saved_tensors
-        return None, grad * slope, None, None
+        return None, (grad * slope).to(ctx.centre_dtype), None, None
 
 
 def _edges(
@@ -396,12 +398,22 @@ def _check_sparse_inputs(query: Tensor, key: Tensor, dominant_index: Tensor, ran
             )
 
 
-def _edge_blocks(target: Tensor, dh: int) -> list[slice]:
-    """Blocks of keys for the per-edge work: no [B, H, N, E, Dh] tensor exists at once (small blocks
-    stay cache-resident and below the allocator's mmap threshold, so the cost grows linearly)."""
+# A piece of the per-edge work: (keys, edge columns) of the [B, H, N(key), E] edges.
+EdgeUnit = tuple[slice, slice]
+
+
+def _edge_units(target: Tensor, dh: int, gpu: bool) -> list[EdgeUnit]:
+    """The pieces the per-edge work is done in; no [B, H, N, E, Dh] tensor exists at once.
+
+    CPU path: blocks of keys with all their edges (small blocks stay cache-resident and below the
+    allocator's mmap threshold, so the cost grows linearly). GPU path: all keys, one edge column at a
+    time: M + R batched steps (a constant of the layer, not of N or the batch), each holding tensors the
+    size of the queries, where all edges at once would hold M + R times that."""
     b, h, n, e = target.shape
+    if gpu:
+        return [(slice(None), slice(column, column + 1)) for column in range(e)]
     keys = max(1, _EDGE_BLOCK_ELEMENTS // (b * h * e * dh))
-    return [slice(start, min(start + keys, n)) for start in range(0, n, keys)]
+    return [(slice(start, min(start + keys, n)), slice(None)) for start in range(0, n, keys)]
 
 
 def _gather(rows: Tensor, target: Tensor) -> Tensor:
@@ -461,7 +473,7 @@ def _edge_softmax(scores: Tensor, target: Tensor, keep: Tensor) -> Tensor:
 
 class _SparseAttention(torch.autograd.Function):
     """Eq. 7 over every edge: out_i = sum_{j in N_i} softmax_{N_i}(q_i . k_j * scale) s_{i->j} v_j,
-    key block by key block (no [B, H, N, E, Dh] tensor at once), forward and backward.
+    one :data:`EdgeUnit` at a time (no [B, H, N, E, Dh] tensor at once), forward and backward.
 
     Why one function: through autograd, the softmax over each query's in-edges kept a dozen
     [B, H, N, E] tensors (scores, masks, exponentials, the per-edge gathers of maxima and sums), and
@@ -472,56 +484,67 @@ class _SparseAttention(torch.autograd.Function):
 
     ``flat_query`` [B*N*H, Dh]: token-major query rows; ``confidence`` s [B, H, N, E]; ``target``
     [B, H, N, E]: the row of each edge's query; ``keep``: its bool mask (False: invalid, padded or a
-    repeat). Returns the [B*N*H, Dh] output rows.
+    repeat). Returns the [B*N*H, Dh] output rows. The products of queries, keys and values run in their
+    dtype (the autocast dtype under autocast); scores, the softmax and every sum over edges in float32
+    for half inputs (:func:`compute_dtype`).
     """
 
     @staticmethod
-    def forward(ctx, layout: _KeyValues, scale: float, flat_query: Tensor, confidence: Tensor,  # type: ignore[override]
-                target: Tensor, keep: Tensor, *inputs: Tensor | None) -> Tensor:
-        blocks = _edge_blocks(target, flat_query.shape[-1])
-        scores = torch.cat([torch.einsum("bhjed,bhjd->bhje", _gather(flat_query, target[:, :, rows]), layout.block(inputs, 0, rows))
-                            for rows in blocks], dim=2)
+    def forward(ctx, layout: _KeyValues, units: list[EdgeUnit], scale: float, flat_query: Tensor,  # type: ignore[override]
+                confidence: Tensor, target: Tensor, keep: Tensor, *inputs: Tensor | None) -> Tensor:
+        work = compute_dtype(flat_query.dtype)
+        scores = torch.empty(target.shape, dtype=work, device=target.device)
+        for rows, cols in units:
+            scores[:, :, rows, cols] = torch.einsum(
+                "bhjed,bhjd->bhje", _gather(flat_query, target[:, :, rows, cols]), layout.block(inputs, 0, rows))
         prob = _edge_softmax(scores.mul_(scale), target, keep)
-        out = flat_query.new_zeros(flat_query.shape)
-        for rows in blocks:
+        out = torch.zeros(flat_query.shape, dtype=work, device=flat_query.device)
+        for rows, cols in units:
             value = layout.block(inputs, 1, rows)
-            weight = prob[:, :, rows] * confidence[:, :, rows]  # Psi(.) * s of eq. 7
-            out.index_add_(0, target[:, :, rows].flatten(), (weight.unsqueeze(-1) * value.unsqueeze(3)).flatten(0, 3))
-        ctx.layout, ctx.scale, ctx.autocast = layout, scale, _autocast_state(flat_query.device)
+            weight = prob[:, :, rows, cols] * confidence[:, :, rows, cols]  # Psi(.) * s of eq. 7
+            out.index_add_(0, target[:, :, rows, cols].flatten(),
+                           (weight.unsqueeze(-1) * value.unsqueeze(3)).flatten(0, 3).to(work))
+        ctx.layout, ctx.units, ctx.scale, ctx.autocast = layout, units, scale, autocast_state(flat_query.device)
         ctx.save_for_backward(flat_query, confidence, target, prob, *inputs)
-        return out
+        return out.to(flat_query.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         flat_query, confidence, target, prob, *inputs = ctx.saved_tensors
         layout: _KeyValues = ctx.layout
-        needs = ctx.needs_input_grad[6:]
-        grads = [torch.zeros_like(t) if need else None for t, need in zip(inputs, needs)]
-        blocks = _edge_blocks(target, flat_query.shape[-1])
+        needs = ctx.needs_input_grad[7:]
+        data, work = flat_query.dtype, prob.dtype
+        grads = [torch.zeros_like(t, dtype=compute_dtype(t.dtype)) if need else None for t, need in zip(inputs, needs)]
+        grad = grad.to(data)
         grad_weight = torch.empty_like(prob)  # of the edge weights p * s
-        with _restored_autocast(ctx.autocast):
-            for rows in blocks:
-                received = _gather(grad, target[:, :, rows])  # the gradient at each edge's query
+        with restored_autocast(ctx.autocast):
+            for rows, cols in ctx.units:
+                received = _gather(grad, target[:, :, rows, cols])  # the gradient at each edge's query
                 value = layout.block(inputs, 1, rows)
-                grad_weight[:, :, rows] = torch.einsum("bhjed,bhjd->bhje", received, value)
+                grad_weight[:, :, rows, cols] = torch.einsum("bhjed,bhjd->bhje", received, value)
                 if layout.needs_grad(needs, 1):
-                    weight = prob[:, :, rows] * confidence[:, :, rows]
+                    weight = (prob[:, :, rows, cols] * confidence[:, :, rows, cols]).to(data)
                     layout.add_grad(grads, inputs, 1, rows, torch.einsum("bhje,bhjed->bhjd", weight, received))
-                del received  # before the next block's: one [B, H, keys, E, Dh] block at a time
-            grad_confidence = grad_weight * prob if ctx.needs_input_grad[3] else None
+                del received  # before the next unit's: one unit's edges at a time
+            grad_confidence = grad_weight * prob if ctx.needs_input_grad[4] else None
             grad_score = grad_weight.mul_(confidence)  # dL/dp for now, dL/dscore after the next two lines
             rows_of_edges = target.view(-1)
-            total = torch.zeros_like(flat_query[:, 0]).index_add_(0, rows_of_edges, (prob * grad_score).view(-1))
+            total = torch.zeros(flat_query.shape[0], dtype=work, device=prob.device)
+            total.index_add_(0, rows_of_edges, (prob * grad_score).view(-1))
             grad_score.sub_(total[rows_of_edges].view_as(prob)).mul_(prob).mul_(ctx.scale)
-            grad_query = torch.zeros_like(flat_query) if ctx.needs_input_grad[2] else None
-            for rows in blocks:
-                key, g, edges = layout.block(inputs, 0, rows), grad_score[:, :, rows], target[:, :, rows]
+            grad_query = torch.zeros(flat_query.shape, dtype=work, device=flat_query.device) \
+                if ctx.needs_input_grad[3] else None
+            for rows, cols in ctx.units:
+                key, g, edges = layout.block(inputs, 0, rows), grad_score[:, :, rows, cols], target[:, :, rows, cols]
                 if layout.needs_grad(needs, 0):
-                    layout.add_grad(grads, inputs, 0, rows, torch.einsum("bhje,bhjed->bhjd", g, _gather(flat_query, edges)))
+                    layout.add_grad(grads, inputs, 0, rows,
+                                    torch.einsum("bhje,bhjed->bhjd", g.to(data), _gather(flat_query, edges)))
                 if grad_query is not None:
-                    grad_query.index_add_(0, edges.flatten(), (g.unsqueeze(-1) * key.unsqueeze(3)).flatten(0, 3))
-        return None, None, grad_query, grad_confidence, None, None, *grads
+                    grad_query.index_add_(0, edges.flatten(), (g.unsqueeze(-1) * key.unsqueeze(3)).flatten(0, 3).to(work))
+        grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs)]
+        return (None, None, None, None if grad_query is None else grad_query.to(data), grad_confidence, None, None,
+                *grads)
 
 
 def _repeated_edges(index: Tensor, valid: Tensor, n: int) -> Tensor:
@@ -620,7 +643,15 @@ def _predictable_sparse_attention(
                + torch.arange(h, device=index.device).view(1, h, 1, 1))
     target = index * h + offsets  # query row of each edge, [B, H, N(key), E]
     flat_query = query.transpose(1, 2).reshape(b * n * h, dh)
-    out = _SparseAttention.apply(layout, scale, flat_query, confidence, target, keep, *key_values)
+    gpu = uses_gpu_path(query)
+    if gpu and layout.heads is not None:
+        # GPU path: K and V of every key at once (eq. 6), so that no edge column projects them again
+        c, weight_k, bias_k, weight_v, bias_v = key_values
+        key_values = (split_heads(F.linear(c, weight_k, bias_k), layout.heads),
+                      split_heads(F.linear(c, weight_v, bias_v), layout.heads))
+        layout = _KeyValues()
+    units = _edge_units(target, dh, gpu)
+    out = _SparseAttention.apply(layout, units, scale, flat_query, confidence, target, keep, *key_values)
     return out.view(b, n, h, dh).transpose(1, 2)
 
 
@@ -758,7 +789,8 @@ class FSATAttention(AttentionBase):
         q = split_heads(self.to_q(x), self.heads)
         lmax = n if self.lmax is None else self.lmax
         logits = self.to_index(c).view(b, n, self.heads, self.num_dominant).transpose(1, 2)
-        dominant_index = torch.sigmoid(logits) * lmax  # eq. 9
+        # eq. 9, in float32 for half logits: positions up to N need more than 8 bits of mantissa
+        dominant_index = torch.sigmoid(logits.to(compute_dtype(logits.dtype))) * lmax
         explore = self.training and self.train_indices != "predicted"
         random_index = (
             torch.randint(0, n, (b, self.heads, n, self.num_random), device=x.device) if explore else None

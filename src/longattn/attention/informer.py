@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from longattn.attention._triton import kernels_run_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -44,7 +45,6 @@ from longattn.attention.base import (
     register_attention,
     uses_gpu_path,
 )
-from longattn.attention.linear import kernels_run_on
 
 # Budget (elements) of one chunk of gathered sampled keys while scoring the queries.
 _SAMPLE_CHUNK_ELEMENTS = 1 << 20
@@ -69,10 +69,11 @@ def sample_informer_keys(
 
     Sequence b uses its first U_b = c * ceil(ln m_b) columns; the rest are padding of the tensor.
     The draws depend only on the mask, never on the content, so padded content cannot change them.
+    U_max is :func:`probsparse_slots` of the length, the static count the GPU path draws, so that both paths
+    draw the same keys from one seed whatever the padding.
     """
     real = torch.ones(batch, length, dtype=torch.bool, device=device) if attention_mask is None else attention_mask
-    most_samples = int(probsparse_counts(real.sum(dim=-1), factor).max())
-    return _draw_key_samples(real, most_samples, generator)
+    return _draw_key_samples(real, probsparse_slots(length, factor), generator)
 
 
 def _draw_key_samples(real: Tensor, slots: int, generator: torch.Generator | None) -> Tensor:

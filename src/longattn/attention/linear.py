@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention._triton import triton_runs_on
+from longattn.attention._triton import kernels_run_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -39,6 +39,7 @@ from longattn.attention.base import (
     register_attention,
     uses_gpu_path,
 )
+from longattn.attention.decoding import RecurrentState, kernel_state_sums, kernel_step_output
 
 CAUSAL_CHUNK = 64
 
@@ -149,18 +150,6 @@ def causal_scan_chunked(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHU
     within = (q_c @ k_c.transpose(-1, -2)).tril_()
     sums = ((q_c @ past).to(acc) + (within @ v_c).to(acc)).reshape(b, h, count * chunk, dv + 1)[:, :, :n]
     return sums[..., :dv].to(q.dtype), sums[..., dv]
-
-
-def kernels_run_on(t: Tensor) -> bool:
-    """Whether the Triton kernels of the GPU paths (this family's scan, skein's, informer's and reformer's
-    kernels) take inputs like ``t``: where :func:`~longattn.attention._triton.triton_runs_on` says kernels run,
-    in float16, bfloat16 or float32 on CUDA (float64 there takes the PyTorch GPU path), and in Triton's CPU
-    interpreter in any dtype but bfloat16 (whose ``tl.dot`` the interpreter of triton 3.9 gets wrong)."""
-    if not triton_runs_on(t):
-        return False
-    if t.device.type == "cuda":
-        return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    return t.dtype != torch.bfloat16
 
 
 # the values of a head are one tile of the scan kernels: wider values take causal_scan_chunked
@@ -280,3 +269,19 @@ class LinearAttention(AttentionBase):
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         q, k, v = self.proj.qkv(x)
         return self.proj.out(linear_attention(q, k, v, attention_mask, is_causal=self.causal, eps=self.eps))
+
+    # -- decoding: the running sums of eq. 8-9 ---------------------------------------------------
+    decode_state = "recurrent"
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        out = linear_attention(query, key, value, attention_mask, is_causal=True, eps=self.eps)
+        phi_k, value = _mask_keys(elu_feature_map(key), value, attention_mask)
+        return out, RecurrentState(length=key.shape[2], sums=kernel_state_sums(phi_k, value))
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: RecurrentState, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        """S_i = S_{i-1} + phi(K_i) [V_i, 1]^T, then phi(Q_i) S_i normalised (eq. 8-9 as a recurrence)."""
+        phi_k, value = _mask_keys(elu_feature_map(key), value, None if real is None else real[:, None])
+        state.sums = state.sums + kernel_state_sums(phi_k, value)
+        return kernel_step_output(elu_feature_map(query), state.sums, eps=self.eps), state

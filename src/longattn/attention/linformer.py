@@ -166,8 +166,9 @@ class LinformerAttention(AttentionBase):
 
 
 def gaussian_sketch(n: int, sketch_dim: int, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """S in R^{n x d} with i.i.d. N(0, 1/d) entries, so E[S S^T] = I (the JL sketch)."""
-    return torch.randn(n, sketch_dim, dtype=dtype, device=device) / math.sqrt(sketch_dim)
+    """S in R^{n x d} with i.i.d. N(0, 1/d) entries, so E[S S^T] = I (the JL sketch). Drawn in float32
+    whatever ``dtype``, so that one seed gives the same S in every precision (and under autocast)."""
+    return (torch.randn(n, sketch_dim, device=device) / math.sqrt(sketch_dim)).to(dtype)
 
 
 @padding_safe

@@ -39,6 +39,7 @@ from longattn.attention.chunked import (
     window_chunk,
     windowed_attention,
 )
+from longattn.attention.decoding import WindowState, attend_keys, ones_or
 
 
 # Query tokens per chunk: the chunk's neighbourhood copies, SDPA mask and temporaries are the only
@@ -276,3 +277,34 @@ class LocalAttention(AttentionBase):
         out = chunked_projected_attention(_local_chunk, _plan(valid, options), x, [(proj.to_q, proj.to_k, proj.to_v)],
                                           self.heads, replay_random=dropout_p > 0)
         return proj.out(out)
+
+    # -- decoding: a sliding window of keys and values ------------------------------------------
+    decode_state = "window"
+
+    def _reach(self) -> int:
+        """How far back a query sees: w * look_backward (block-aligned windows: up to (look_backward + 1) w - 1)."""
+        w, back = self.window_size, self.look_backward
+        return w * back if self.exact_window else (back + 1) * w - 1
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, WindowState]:
+        out = local_attention(query, key, value, attention_mask, window_size=self.window_size,
+                              look_backward=self.look_backward, look_forward=0, exact_window=self.exact_window,
+                              is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        real = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device) \
+            if attention_mask is None else attention_mask
+        return out, WindowState.start(key, value, real, self._reach())
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: WindowState, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, WindowState]:
+        """The new query against the window and itself: positions t - reach .. t, those in its window."""
+        keys, values, visible = state.with_token(key, value, ones_or(real, key.shape[0], key.device))
+        t, reach = state.length, self._reach()
+        positions = torch.arange(t - reach, t + 1, device=key.device)
+        allowed = positions >= 0
+        if not self.exact_window:  # block-aligned: blocks t // w - look_backward .. t // w
+            allowed = allowed & (positions // self.window_size >= t // self.window_size - self.look_backward)
+        out = attend_keys(query, keys, values, (visible & allowed)[:, None, None, :],
+                          dropout_p=self.dropout if self.training else 0.0)
+        state.slide(keys, values, visible)
+        return out, state

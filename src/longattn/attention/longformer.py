@@ -47,8 +47,9 @@ from longattn.attention.chunked import (
     window_chunk,
     windowed_attention,
 )
+from longattn.attention.decoding import DecodingState, KVState, WindowState, attend_keys, ones_or
 
-__all__ = ["LongformerAttention", "longformer_attention", "longformer_attention_reference"]
+__all__ = ["LongformerAttention", "LongformerState", "longformer_attention", "longformer_attention_reference"]
 
 
 def _check_window(attention_window: int, dilation: int) -> None:
@@ -449,3 +450,79 @@ class LongformerAttention(AttentionBase):
             f"{super().extra_repr()}, attention_window={self.attention_window}, dilation={self.dilation}, "
             f"global_positions={self.global_positions}, causal={self.causal}"
         )
+
+    # -- decoding: the sliding window, the global tokens and, while a global position lies ahead, the
+    # global projections of every token ---------------------------------------------------------
+    decode_state = "window"
+
+    def _global_inputs(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        gq, gk, gv = self.global_qkv(x)
+        return (q, k, v) if gq is None else (gq, gk, gv)
+
+    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
+                       layer_state: dict | None) -> tuple[Tensor, LongformerState]:
+        q, k, v = self.proj.qkv(x)
+        gq, gk, gv = self.global_qkv(x)
+        out = longformer_attention(
+            q, k, v, attention_mask, attention_window=self.attention_window, dilation=self.dilation,
+            global_positions=self.global_positions, global_query=gq, global_key=gk, global_value=gv, is_causal=True,
+            scale=self.scale, dropout_p=self.dropout if self.training else 0.0)
+        _, gk, gv = self._global_inputs(x, q, k, v)
+        b, n = x.shape[:2]
+        real = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
+        is_global = torch.zeros(n, dtype=torch.bool, device=x.device)
+        gidx = _global_index(self.global_positions, n, x.device)
+        is_global[gidx] = True
+        reach = self.dilation * (self.attention_window // 2)
+        state = LongformerState(
+            length=n,
+            window=WindowState.start(k, v, real & ~is_global, reach),  # global keys join once, below
+            global_keys=KVState.start(k[:, :, gidx], v[:, :, gidx], real[:, gidx]),
+            history=KVState.start(gk, gv, real) if self._global_ahead(n) else None,
+        )
+        return self.proj.out(out), state
+
+    def _global_ahead(self, position: int) -> bool:
+        """Whether a global row at ``position`` or later is still to come (it needs every token's K_g, V_g)."""
+        return bool(self.global_positions) and max(self.global_positions) >= position
+
+    def step_attend(self, x: Tensor, state: LongformerState, real: Tensor | None,
+                    layer_state: dict | None) -> tuple[Tensor, LongformerState]:
+        q, k, v = self.proj.qkv(x)
+        gq, gk, gv = self._global_inputs(x, q, k, v)
+        t, b = state.length, x.shape[0]
+        real = ones_or(real, b, x.device)
+        scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+        dropout_p = self.dropout if self.training else 0.0
+        if state.history is not None:
+            state.history.append(gk, gv, real)
+        if t in self.global_positions:
+            # a global row: Q_g of this token against K_g, V_g of every token up to it
+            keys, values, visible = state.history.view()
+            out = attend_keys(gq, keys, values, visible[:, None, None, :], scale=scale, dropout_p=dropout_p)
+            state.global_keys.append(k, v, real)
+            state.window.slide(*state.window.with_token(k, v, torch.zeros_like(real)))
+        else:
+            # the window t - reach .. t (every dilation-th), then the global tokens so far, under one softmax
+            keys, values, visible = state.window.with_token(k, v, real)
+            reach = keys.shape[2] - 1
+            offsets = torch.arange(reach, -1, -1, device=x.device)  # t - j
+            in_window = (offsets % self.dilation == 0) & (offsets <= t)
+            global_keys, global_values, global_real = state.global_keys.view()
+            out = attend_keys(q, torch.cat([keys, global_keys], 2), torch.cat([values, global_values], 2),
+                              torch.cat([visible & in_window, global_real], 1)[:, None, None, :], scale=scale,
+                              dropout_p=dropout_p)
+            state.window.slide(keys, values, visible)
+        if state.history is not None and not self._global_ahead(t + 1):
+            state.history = None  # no global row ahead: the global projections are no longer needed
+        return self.proj.out(out), state
+
+
+@dataclass
+class LongformerState(DecodingState):
+    """Longformer's decoding state: the sliding window (K_s, V_s of the last ``dilation * w / 2`` tokens, global
+    ones left out), the global tokens' K_s, V_s, and K_g, V_g of every token while a global row lies ahead."""
+
+    window: WindowState | None = None
+    global_keys: KVState | None = None
+    history: KVState | None = None

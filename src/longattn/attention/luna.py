@@ -30,11 +30,13 @@ from longattn.attention.base import (
     AttentionError,
     Capabilities,
     check_qkv,
+    compute_dtype,
     merge_heads,
     padding_safe,
     register_attention,
     split_heads,
 )
+from longattn.attention.decoding import RecurrentState
 from longattn.attention.softmax import softmax_attention
 
 __all__ = [
@@ -152,7 +154,8 @@ def luna_attention_reference(
 
 def _causal_product(x: Tensor, y: Tensor, z: Tensor, chunk_size: int) -> Tensor:
     """out_t = sum_{s <= t} (x_t . y_s) z_s on [B, H, N, *], chunk by chunk: an explicit C x C
-    block inside a chunk and a carried sum of y_s z_s^T across chunks (never N x N)."""
+    block inside a chunk and a carried sum of y_s z_s^T across chunks (never N x N), that sum in
+    float32 for half inputs. All chunks at once: batched products, no loop."""
     b, h, n, _ = x.shape
     chunks = -(-n // chunk_size)
     tail = chunks * chunk_size - n
@@ -160,16 +163,19 @@ def _causal_product(x: Tensor, y: Tensor, z: Tensor, chunk_size: int) -> Tensor:
     within = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
     out = (x_c @ y_c.transpose(-1, -2)).masked_fill(~within, 0.0) @ z_c
     state = y_c.transpose(-1, -2) @ z_c  # [B, H, C, dy, dz]
-    out = out + x_c @ (torch.cumsum(state, dim=2) - state)  # earlier chunks only
+    earlier = torch.cumsum(state, dim=2, dtype=compute_dtype(state.dtype)) - state  # earlier chunks only
+    out = out + x_c @ earlier.to(x.dtype)
     return out.reshape(b, h, chunks * chunk_size, -1)[:, :, :n]
 
 
 def _causal_counts(attention_mask: Tensor | None, batch: int, length: int, like: Tensor) -> Tensor:
-    """Real tokens up to each position, at least 1: the causal pack's running-mean divisor [B, 1, N, 1]."""
+    """Real tokens up to each position, at least 1: the causal pack's running-mean divisor [B, 1, N, 1],
+    float32 for half ``like`` (bfloat16 counts stop being exact above 256)."""
+    work = compute_dtype(like.dtype)
     if attention_mask is None:
-        counts = torch.arange(1, length + 1, dtype=like.dtype, device=like.device).expand(batch, length)
+        counts = torch.arange(1, length + 1, dtype=work, device=like.device).expand(batch, length)
     else:
-        counts = torch.cumsum(attention_mask.to(like.dtype), dim=1).clamp_min(1.0)
+        counts = torch.cumsum(attention_mask.to(work), dim=1).clamp_min(1.0)
     return counts[:, None, :, None]
 
 
@@ -210,11 +216,13 @@ def luna_causal_attention(
     s = _scale(d, scale)
     pack = _pack_weights(pack_key, pack_query, attention_mask, s)  # [B, H, N, l]
     counts = _causal_counts(attention_mask, b, n, query)
-    scores = _causal_product(query, key, pack, chunk_size) * s / counts  # q_t . packed keys at t
+    # q_t . packed keys at t; the scores, their softmax and the running means in float32 for half inputs
+    scores = _causal_product(query, key, pack, chunk_size).to(counts.dtype) * s / counts
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
-    return _causal_product(probs, pack, value, chunk_size) / counts  # probs_t . packed values at t
+    packed = _causal_product(probs.to(query.dtype), pack, value, chunk_size)  # probs_t . packed values at t
+    return (packed.to(counts.dtype) / counts).to(query.dtype)
 
 
 def luna_causal_attention_reference(
@@ -377,3 +385,43 @@ class LunaAttention(AttentionBase):
             f"pack_heads={self.pack_heads}, "
             f"tie_kv={self.tie_kv}, pass_p={self.pass_p}"
         )
+
+    # -- decoding: the packed sums and the count of real tokens -----------------------------------
+    decode_state = "recurrent"
+
+    def _causal_parts(self, x: Tensor, layer_state: dict | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Queries, keys, values, pack keys [B, H, N, d] and the pack queries [B, H, l, d] of causal Luna."""
+        key = self.unpack_k(x)
+        value = key if self.unpack_v is None else self.unpack_v(x)
+        p_in = self.incoming_p(x.shape[0], layer_state)
+        return (split_heads(self.unpack_q(x), self.heads), split_heads(key, self.heads), split_heads(value, self.heads),
+                split_heads(self.pack_k(x), self.heads), split_heads(self.pack_q(p_in), self.heads))
+
+    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
+                       layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        query, key, value, pack_key, pack_query = self._causal_parts(x, layer_state)
+        out = luna_causal_attention(query, key, value, attention_mask, pack_key=pack_key, pack_query=pack_query,
+                                    chunk_size=self.chunk_size, dropout_p=self.dropout if self.training else 0.0)
+        pack = _pack_weights(pack_key, pack_query, attention_mask, _scale(self.head_dim, None))  # [B, H, N, l]
+        b, n = x.shape[:2]
+        count = (query.new_full((b,), n) if attention_mask is None else attention_mask.sum(1).to(query.dtype))
+        count = count[:, None, None, None]  # real tokens so far (the running means' divisor, floored at 1 when used)
+        state = RecurrentState(length=x.shape[1], sums=key.transpose(-1, -2) @ pack,  # sum_s k_s A_s^T [d, l]
+                               extra={"packed_values": pack.transpose(-1, -2) @ value, "count": count})
+        return self.to_out(merge_heads(out)), state
+
+    def step_attend(self, x: Tensor, state: RecurrentState, real: Tensor | None,
+                    layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        """A_t = elu(pack_key_t . P_Q) + 1 joins both packed sums; q_t attends to the l running means."""
+        query, key, value, pack_key, pack_query = self._causal_parts(x, layer_state)
+        scale = _scale(self.head_dim, None)
+        pack = _pack_weights(pack_key, pack_query, None if real is None else real[:, None], scale)  # [B, H, 1, l]
+        state.sums = state.sums + key.transpose(-1, -2) @ pack
+        state.extra["packed_values"] = state.extra["packed_values"] + pack.transpose(-1, -2) @ value
+        added = 1.0 if real is None else real.to(query.dtype)[:, None, None, None]
+        state.extra["count"] = state.extra["count"] + added
+        counts = state.extra["count"].clamp_min(1.0)
+        probs = torch.softmax(query @ state.sums * scale / counts, dim=-1)
+        if self.training and self.dropout > 0:
+            probs = F.dropout(probs, p=self.dropout)
+        return self.to_out(merge_heads(probs @ state.extra["packed_values"] / counts)), state

@@ -35,9 +35,12 @@ from longattn.attention.base import (
     AttentionError,
     Capabilities,
     QKVProjection,
+    autocast_disabled,
     check_qkv,
+    compute_dtype,
     padding_safe,
     register_attention,
+    uses_gpu_path,
 )
 from longattn.attention.chunked import Chunk, chunked_sequence_op
 
@@ -129,8 +132,12 @@ OUTPUT_CHUNK_TOKENS = 2048
 
 def _output_rows(query: Tensor, value: Tensor, k_land: Tensor, mixed: Tensor, landmark_mask: Tensor | None,
                  conv_weight: Tensor | None, attention_mask: Tensor | None, scale: float) -> Tensor:
-    """softmax(Q K~^T scale) mixed (eq. 15's left factor), plus the convolution of V, chunk by chunk
-    along the queries: nothing of size N is kept for backward but the inputs."""
+    """softmax(Q K~^T scale) mixed (eq. 15's left factor), plus the convolution of V. The CPU path goes
+    chunk by chunk along the queries (nothing of size N is kept for backward but the inputs); the GPU path
+    in one SDPA call and one batched convolution over the whole sequence."""
+    if uses_gpu_path(query):
+        out = F.scaled_dot_product_attention(query, k_land, mixed, attn_mask=landmark_mask, scale=scale)
+        return out if conv_weight is None else out + depthwise_value_conv(value, conv_weight, attention_mask)
     n = query.shape[2]
     half = 0 if conv_weight is None else conv_weight.shape[-2] // 2
     chunks = [Chunk(rows=slice(start, min(n, start + OUTPUT_CHUNK_TOKENS)),
@@ -168,7 +175,11 @@ def nystrom_attention(
     conv_weight: Tensor | None = None,
     scale: float | None = None,
 ) -> Tensor:
-    """Nystromformer eq. 15 on [B, H, N, Dh]; ``conv_weight`` [H, 1, kernel, 1] adds the V skip."""
+    """Nystromformer eq. 15 on [B, H, N, Dh]; ``conv_weight`` [H, 1, kernel, 1] adds the V skip.
+
+    The [N, m] products run in the inputs' dtype (the autocast dtype under autocast); the landmark means,
+    the m x m kernel and its pseudo-inverse (eq. 16, an iteration that bfloat16 cannot carry) in float32
+    for half inputs, with autocast off."""
     check_qkv(query, key, value, attention_mask)
     if query.shape[-2] != key.shape[-2]:
         raise AttentionError("Nystrom attention here is self-attention: queries and keys must have equal N")
@@ -183,32 +194,36 @@ def nystrom_attention(
     # reads. Dropping them gives the same output without the m x m pseudo-inverse of eq. 16 (m = 256
     # by default: 6 x 4 products of 256 x 256 per head for a 25-token sentence).
     m = min(num_landmarks, n)
+    work = compute_dtype(query.dtype)
     if attention_mask is None:
         pad = (-n) % m
         segment = (n + pad) // m
         # Segment sums (eq. 13-14), then the mean over the count.
-        q_sum, k_sum = ((F.pad(t, (0, 0, 0, pad)) if pad else t).unflatten(2, (m, segment)).sum(dim=-2)
+        q_sum, k_sum = ((F.pad(t, (0, 0, 0, pad)) if pad else t).unflatten(2, (m, segment)).sum(dim=-2, dtype=work)
                         for t in (query, key))
         counts = F.pad(real, (0, pad), value=False).reshape(b, 1, m, segment).sum(dim=-1, keepdim=True)
     else:
         # padded tokens fall in a spare segment: no masked copy of q or k is needed
-        q_sum, k_sum, counts = _real_segment_sums(query, key, real, m)
-    q_land = q_sum / counts.clamp(min=1).to(q_sum.dtype) * scale  # the scale on the small side
-    k_land = k_sum / counts.clamp(min=1).to(k_sum.dtype)
+        q_sum, k_sum, counts = _real_segment_sums(query.to(work), key.to(work), real, m)
+    q_land = q_sum / counts.clamp(min=1).to(work) * scale  # the scale on the small side
+    k_land = k_sum / counts.clamp(min=1).to(work)
     valid = counts[..., 0] > 0  # [B, 1, m]: landmark has at least one real token
     landmark_mask = None if attention_mask is None and n % m == 0 else valid[:, :, None, :]
     key_mask = None if attention_mask is None else real[:, None, None, :]
 
-    kernel_2 = _masked_softmax(q_land @ k_land.transpose(-1, -2), landmark_mask)  # [B, H, m, m]
-    if landmark_mask is not None:
-        eye = torch.eye(m, dtype=kernel_2.dtype, device=kernel_2.device)
-        kernel_2 = torch.where(valid[..., None], kernel_2, eye)  # invalid landmark: identity row
+    with autocast_disabled(query.device):
+        kernel_2 = _masked_softmax(q_land @ k_land.transpose(-1, -2), landmark_mask)  # [B, H, m, m]
+        if landmark_mask is not None:
+            eye = torch.eye(m, dtype=kernel_2.dtype, device=kernel_2.device)
+            kernel_2 = torch.where(valid[..., None], kernel_2, eye)  # invalid landmark: identity row
+        pinv = iterative_pinv(kernel_2, pinv_iterations)
     # Right to left, and the two [N, m]-sized softmax products (kernel_3 V and kernel_1 W) through
     # SDPA's fused kernel, which keeps neither [B, H, N, m] matrix for the backward pass. Padded
     # keys are outside every softmax, so only the convolution needs V zeroed there.
-    landmark_values = F.scaled_dot_product_attention(q_land, key, value, attn_mask=key_mask, scale=1.0)
-    mixed = iterative_pinv(kernel_2, pinv_iterations) @ landmark_values  # [B, H, m, Dh]
-    return _output_rows(query, value, k_land, mixed, landmark_mask, conv_weight, attention_mask, scale)
+    landmark_values = F.scaled_dot_product_attention(q_land.to(query.dtype), key, value, attn_mask=key_mask, scale=1.0)
+    with autocast_disabled(query.device):
+        mixed = (pinv @ landmark_values.to(work)).to(value.dtype)  # [B, H, m, Dh]
+    return _output_rows(query, value, k_land.to(query.dtype), mixed, landmark_mask, conv_weight, attention_mask, scale)
 
 
 @padding_safe

@@ -45,6 +45,7 @@ from longattn.attention.base import (
     register_attention,
     uses_gpu_path,
 )
+from longattn.attention.decoding import RecurrentState, kernel_state_sums, kernel_step_output
 from longattn.attention.linear import causal_chunks, causal_kernel_attention, kernel_sums_gpu, normalised
 
 
@@ -642,3 +643,41 @@ class PerformerAttention(AttentionBase):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, nb_features={self.nb_features}, redraw_interval={self.redraw_interval}"
+
+    # -- decoding: running sums of the FAVOR+ features with a running stabiliser ------------------
+    decode_state = "recurrent"
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        out = performer_attention(query, key, value, attention_mask, projection=self.projection, is_causal=True)
+        with torch.no_grad():  # the state is for decoding: no gradient flows into later tokens through it
+            real = None if attention_mask is None else attention_mask[:, None, :, None]
+            phi_k, shift = _features_and_shift(key * query.shape[-1] ** -0.25, self.projection, (-1, -2), real, None)
+            if real is not None:
+                value = value * real.to(value.dtype)
+                # no real key yet: no stabiliser (the first real key sets it)
+                shift = shift.masked_fill(~real.any(2, keepdim=True), float("-inf"))
+            state = RecurrentState(length=key.shape[2], sums=kernel_state_sums(phi_k, value), extra={"shift": shift})
+        return out, state
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: RecurrentState, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
+        """phi(k) joins the sums under the keys' stabiliser, the running maximum of their exponents w.x - |x|^2/2:
+        when the new key raises it the sums are rescaled by exp(old - new), so every term carries the one shift
+        that the full forward's maximum over all keys gives (it cancels in the normalised output)."""
+        data_scale = query.shape[-1] ** -0.25
+        x = key * data_scale
+        exponents = _project(x, self.projection) - _half_square_norm(x)  # [B, H, 1, m]
+        old = state.extra["shift"]
+        new = exponents.amax(-1, keepdim=True)
+        if real is not None:
+            new = new.masked_fill(~real[:, None, None, None], float("-inf"))
+        shift = torch.maximum(old, new)
+        growth = torch.exp(old - shift).nan_to_num(0.0)  # -inf - -inf: nothing real so far, nothing to rescale
+        phi_k = torch.exp(exponents - shift - 0.5 * math.log(self.projection.shape[0]))
+        if real is not None:
+            phi_k = torch.where(real[:, None, None, None], phi_k, 0.0)
+        state.sums = state.sums * growth + kernel_state_sums(phi_k, value)
+        state.extra["shift"] = shift
+        phi_q, _ = _features_and_shift(query * data_scale, self.projection, (-1,), None, None)
+        return kernel_step_output(phi_q, state.sums, eps=torch.finfo(query.dtype).tiny), state

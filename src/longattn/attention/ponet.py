@@ -36,6 +36,7 @@ from longattn.attention.base import (
     merge_heads,
     register_attention,
     split_heads,
+    uses_gpu_path,
 )
 
 __all__ = ["PoNetMixing", "fixed_segment_ids", "ponet_mixing", "ponet_mixing_reference"]
@@ -54,7 +55,8 @@ def fixed_segment_ids(batch: int, length: int, segment_num: int, device: torch.d
     return (torch.arange(length, device=device) // segment_len).expand(batch, length)
 
 
-def _check_segment_ids(segment_ids: Tensor, batch: int, length: int, device: torch.device) -> None:
+def _check_segment_ids(segment_ids: Tensor, batch: int, length: int, device: torch.device,
+                       read_values: bool = True) -> None:
     if not isinstance(segment_ids, Tensor) or segment_ids.dtype not in (torch.int32, torch.int64):
         raise AttentionError("segment_ids must be an integer (int32/int64) tensor [B, N]")
     if segment_ids.shape != (batch, length):
@@ -63,8 +65,23 @@ def _check_segment_ids(segment_ids: Tensor, batch: int, length: int, device: tor
         )
     if segment_ids.device != device:
         raise AttentionError(f"segment_ids are on {segment_ids.device} but the input is on {device}")
-    if segment_ids.numel() and int(segment_ids.min()) < 0:
+    if read_values and segment_ids.numel() and int(segment_ids.min()) < 0:
         raise AttentionError("segment_ids must be non-negative")
+
+
+def _compact_segments(segment_ids: Tensor, num_segments: int | None) -> tuple[Tensor, int]:
+    """Segment ids as 0..S-1 and the buffer size S for the segment maxima (eq. 3). CPU path: the labels
+    that occur (``torch.unique``); GPU path, which must not read values back: ids already in
+    0..num_segments-1 as they are, any others ranked within their own sequence (a sort, then a running
+    count of label changes), in a buffer of N slots."""
+    if not uses_gpu_path(segment_ids):
+        labels, compact = torch.unique(segment_ids, return_inverse=True)  # any labels -> 0..S-1
+        return compact, labels.numel()
+    if num_segments is not None:
+        return segment_ids, num_segments
+    ordered, order = segment_ids.sort(dim=1, stable=True)
+    change = F.pad(ordered[:, 1:] != ordered[:, :-1], (1, 0), value=False)
+    return torch.empty_like(ordered).scatter_(1, order, change.long().cumsum(1)), segment_ids.shape[1]
 
 
 def _check_pooling_inputs(tensors: dict[str, Tensor], like: Tensor, kernel_size: int) -> None:
@@ -104,22 +121,26 @@ def ponet_mixing(
     kernel_size: int = 3,
     scale: float | None = None,
     parts: tuple[str, ...] = PARTS,
+    num_segments: int | None = None,
 ) -> Tensor:
     """PoNet's token mixing (eqs. 1-6) on [B, H, N, Dh]: ``query, key, value`` are H_Q, H_K, H_V,
-    ``segment, local, gate`` are H_s, H_l, H_o; ``segment_ids`` [B, N] name each token's segment.
+    ``segment, local, gate`` are H_s, H_l, H_o; ``segment_ids`` [B, N] name each token's segment
+    (``num_segments``: they are already 0..num_segments-1, as :func:`fixed_segment_ids` makes them).
 
-    Returns ``(g' + s^{seg(n)}) o H_o^n + l^n``; rows of padded tokens are zero.
+    Returns ``(g' + s^{seg(n)}) o H_o^n + l^n``; rows of padded tokens are zero. The GPU path reads no
+    value back to the host (negative ids are then not refused: they work like any other label).
     """
     check_qkv(query, key, value, attention_mask)
     _check_pooling_inputs({"segment": segment, "local": local, "gate": gate}, query, kernel_size)
     _check_parts(parts)
     batch, heads, length, head_dim = query.shape
-    _check_segment_ids(segment_ids, batch, length, query.device)
+    _check_segment_ids(segment_ids, batch, length, query.device, read_values=not uses_gpu_path(query))
     real = _real(attention_mask, query)
     gate = gate.masked_fill(~real, 0.0)  # replaced, not multiplied: whatever padding holds stays out
     # eq. 1: g = mean of H_Q over the real tokens
-    count = real.sum(2, keepdim=True).clamp_min(1).to(query.dtype)
-    g = query.masked_fill(~real, 0.0).sum(2, keepdim=True) / count  # [B, H, 1, Dh]
+    work = compute_dtype(query.dtype)  # the mean over N tokens summed in float32 for half inputs
+    count = real.sum(2, keepdim=True).clamp_min(1).to(work)
+    g = (query.masked_fill(~real, 0.0).sum(2, keepdim=True, dtype=work) / count).to(query.dtype)  # [B, H, 1, Dh]
     # eq. 2: g' = Attention{g, H_K, H_V}, a one-query cross-attention (SDPA)
     sdpa_mask = None
     if attention_mask is not None:  # a sequence without real tokens attends to all (zeroed below): no NaN
@@ -129,9 +150,9 @@ def ponet_mixing(
     # eq. 3: channel-wise max over each segment's real tokens, broadcast back to its tokens
     lowest = float("-inf")
     flat = segment.masked_fill(~real, lowest).transpose(1, 2).reshape(batch, length, heads * head_dim)
-    labels, compact = torch.unique(segment_ids, return_inverse=True)  # any labels -> 0..S-1
+    compact, slots = _compact_segments(segment_ids, num_segments)
     index = compact.unsqueeze(-1).expand_as(flat)
-    seg_max = flat.new_full((batch, labels.numel(), heads * head_dim), lowest)
+    seg_max = flat.new_full((batch, slots, heads * head_dim), lowest)
     seg_max = seg_max.scatter_reduce(1, index, flat, reduce="amax", include_self=False)
     seg = seg_max.gather(1, index).view(batch, length, heads, head_dim).transpose(1, 2)
     # eq. 4: sliding max over k positions (stride 1), padded tokens at -inf
@@ -255,6 +276,10 @@ class PoNetMixing(AttentionBase):
         unused = torch.zeros_like(next(iter(features.values())))
         return {name: features.get(name, unused) for name in ("query", "key", "value", "segment", "local", "gate")}
 
+    def num_fixed_segments(self, length: int) -> int:
+        """How many segments :func:`fixed_segment_ids` makes of ``length`` positions."""
+        return (length - 1) // (length // self.segment_num + 1) + 1
+
     def segment_ids(self, x: Tensor, layer_state: dict | None) -> Tensor:
         given = None if layer_state is None else layer_state.get(SEGMENT_IDS_KEY)
         if given is None:
@@ -262,15 +287,20 @@ class PoNetMixing(AttentionBase):
         return given
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        work = compute_dtype(x.dtype)  # -inf fills and sums stay exact in half precision
-        features = {name: t.to(work) for name, t in self.project(x).items()}
+        features = self.project(x)
+        gpu = uses_gpu_path(x)
+        if not gpu:  # float32 features for half inputs; the GPU path keeps the projections' dtype (the maxima
+            # are exact in any dtype, the mean sums in float32), not six float32 copies of the sequence
+            features = {name: t.to(compute_dtype(x.dtype)) for name, t in features.items()}
+        given = layer_state is not None and layer_state.get(SEGMENT_IDS_KEY) is not None
         mixed = ponet_mixing(
             features["query"], features["key"], features["value"], attention_mask,
             segment=features["segment"], local=features["local"], gate=features["gate"],
             segment_ids=self.segment_ids(x, layer_state), kernel_size=self.kernel_size, scale=self.scale,
-            parts=self.parts,
+            parts=self.parts, num_segments=None if given else self.num_fixed_segments(x.shape[1]),
         )
-        return self.to_out(merge_heads(mixed).to(x.dtype))
+        mixed = merge_heads(mixed)
+        return self.to_out(mixed if gpu else mixed.to(x.dtype))
 
     def extra_repr(self) -> str:
         return (

@@ -33,6 +33,7 @@ from longattn.attention.base import (
     padding_safe,
     register_attention,
 )
+from longattn.attention.decoding import KVState
 
 __all__ = ["RealformerAttention", "realformer_attention", "realformer_attention_reference"]
 
@@ -79,18 +80,26 @@ def realformer_attention(
     and with ``return_weights`` also softmax(S_l) [B, H, N, N] as it multiplied V (analyses).
 
     Scores accumulate in :func:`compute_dtype` (float32 for half inputs) and are returned in it.
-    A query with no key to attend to gets zeros.
+    Under autocast Q K^T runs in the autocast dtype and the sum S_l in float32 (a fused ``baddbmm``
+    would add the carried scores in the autocast dtype). A query with no key to attend to gets zeros.
     """
     check_qkv(query, key, value, attention_mask)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     work = compute_dtype(query.dtype)
-    q = _zero_padding(query, attention_mask).to(work)
-    k = _zero_padding(key, attention_mask).to(work)
+    autocast = query.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(query.device.type)
+    q = _zero_padding(query, attention_mask)
+    k = _zero_padding(key, attention_mask)
+    if not autocast:
+        q, k = q.to(work), k.to(work)
     n_q, n_k = q.shape[-2], k.shape[-2]
     expected = torch.Size((*q.shape[:2], n_q, n_k))
     _check_prev_scores(prev_scores, expected)
     flat_q, flat_k = q.flatten(0, 1), k.flatten(0, 1).transpose(-1, -2)
-    if prev_scores is None:
+    if autocast:
+        scores = torch.bmm(flat_q, flat_k).to(work).mul_(scale)
+        if prev_scores is not None:
+            scores = scores.add_(prev_scores.flatten(0, 1).to(work))
+    elif prev_scores is None:
         scores = torch.bmm(flat_q, flat_k).mul_(scale)
     else:  # S_l = prev + scale * Q K^T in one fused kernel
         scores = torch.baddbmm(prev_scores.to(work).flatten(0, 1), flat_q, flat_k, alpha=scale)
@@ -106,7 +115,7 @@ def realformer_attention(
     weights = torch.softmax(logits, dim=-1)
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
-    out = weights @ value.to(work)
+    out = weights @ (value if autocast else value.to(work))
     if no_key is not None:
         out = out.masked_fill(no_key, 0.0)
     if return_weights:
@@ -201,3 +210,41 @@ class RealformerAttention(AttentionBase):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, residual_scores={self.residual_scores}, causal={self.causal}"
+
+    # -- decoding: the KV cache; the new query's score row flows to the next layer ---------------
+    decode_state = "kv_cache"
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, KVState]:
+        carry = self.residual_scores and layer_state is not None
+        out, scores = realformer_attention(
+            query, key, value, attention_mask, prev_scores=layer_state.get(SCORES_KEY) if carry else None,
+            is_causal=True, scale=self.scale, dropout_p=self.dropout if self.training else 0.0)
+        if carry:
+            layer_state[SCORES_KEY] = scores
+        return out, KVState.start(key, value, attention_mask)
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: KVState, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, KVState]:
+        """Row t of S_l = Q K^T / sqrt(d) + S_{l-1}: the previous layer's row t (left in ``layer_state`` by its step)
+        plus the new query's scores against the cached keys; its softmax over the real keys weighs the values."""
+        state.append(key, value, real)
+        keys, values, visible = state.view()
+        work = compute_dtype(query.dtype)
+        if real is not None:  # a padded query row scores 0 (its q is zeroed in the full forward too)
+            query = query.masked_fill(~real[:, None, None, None], 0.0)
+        scale = 1.0 / math.sqrt(query.shape[-1]) if self.scale is None else self.scale
+        scores = (query.to(work) @ keys.to(work).transpose(-1, -2)) * scale
+        carry = self.residual_scores and layer_state is not None
+        if carry and layer_state.get(SCORES_KEY) is not None:
+            previous = layer_state[SCORES_KEY]
+            _check_prev_scores(previous, scores.shape)
+            scores = scores + previous.to(work)
+        if carry:
+            layer_state[SCORES_KEY] = scores
+        sees = visible.any(-1)[:, None, None, None]
+        weights = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1)
+        weights = torch.where(sees, weights, 0.0)
+        if self.training and self.dropout > 0:
+            weights = F.dropout(weights, p=self.dropout)
+        return (weights @ values.to(work)).to(value.dtype), state

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longattn.attention._triton import kernels_run_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -47,7 +48,7 @@ from longattn.attention.base import (
     split_heads,
     uses_gpu_path,
 )
-from longattn.attention.linear import kernels_run_on
+from longattn.attention.decoding import KVState
 
 SELF_ATTENTION_SCORE = -5e4  # "attend to itself only if nothing else": large negative but finite
 BLOCK_ELEMENTS = 1 << 18  # scores (or hash projections) computed at once: cache-sized, never [N, N]
@@ -547,3 +548,25 @@ class ReformerAttention(AttentionBase):
         out = lsh_attention(qk, v, attention_mask, rotations=rotations, bucket_size=self.bucket_size,
                             attend_across_buckets=self.attend_across_buckets, is_causal=self.causal)
         return self.to_out(merge_heads(out))
+
+    # -- decoding: no incremental form (fresh buckets at every call, their number following N): each token
+    # recomputes the causal LSH attention over the cached shared-QK vectors and values, keeping the last row --
+    decode_state = "recompute"
+
+    def _lsh(self, qk: Tensor, v: Tensor, attention_mask: Tensor | None) -> Tensor:
+        n_b = num_buckets(qk.shape[2], self.bucket_size)
+        rotations = torch.randn(self.head_dim, self.n_hashes, n_b // 2, device=qk.device, dtype=qk.dtype)
+        return lsh_attention(qk, v, attention_mask, rotations=rotations, bucket_size=self.bucket_size,
+                             attend_across_buckets=self.attend_across_buckets, is_causal=True)
+
+    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
+                       layer_state: dict | None) -> tuple[Tensor, KVState]:
+        qk, v = split_heads(self.to_qk(x), self.heads), split_heads(self.to_v(x), self.heads)
+        return self.to_out(merge_heads(self._lsh(qk, v, attention_mask))), KVState.start(qk, v, attention_mask)
+
+    def step_attend(self, x: Tensor, state: KVState, real: Tensor | None,
+                    layer_state: dict | None) -> tuple[Tensor, KVState]:
+        state.append(split_heads(self.to_qk(x), self.heads), split_heads(self.to_v(x), self.heads), real)
+        qk, v, visible = state.view()
+        out = self._lsh(qk, v, visible if state.padded else None)[:, :, -1:]
+        return self.to_out(merge_heads(out)), state

@@ -32,6 +32,7 @@ from longattn.attention.base import (
     AttentionError,
     Capabilities,
     check_qkv,
+    compute_dtype,
     merge_heads,
     padding_safe,
     register_attention,
@@ -116,9 +117,10 @@ def _pseudo_token_attention(
     """Multi-head attention among the r pseudo tokens (eq. 9) on [B, H, r, Dh].
 
     Returns (context [B, H, r, Dh], A' [B, H, r, r], scores [B, H, r, r]); ``scores`` are the raw
-    scores plus ``prev_scores`` (RealFormer), i.e. what the next layer adds to its own.
+    scores plus ``prev_scores`` (RealFormer), i.e. what the next layer adds to its own. Scores, their
+    sum over the layers and the softmax are float32 for half inputs (:func:`compute_dtype`).
     """
-    scores = pseudo_q @ pseudo_k.transpose(-1, -2) * scale
+    scores = (pseudo_q @ pseudo_k.transpose(-1, -2)).to(compute_dtype(pseudo_q.dtype)) * scale
     if prev_scores is not None:
         if prev_scores.shape != scores.shape:
             raise AttentionError(
@@ -128,7 +130,7 @@ def _pseudo_token_attention(
             )
         scores = scores + prev_scores
     attn = torch.softmax(scores, dim=-1)
-    context = _dropout(attn, dropout_p) @ pseudo_v
+    context = _dropout(attn, dropout_p).to(pseudo_v.dtype) @ pseudo_v
     return context, attn, scores
 
 

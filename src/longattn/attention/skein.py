@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from longattn.attention._triton import kernels_run_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -47,7 +48,7 @@ from longattn.attention.base import (
     register_attention,
     uses_gpu_path,
 )
-from longattn.attention.linear import kernels_run_on, normalised
+from longattn.attention.linear import normalised
 
 ColumnSampling = Literal["importance", "uniform"]
 RowNormalization = Literal["adaptive", "simple", "none"]

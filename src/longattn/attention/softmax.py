@@ -16,6 +16,7 @@ from longattn.attention.base import (
     padding_safe,
     register_attention,
 )
+from longattn.attention.decoding import KVState, attend_keys
 
 
 def _sdpa_mask(attention_mask: Tensor | None) -> Tensor | None:
@@ -143,3 +144,22 @@ class SoftmaxAttention(AttentionBase):
             self.record_map(softmax_weights(q, k, attention_mask, is_causal=self.causal, scale=self.scale), v,
                             attention_mask)
         return self.proj.out(out)
+
+    # -- decoding: the KV cache -----------------------------------------------------------------
+    decode_state = "kv_cache"
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, KVState]:
+        out = softmax_attention(query, key, value, attention_mask, dropout_p=self.dropout if self.training else 0.0,
+                                is_causal=True, scale=self.scale)
+        return out, KVState.start(key, value, attention_mask)
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: KVState, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, KVState]:
+        """The new query against every cached key (the new one included)."""
+        state.append(key, value, real)
+        keys, values, visible = state.view()
+        visible = visible[:, None, None, :] if state.padded else None
+        out = attend_keys(query, keys, values, visible, scale=self.scale,
+                          dropout_p=self.dropout if self.training else 0.0)
+        return out, state

@@ -35,6 +35,7 @@ from longattn.attention.base import (
     register_attention,
     split_heads,
 )
+from longattn.attention.decoding import KVState
 
 __all__ = ["SynthesizerAttention", "synthesizer_attention", "synthesizer_attention_reference"]
 
@@ -277,3 +278,48 @@ class SynthesizerAttention(AttentionBase):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, variant={self.variant!r}, mix_dot_product={self.mix_dot_product}"
+
+    # -- decoding: the cached values (and keys of a dot-product mixture); the new token's logit row --
+    decode_state = "kv_cache"
+
+    def part_row(self, x: Tensor, part: str, position: int) -> Tensor:
+        """Row ``position`` of one variant's logits B for the token ``x`` [B, 1, dim] there: [B or 1, H, 1, position + 1]
+        (its keys 0 .. position; the causal mask hides the rest)."""
+        b = x.shape[0]
+        keys = position + 1
+        if part == "dense":
+            rows = self.dense_out(torch.relu(self.dense_hidden(x)))
+            return rows.view(b, 1, self.heads, self.max_len)[..., :keys].transpose(1, 2)
+        if part == "factorized_dense":
+            hidden = torch.relu(self.factorized_hidden(x))
+            a = self.to_a(hidden).view(b, 1, self.heads, self.factor_a).transpose(1, 2)
+            bb = self.to_b(hidden).view(b, 1, self.heads, self.factor_b).transpose(1, 2)
+            return (a.repeat(1, 1, 1, self.factor_b) * bb.repeat_interleave(self.factor_a, dim=-1))[..., :keys]
+        if part == "random":
+            return self.random_logits[:, position:keys, :keys].unsqueeze(0)
+        return (self.random_left[:, position:keys] @ self.random_right[:, :keys].transpose(-1, -2)).unsqueeze(0)
+
+    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
+                       layer_state: dict | None) -> tuple[Tensor, KVState]:
+        key = split_heads(self.to_k(x), self.heads) if self.mix_dot_product else None
+        state = KVState.start(key, split_heads(self.to_v(x), self.heads), attention_mask)
+        return self.attend(x, attention_mask, layer_state), state
+
+    def step_attend(self, x: Tensor, state: KVState, real: Tensor | None,
+                    layer_state: dict | None) -> tuple[Tensor, KVState]:
+        t = state.length
+        key = split_heads(self.to_k(x), self.heads) if self.mix_dot_product else None
+        state.append(key, split_heads(self.to_v(x), self.heads), real)
+        keys, values, visible = state.view()
+        rows = [self.part_row(x, part, t) for part in self.parts]
+        weights = [1.0] * len(rows) if self.mix_weights is None else list(self.mix_weights)
+        logits = sum(w * row for w, row in zip(weights, rows)).to(x.dtype)
+        if self.mix_dot_product:
+            query = split_heads(self.to_q(x), self.heads)
+            logits = logits + self.mix_weights[-1] * (query @ keys.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        keep = visible[:, None, None, :]
+        probs = torch.softmax(logits.masked_fill(~keep, torch.finfo(logits.dtype).min), dim=-1)
+        if self.training and self.dropout > 0:
+            probs = F.dropout(probs, p=self.dropout)
+        out = (probs @ values).masked_fill(~keep.any(-1, keepdim=True), 0.0)
+        return self.to_out(merge_heads(out)), state

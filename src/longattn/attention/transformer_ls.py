@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
@@ -42,14 +42,17 @@ from longattn.attention.base import (
     merge_heads,
     output_dtype,
     padding_safe,
+    recomputed,
     register_attention,
     split_heads,
     uses_gpu_path,
 )
 from longattn.attention.chunked import Band, SparsePattern, window_chunk, windowed_attention
+from longattn.attention.decoding import DecodingState, WindowState, ones_or
 
 __all__ = [
     "LongShortAttention",
+    "LongShortState",
     "dynamic_projection",
     "long_short_attention",
     "long_short_attention_reference",
@@ -245,7 +248,7 @@ def long_short_attention_gpu(query: Tensor, key: Tensor, value: Tensor, attentio
             key_long, value_long = proj @ key, proj @ value
         return _normalised(key, value, key_long, value_long, short_norm, long_norm, dtype)
 
-    terms = checkpoint(keys, key, value, projection_logits, use_reentrant=False, preserve_rng_state=False)
+    terms = recomputed(keys, key, value, projection_logits)
     return _attend_gpu(query, *terms, attention_mask, window_size, is_causal, chunk_size, scale, dropout_p)
 
 
@@ -501,10 +504,8 @@ class LongShortAttention(AttentionBase):
             key_long, value_long = _projected_from_input(tokens, proj, (self.proj.to_k, self.proj.to_v))
             return self.long_norm(key_long).to(dtype), self.long_norm(value_long).to(dtype)
 
-        recomputed = dict(use_reentrant=False, preserve_rng_state=False)
-        key_short, value_short = (checkpoint(short_term, x, linear, **recomputed)
-                                  for linear in (self.proj.to_k, self.proj.to_v))
-        key_long, value_long = checkpoint(long_term, x, **recomputed)
+        key_short, value_short = (recomputed(short_term, x, linear) for linear in (self.proj.to_k, self.proj.to_v))
+        key_long, value_long = recomputed(long_term, x)
         return _attend_gpu(query, key_short, value_short, key_long, value_long, attention_mask, self.window_size,
                            self.causal, self.chunk_size, scale, self.dropout if self.training else 0.0)
 
@@ -514,3 +515,87 @@ class LongShortAttention(AttentionBase):
         else:
             extra = f"rank={self.rank}"
         return f"{super().extra_repr()}, window_size={self.window_size}, {extra}, causal={self.causal}"
+
+    # -- decoding: the window, the chunk being filled and the compressed completed chunks ---------
+    decode_state = "chunked"
+
+    def _completed_chunks(self, key: Tensor, value: Tensor, logits: Tensor, real: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The long-term keys and values (after LN_L) of whole chunks [B, H, C r, d] and which of them a query may
+        see [B, C r] (a chunk with a real token)."""
+        count = key.shape[2] // self.chunk_size
+        if count == 0:
+            shape = (key.shape[0], self.heads, 0, self.head_dim)
+            return key.new_zeros(shape), value.new_zeros(shape), real.new_zeros(key.shape[0], 0)
+        used = count * self.chunk_size
+        key_c, value_c, visible = _causal_long_term(key[:, :, :used], value[:, :, :used], logits[:, :, :used],
+                                                    real[:, :used], self.chunk_size, used)
+        return self.long_norm(key_c), self.long_norm(value_c), visible[:, 0, -1]
+
+    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
+                       layer_state: dict | None) -> tuple[Tensor, LongShortState]:
+        q, k, v = self.proj.qkv(x)
+        logits = self.projection_logits(x)
+        out = long_short_attention(q, k, v, attention_mask, projection_logits=logits, window_size=self.window_size,
+                                   short_norm=self.short_norm, long_norm=self.long_norm, is_causal=True,
+                                   chunk_size=self.chunk_size, scale=self.scale,
+                                   dropout_p=self.dropout if self.training else 0.0)
+        b, n = x.shape[:2]
+        real = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
+        key_long, value_long, long_visible = self._completed_chunks(k, v, logits, real)
+        start = n // self.chunk_size * self.chunk_size  # the chunk being filled
+        state = LongShortState(
+            length=n, window=WindowState.start(self.short_norm(k), self.short_norm(v), real, self.window_size - 1),
+            key_long=key_long, value_long=value_long, long_visible=long_visible,
+            chunk_key=k[:, :, start:], chunk_value=v[:, :, start:], chunk_logits=logits[:, :, start:],
+            chunk_real=real[:, start:])
+        return self.proj.out(out), state
+
+    def step_attend(self, x: Tensor, state: LongShortState, real: Tensor | None,
+                    layer_state: dict | None) -> tuple[Tensor, LongShortState]:
+        """The new query against the w keys ending at it and the chunks completed up to it (the chunk that it
+        completes included), under one softmax (eq. 5)."""
+        q, k, v = self.proj.qkv(x)
+        real = ones_or(real, x.shape[0], x.device)
+        state.chunk_key = torch.cat([state.chunk_key, k], 2)
+        state.chunk_value = torch.cat([state.chunk_value, v], 2)
+        state.chunk_logits = torch.cat([state.chunk_logits, self.projection_logits(x)], 2)
+        state.chunk_real = torch.cat([state.chunk_real, real[:, None]], 1)
+        if state.chunk_key.shape[2] == self.chunk_size:  # the chunk is complete: compress it to chunk_rank tokens
+            key_c, value_c, visible_c = self._completed_chunks(state.chunk_key, state.chunk_value, state.chunk_logits,
+                                                               state.chunk_real)
+            state.key_long = torch.cat([state.key_long, key_c], 2)
+            state.value_long = torch.cat([state.value_long, value_c], 2)
+            state.long_visible = torch.cat([state.long_visible, visible_c], 1)
+            state.chunk_key, state.chunk_value = state.chunk_key[:, :, :0], state.chunk_value[:, :, :0]
+            state.chunk_logits, state.chunk_real = state.chunk_logits[:, :, :0], state.chunk_real[:, :0]
+        k_win, v_win, visible_short = state.window.with_token(self.short_norm(k), self.short_norm(v), real)
+        scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+        minimum = torch.finfo(q.dtype).min
+        scores = torch.cat([(q @ k_win.transpose(-1, -2)).masked_fill(~visible_short[:, None, None, :], minimum),
+                            (q @ state.key_long.transpose(-1, -2)).masked_fill(~state.long_visible[:, None, None, :],
+                                                                                minimum)], -1)
+        weights = torch.softmax(scores * scale, dim=-1)
+        if self.training and self.dropout > 0:
+            weights = F.dropout(weights, p=self.dropout)
+        w_short, w_long = weights.split([k_win.shape[2], state.key_long.shape[2]], dim=-1)
+        out = w_short @ v_win + w_long @ state.value_long
+        sees = visible_short.any(-1) | state.long_visible.any(-1)
+        out = out.masked_fill(~sees[:, None, None, None], 0.0)
+        state.window.slide(k_win, v_win, visible_short)
+        return self.proj.out(out), state
+
+
+@dataclass
+class LongShortState(DecodingState):
+    """Transformer-LS's decoding state: the short-term window (LN_S'd keys and values of the last w - 1 tokens),
+    the long-term keys and values of the completed chunks (LN_L'd, ``chunk_rank`` per chunk) and the raw keys,
+    values, projection logits and real flags of the chunk being filled."""
+
+    window: WindowState | None = None
+    key_long: Tensor | None = None
+    value_long: Tensor | None = None
+    long_visible: Tensor | None = None
+    chunk_key: Tensor | None = None
+    chunk_value: Tensor | None = None
+    chunk_logits: Tensor | None = None
+    chunk_real: Tensor | None = None

@@ -12,6 +12,7 @@ from longattn.attention.base import (
     AttentionBase,
     Capabilities,
     check_qkv,
+    compute_dtype,
     merge_heads,
     padding_safe,
     register_attention,
@@ -26,14 +27,15 @@ def vmean_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: T
     ``query`` and ``key`` are only checked for shape. A sequence without real tokens gives zeros.
     """
     check_qkv(query, key, value, attention_mask)
+    work = compute_dtype(value.dtype)  # the sum over N tokens in float32 for half values
     if attention_mask is None:
-        mean = value.mean(dim=2, keepdim=True)
+        mean = value.mean(dim=2, keepdim=True, dtype=work)
     else:
-        real = attention_mask[:, None, :, None].to(value.dtype)
+        real = attention_mask[:, None, :, None]
         # Padded values are excluded by selection (not by multiplication), so inf/nan there cannot leak.
-        total = value.masked_fill(real == 0, 0.0).sum(dim=2, keepdim=True)
-        mean = total / real.sum(dim=2, keepdim=True).clamp(min=1)
-    return mean.expand_as(value)
+        total = value.masked_fill(~real, 0.0).sum(dim=2, keepdim=True, dtype=work)
+        mean = total / real.sum(dim=2, keepdim=True).clamp(min=1).to(work)
+    return mean.to(value.dtype).expand_as(value)
 
 
 @padding_safe

@@ -433,15 +433,20 @@ def machine_rates(device: str = "cpu", dtype: str = "float32", threads: int = 1,
 
 
 def traffic_bytes(config: SpeedConfig, parameters: int) -> int:
-    """Bytes forward+backward of an attention layer must move at the very least.
+    """Bytes forward+backward of an attention layer must move at the very least (:func:`layer_traffic_bytes`)."""
+    item = torch.finfo(getattr(torch, config.dtype)).bits // 8
+    return layer_traffic_bytes(config.batch * config.length * config.dim, parameters, item, item)
+
+
+def layer_traffic_bytes(activations: int, parameters: int, activation_item: int, parameter_item: int) -> int:
+    """Bytes forward+backward of an attention layer must move at the very least, for ``activations``
+    elements of x (and of y) and ``parameters`` weights of the given byte sizes.
 
     Forward reads x and writes y; backward reads dy and x and writes dx; every parameter is read
     twice (forward and backward) and its gradient written once. Anything beyond this (scores,
     samples, FFT buffers) is the mechanism's own overhead, which the floor ratio exposes.
     """
-    item = torch.finfo(getattr(torch, config.dtype)).bits // 8
-    activation = config.batch * config.length * config.dim * item
-    return 5 * activation + 3 * parameters * item
+    return 5 * activations * activation_item + 3 * parameters * parameter_item
 
 
 def add_floor(row: dict[str, Any], config: SpeedConfig, rates: dict[str, float]) -> None:

@@ -21,9 +21,10 @@ parameters (under :func:`longattn.hf.convert`) it owns.
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -103,8 +104,8 @@ class ModelProjections(nn.Module):
     def load(self, query: Tensor | None, key: Tensor | None = None, value: Tensor | None = None, *,
              rotary: bool = False, rescaled: bool = False) -> None:
         """Hand over (or, with None, take back) the model's q, k, v for one attention call."""
-        self._qkv = None if query is None else (query, key, value)
-        self._rotary, self._rescaled = rotary, rescaled
+        # plain attributes, set directly: nn.Module.__setattr__ costs more than the rest of a decoding step's call
+        self.__dict__.update(_qkv=None if query is None else (query, key, value), _rotary=rotary, _rescaled=rescaled)
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self._qkv is None:
@@ -151,7 +152,61 @@ def _default_scaling(head_dim: int) -> float:
     return head_dim**-0.5
 
 
+class PackedMask(NamedTuple):
+    """What longattn's mask function hands the attention function for a packed batch (several sequences per row,
+    transformers' ``DataCollatorWithFlattening``): the sequence of each token [B, N] and the padding mask."""
+
+    segments: Tensor
+    padding: Tensor | None
+
+
+def _mask_parts(mask_function: Callable) -> list[tuple[str, dict[str, Any]]]:
+    """(qualified name, closure variables) of a transformers mask function and of the parts ``and_masks`` joins."""
+    name = getattr(mask_function, "__qualname__", "")
+    closure = inspect.getclosurevars(mask_function).nonlocals if inspect.isfunction(mask_function) else {}
+    if name.startswith("and_masks.") and "mask_functions" in closure:
+        return [part for f in closure["mask_functions"] for part in _mask_parts(f)]
+    return [(name, closure)]
+
+
+def _packed_segments(mask_function: Callable) -> Tensor | None:
+    """The [B, N] sequence ids of transformers' packed-sequence mask (causal or bidirectional within each
+    sequence, detected from position ids that restart), or None for any other pattern."""
+    parts = dict(_mask_parts(mask_function))
+    remap = parts.pop("remap_positions_for_packed_sequence.<locals>.inner_mask", None)
+    packed = parts.pop("packed_sequence_mask_function.<locals>.inner_mask", None)
+    if parts or remap is None or packed is None:
+        return None
+    inner = getattr(remap.get("mask_function"), "__name__", "")
+    if inner not in ("causal_mask_function", "bidirectional_mask_function"):
+        return None
+    segments = packed.get("packed_sequence_mask")
+    return segments if isinstance(segments, Tensor) and segments.dim() == 2 else None
+
+
+def packed_segments_of(attention_mask: Any, kwargs: dict, batch: int, length: int) -> Tensor | None:
+    """The [B, N] sequence ids of a packed batch, None when the batch is not packed: from longattn's mask function
+    (transformers' packed-sequence pattern), from flash-attention's ``cu_seq_lens_q`` among the call's kwargs, or,
+    without a padding mask, from ``position_ids`` that restart (transformers itself detects packing only
+    without a cache, so a model called with its default ``use_cache=True`` would mix the sequences)."""
+    from longattn.attention.packing import segment_ids
+
+    if isinstance(attention_mask, PackedMask):
+        return attention_mask.segments
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return segment_ids(cu_seqlens=kwargs["cu_seq_lens_q"], shape=(batch, length))
+    positions = kwargs.get("position_ids")
+    if attention_mask is None and length > 1 and isinstance(positions, Tensor) and positions.dim() == 2 \
+            and positions.shape[1] == length:
+        segments = segment_ids(position_ids=positions, shape=(batch, length))
+        if bool((segments[:, -1] > 0).any()):
+            return segments
+    return None
+
+
 def _check_mask(mask: Any, batch: int, kv_len: int) -> Tensor | None:
+    if isinstance(mask, PackedMask):
+        mask = mask.padding
     if mask is None:
         return None
     if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.dtype != torch.bool:
@@ -176,6 +231,19 @@ def repeat_kv(key: Tensor, value: Tensor, heads: int) -> tuple[Tensor, Tensor]:
     return key.repeat_interleave(heads // kv_heads, dim=1), value.repeat_interleave(heads // kv_heads, dim=1)
 
 
+def common_dtype(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v in one dtype: the autocast dtype inside ``torch.autocast`` (rotary embeddings hand back float32
+    queries and keys next to half-precision values), else the widest of the three."""
+    device_type = query.device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    elif query.dtype == key.dtype == value.dtype:
+        return query, key, value
+    else:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def run_mechanism(
     mechanism: AttentionBase,
     projections: ModelProjections | None,
@@ -191,24 +259,39 @@ def run_mechanism(
     layer_state: dict | None = None,
     ignore_dropout: bool = False,
     rotary: bool = False,
+    cache_layer: Any = None,
+    segments: Tensor | None = None,
 ) -> Tensor:
-    """One attention call of a transformers module through ``mechanism``; returns [B, N, H, Dh]."""
+    """One attention call of a transformers module through ``mechanism``; returns [B, N, H, Dh].
+
+    With ``cache_layer`` (a :class:`~longattn.hf.cache.LongattnCacheLayer`) the call decodes: the first one
+    prefills the mechanism's decoding state, later ones step it one token at a time; ``key``/``value`` are then
+    the new tokens' only and ``attention_mask`` covers every token so far. With ``segments`` ([B, N] sequence
+    ids of a packed batch) each sequence is computed on its own (see :mod:`longattn.attention.packing`)."""
     name = mechanism.name
+    query, key, value = common_dtype(query, key, value)
     b, heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     if getattr(module, "is_cross_attention", False) or "crossattention" in type(module).__name__.lower():
         raise AttentionError(f"longattn_{name} handles self-attention only, not {type(module).__name__}")
-    mask = _check_mask(attention_mask, b, kv_len)
     key, value = repeat_kv(key, value, heads)
-    if q_len != kv_len:
-        if name == "softmax" and q_len == 1:
-            # decoding with a KV cache: the one new query sees every cached key, no causal mask needed
-            out = softmax_attention(query, key, value, mask, scale=scaling)
-            return out.transpose(1, 2).contiguous()
-        raise AttentionError(
-            f"longattn_{name} needs as many queries as keys, got {q_len} queries and {kv_len} keys (decoding "
-            "with a KV cache, or cross-attention): generate with use_cache=False, or use longattn_softmax"
-        )
+    if cache_layer is not None and cache_layer.packed:
+        raise AttentionError("this cache was filled by a packed batch (several sequences per row): it cannot be "
+                             "continued; decode from a padded batch")
+    if cache_layer is not None:
+        mask = _check_mask(attention_mask, b, cache_layer.length + q_len)
+    else:
+        mask = _check_mask(attention_mask, b, kv_len)
+        if q_len != kv_len:
+            if name == "softmax" and q_len == 1:
+                # decoding with transformers' own KV cache: the one new query sees every cached key
+                out = softmax_attention(query, key, value, mask, scale=scaling)
+                return out.transpose(1, 2).contiguous()
+            raise AttentionError(
+                f"longattn_{name} needs as many queries as keys, got {q_len} queries and {kv_len} keys: decoding "
+                "with a cache needs longattn's decoding state (longattn.hf.enable(model, name) or "
+                "longattn.hf.convert install it), or generate with use_cache=False"
+            )
 
     options = get_spec(name).option_names
     rescaled = False
@@ -236,14 +319,69 @@ def run_mechanism(
     x = hidden_states
     if x is None:  # function path: the module form only reads the shape, device and dtype of x
         x = query.new_zeros(()).expand(b, q_len, heads * head_dim)
-    if projections is not None:
-        projections.load(query, key, value, rotary=rotary, rescaled=rescaled)
+    plan = None
+    if segments is not None:  # a packed batch: its sequences side by side, each padded to the longest
+        from longattn.attention.packing import check_packable, packing_plan
+
+        if cache_layer is not None:
+            if cache_layer.state is not None:
+                raise AttentionError("packed sequences cannot continue a cached sequence: decode from a padded batch")
+            cache_layer.packed = True  # a training forward's cache (use_cache=True by default): never continued
+            cache_layer = None
+        check_packable(name, mechanism)
+        plan = packing_plan(segments.to(query.device))
+        query, key, value = (plan.unpack(t, dim=2) for t in (query, key, value))
+        x = plan.unpack(x)
+        mask = plan.valid if mask is None else plan.valid & plan.unpack(mask)
+
+    def load(sl: slice = slice(None)) -> None:
+        if projections is not None:
+            projections.load(query[:, :, sl], key[:, :, sl], value[:, :, sl], rotary=rotary, rescaled=rescaled)
+
+    load()
     try:
-        out = mechanism(x, attention_mask=mask, layer_state=layer_state)
+        if cache_layer is None:
+            out = mechanism(x, attention_mask=mask, layer_state=layer_state)
+        elif cache_layer.state is None:
+            out, cache_layer.state = mechanism.prefill(x, mask, layer_state)
+        else:
+            if q_len > 1 and mechanism.capabilities.uses_layer_state:
+                raise AttentionError(f"{name} continues a cached sequence one token per forward call only")
+            steps = []
+            for i in range(q_len):  # several new tokens after a prefill: one step each
+                load(slice(i, i + 1))
+                token_mask = None if mask is None else mask[:, cache_layer.length + i:cache_layer.length + i + 1]
+                step_out, cache_layer.state = mechanism.step(x[:, i:i + 1], cache_layer.state, token_mask, layer_state)
+                steps.append(step_out)
+            out = torch.cat(steps, dim=1)
     finally:
         if projections is not None:
             projections.load(None)
+    if cache_layer is not None:
+        cache_layer.length += q_len
+    if plan is not None:
+        out = plan.repack(out)
     return out.view(b, q_len, heads, head_dim)
+
+
+def causal_options(name: str, options: dict[str, Any], causal: bool, config: Any) -> dict[str, Any]:
+    """``options`` with what a causal mechanism needs from the model: cosFormer's M (``max_positions``, eq. 9)
+    is the model's ``max_position_embeddings`` unless given, so that a token's re-weighting does not change as
+    the sequence grows (with M = N it would, and cached decoding could not follow it)."""
+    if causal and "max_positions" in get_spec(name).option_names and options.get("max_positions") is None:
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is None:
+            raise AttentionError(f"causal {name} needs max_positions (M of eq. 9): the model config has no "
+                                 "max_position_embeddings to take it from")
+        options = {**options, "max_positions": int(limit)}
+    return options
+
+
+def _cache_layer(module: nn.Module) -> Any:
+    """The LongattnCacheLayer of this call (None without a cache, or when no hooks were installed)."""
+    from longattn.hf.cache import cache_layer_of
+
+    return cache_layer_of(module)
 
 
 def _causal_of(module: nn.Module, kwargs: dict) -> bool:
@@ -333,19 +471,30 @@ def register(name: str, *, ignore_dropout: bool = False, seed: int = 0, **option
             if causal and not get_spec(name).capabilities.causal:
                 raise AttentionError(f"{name} does not support causal masking, which {type(module).__name__} needs")
             layer_seed = seed + int(getattr(module, "layer_idx", 0) or 0)
-            per_module[shape] = _function_mechanism(name, options, causal, query.shape[1], query.shape[3], layer_seed)
+            per_module[shape] = _function_mechanism(name, causal_options(name, options, causal, module.config),
+                                                    causal, query.shape[1], query.shape[3], layer_seed)
         mechanism, projections = per_module[shape]
         mechanism.train(module.training)
         mechanism.to(query.device)
         _CALLS[0] += 1
+        segments = packed_segments_of(attention_mask, kwargs, query.shape[0], query.shape[2])
         if projections is None:  # V-Mean: no projections to stand in for, its functional form on v
             mask = _check_mask(attention_mask, query.shape[0], key_.shape[2])
             if key_.shape[2] != query.shape[2]:
                 raise AttentionError(f"longattn_{name} needs as many queries as keys")
             value = repeat_kv(value, value, query.shape[1])[1]
-            return get_spec(name).functional(query, value, value, mask).transpose(1, 2).contiguous(), None
+            functional = get_spec(name).functional
+            if segments is None:
+                return functional(query, value, value, mask).transpose(1, 2).contiguous(), None
+            from longattn.attention.packing import packing_plan
+
+            plan = packing_plan(segments.to(query.device))
+            q, v = plan.unpack(query, dim=2), plan.unpack(value, dim=2)
+            unpacked_mask = plan.valid if mask is None else plan.valid & plan.unpack(mask)
+            return plan.repack(functional(q, v, v, unpacked_mask), dim=2).transpose(1, 2).contiguous(), None
         out = run_mechanism(mechanism, projections, module, query, key_, value, attention_mask,
-                            dropout=dropout, scaling=scaling, ignore_dropout=ignore_dropout)
+                            dropout=dropout, scaling=scaling, ignore_dropout=ignore_dropout,
+                            cache_layer=_cache_layer(module), segments=segments)
         return out, None
 
     AttentionInterface.register(key, attention)
@@ -376,27 +525,54 @@ def register_all() -> list[str]:
 
 def key_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                      mask_function: Callable | None = None, attention_mask: Tensor | None = None,
-                     **kwargs: Any) -> Tensor | None:
+                     **kwargs: Any) -> Tensor | PackedMask | None:
     """transformers' mask hook for longattn: the bool [B, kv_len] padding mask (None without padding).
 
-    Only the plain causal and bidirectional patterns are accepted: causality is the mechanism's own
-    (``is_causal``), and patterns it cannot express (sliding windows, chunks, packed sequences, overlays)
-    raise instead of being dropped.
+    Only the plain causal and bidirectional patterns are accepted, and transformers' packed sequences (position
+    ids that restart), handed on as a :class:`PackedMask`: causality is the mechanism's own (``is_causal``), and
+    patterns it cannot express (sliding windows, chunks, overlays) raise instead of being dropped.
     """
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
+    segments = None
     if mask_function not in (None, causal_mask_function, bidirectional_mask_function):
-        raise AttentionError(
-            f"longattn supports key padding with plain causal or bidirectional attention, not the mask pattern "
-            f"{getattr(mask_function, '__name__', mask_function)!r} (sliding window, chunked, packed sequences "
-            "or an overlay)"
-        )
-    if attention_mask is None:
-        return None
-    mask = attention_mask[:, -kv_length:].to(torch.bool)
-    if mask.shape[-1] != kv_length:
-        raise AttentionError(f"attention_mask covers {mask.shape[-1]} keys but the model attends to {kv_length}")
-    return None if bool(mask.all()) else mask
+        segments = _packed_segments(mask_function)
+        if segments is None:
+            raise AttentionError(
+                f"longattn supports key padding with plain causal or bidirectional attention, and packed sequences, "
+                f"not the mask pattern {getattr(mask_function, '__name__', mask_function)!r} (sliding window, "
+                "chunked or an overlay)"
+            )
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask[:, -kv_length:].to(torch.bool)
+        if mask.shape[-1] != kv_length:
+            raise AttentionError(f"attention_mask covers {mask.shape[-1]} keys but the model attends to {kv_length}")
+        mask = None if bool(mask.all()) else mask
+    if segments is not None:
+        return PackedMask(segments.expand(batch_size, -1), mask)
+    return mask
+
+
+def _exact_softmax(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, dropout: float,
+                   scaling: float | None, kwargs: dict) -> Tensor:
+    """The attention of a layer that a conversion left out (``layers=...``): exact softmax, [B, N, H, Dh]."""
+    query, key, value = common_dtype(query, key, value)
+    b, heads = query.shape[:2]
+    segments = packed_segments_of(attention_mask, kwargs, b, query.shape[2])
+    mask = _check_mask(attention_mask, b, key.shape[2])
+    key, value = repeat_kv(key, value, heads)
+    causal = _causal_of(module, kwargs) and query.shape[2] == key.shape[2]
+    if segments is None:
+        return softmax_attention(query, key, value, mask, dropout_p=dropout, is_causal=causal,
+                                 scale=scaling).transpose(1, 2).contiguous()
+    from longattn.attention.packing import packing_plan
+
+    plan = packing_plan(segments.to(query.device))
+    query, key, value = (plan.unpack(t, dim=2) for t in (query, key, value))
+    mask = plan.valid if mask is None else plan.valid & plan.unpack(mask)
+    out = softmax_attention(query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling)
+    return plan.repack(out, dim=2).transpose(1, 2).contiguous()
 
 
 def _register_converted() -> None:
@@ -409,16 +585,11 @@ def _register_converted() -> None:
                   dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
         _CALLS[0] += 1
         if not isinstance(getattr(module, "longattn", None), AttentionBase):  # a layer left out of the conversion (layers=...): exact softmax attention
-            b, heads = query.shape[:2]
-            mask = _check_mask(attention_mask, b, key.shape[2])
-            key, value = repeat_kv(key, value, heads)
-            causal = _causal_of(module, kwargs) and query.shape[2] == key.shape[2]
-            out = softmax_attention(query, key, value, mask, dropout_p=dropout, is_causal=causal, scale=scaling)
-            return out.transpose(1, 2).contiguous(), None
+            return _exact_softmax(module, query, key, value, attention_mask, dropout, scaling, kwargs), None
         from longattn.hf.convert import attend_converted
 
         return attend_converted(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                causal=_causal_of(module, kwargs)), None
+                                causal=_causal_of(module, kwargs), kwargs=kwargs), None
 
     AttentionInterface.register(CONVERTED_KEY, attention)
     AttentionMaskInterface.register(CONVERTED_KEY, key_padding_mask)
@@ -468,4 +639,8 @@ def enable(model: nn.Module, name: str, **options: Any) -> nn.Module:
             f"{type(model).__name__} kept attn_implementation={actual!r}: it does not route its attention "
             "through transformers' AttentionInterface, so longattn cannot replace it"
         )
+    from longattn.hf.cache import install_cache_hooks
+    from longattn.hf.convert import attention_modules
+
+    install_cache_hooks([module for _, module, _ in attention_modules(model)])  # generate(use_cache=True)
     return check_dispatch(model)

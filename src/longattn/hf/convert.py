@@ -19,6 +19,7 @@ points for fine-tuning, not zero-shot replacements.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +33,11 @@ from longattn.train.checkpoint import CheckpointError, first_line, load_weights
 from longattn.hf.bridge import (
     CONVERTED_KEY,
     ModelProjections,
+    _cache_layer,
     _register_converted,
     _transformers,
+    causal_options,
+    packed_segments_of,
     check_dispatch,
     run_mechanism,
     uses_projections,
@@ -150,7 +154,7 @@ def _after_model(model: nn.Module, args: tuple, output: Any) -> None:
 
 
 def attend_converted(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, *,
-                     dropout: float, scaling: float | None, causal: bool) -> Tensor:
+                     dropout: float, scaling: float | None, causal: bool, kwargs: dict | None = None) -> Tensor:
     """The attention call of a converted layer (see longattn.hf.bridge)."""
     mechanism: AttentionBase = module.longattn
     runtime = _runtime(mechanism)
@@ -171,7 +175,21 @@ def attend_converted(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         mechanism, runtime.projections, module, query, key, value, attention_mask,
         dropout=dropout, scaling=scaling, hidden_states=runtime.hidden_states,
         layer_state=runtime.holder.get("current"), ignore_dropout=runtime.ignore_dropout, rotary=runtime.rotary,
+        cache_layer=_cache_layer(module),
+        segments=packed_segments_of(attention_mask, kwargs or {}, query.shape[0], query.shape[2]),
     )
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` its own copy of its config (and sub-configs), in every module that holds it: the conversion
+    records itself there and switches the attention implementation, which must not reach the caller's config
+    object (nor other models built from it)."""
+    memo: dict[int, Any] = {}
+    copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        held = module.__dict__.get("config")
+        if held is not None and id(held) in memo:
+            module.__dict__["config"] = memo[id(held)]
 
 
 def convert(
@@ -208,6 +226,7 @@ def convert(
             f"{type(model).__name__} has no self-attention module with query/key/value or "
             "q_proj/k_proj/v_proj projections that longattn.hf.convert can map"
         )
+    _own_config(model)
     indices = list(range(len(found))) if layers is None else [int(i) for i in layers]
     bad = [i for i in indices if not 0 <= i < len(found)]
     if bad:
@@ -223,7 +242,8 @@ def convert(
             raise AttentionError(f"{name} does not support causal masking, which {type(module).__name__} needs")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + i)
-            mechanism = build(name, dim=heads * head_dim, heads=heads, max_len=max_len, causal=causal, **options)
+            mechanism = build(name, dim=heads * head_dim, heads=heads, max_len=max_len, causal=causal,
+                              **causal_options(name, options, causal, model.config))
         projections = _attach(mechanism, module, family, fresh, name)
         param = next(module.parameters())
         mechanism.to(device=param.device, dtype=param.dtype).train(module.training)
@@ -231,6 +251,9 @@ def convert(
         module.longattn = mechanism
         module.register_forward_pre_hook(_before_attention, with_kwargs=True)
         module.register_forward_hook(_after_attention, with_kwargs=True)
+    from longattn.hf.cache import install_cache_hooks
+
+    install_cache_hooks([found[i][1] for i in indices])  # generate(use_cache=True) keeps the decoding states
     model.__dict__[STATE_ATTR] = holder
     model.register_forward_pre_hook(_before_model)
     model.register_forward_hook(_after_model)

@@ -1,0 +1,60 @@
+"""``longattn bench gpu``: the device check (accuracy, speed against softmax and the floor, training, the
+Hugging Face bridge) in one process; ``--device cpu --smoke`` runs the same code on a CPU in seconds."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from longattn.bench.gpu import GpuCheckConfig, gpu_tables, run_gpu_check
+from longattn.commands._args import add_attentions_argument, add_list_argument, attention_names, name_type
+from longattn.commands.bench import _write
+from longattn.experiment.analyses import register_analysis
+
+_DEFAULTS = GpuCheckConfig()
+_PARTS = ("accuracy", "speed", "train", "hf")
+
+
+def _run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if (out / "gpu.json").exists() and not args.overwrite:
+        raise ValueError(f"--out {out} already holds gpu.json: pass --overwrite to measure again into it")
+    if args.overwrite and (out / "train").is_dir():
+        shutil.rmtree(out / "train")  # the training part's own run folder, rewritten
+    given = {"device": args.device, "attentions": args.attentions, "parts": args.parts, "lengths": args.lengths,
+             "tokens": args.tokens, "dim": args.dim, "heads": args.heads, "train_attention": args.train_attention,
+             "train_steps": args.train_steps, "hf_attentions": args.hf_attentions, "budget_s": args.budget_s,
+             "seed": args.seed}
+    given = {k: v for k, v in given.items() if v is not None}
+    config = GpuCheckConfig.smoke(**given) if args.smoke else GpuCheckConfig(**given)
+    report = run_gpu_check(config, out)
+    _write(out, "gpu", [], gpu_tables(report), report)
+    return 0
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=_DEFAULTS.device, help="cuda, cuda:1, ... or cpu (with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: every part in seconds (a CPU check)")
+    add_list_argument(parser, "--parts", names=lambda: _PARTS, kind="part",
+                      help=f"parts to run (default: all, {' '.join(_PARTS)})")
+    add_attentions_argument(parser, help="mechanisms (default: all registered)")
+    add_list_argument(parser, "--lengths", item="length", kind="length",
+                      help="sequence lengths of the speed part, k/m suffixes (default: 1k 4k 16k 64k)")
+    parser.add_argument("--tokens", type=int, help=f"tokens per call of the speed part (default: {_DEFAULTS.tokens})")
+    parser.add_argument("--dim", type=int, help=f"model width of the speed part (default: {_DEFAULTS.dim})")
+    parser.add_argument("--heads", type=int, help=f"heads of the speed part (default: {_DEFAULTS.heads})")
+    parser.add_argument("--train-attention", type=name_type("mechanism", attention_names),
+                        help=f"mechanism of the training part (default: {_DEFAULTS.train_attention})")
+    parser.add_argument("--train-steps", type=int, help=f"steps of the training part (default: {_DEFAULTS.train_steps})")
+    add_list_argument(parser, "--hf-attentions", names=attention_names, kind="mechanism",
+                      help=f"mechanisms of the Hugging Face part (default: {' '.join(_DEFAULTS.hf_attentions)})")
+    parser.add_argument("--budget-s", type=float, help="seconds for the whole run; rows past a part's share are "
+                        f"skipped and say so (default: {_DEFAULTS.budget_s:.0f})")
+    parser.add_argument("--seed", type=int, help=f"seed of weights and inputs (default: {_DEFAULTS.seed})")
+    parser.add_argument("--out", default="runs/bench-gpu", help="folder written: gpu.json, gpu.md, train/")
+    parser.add_argument("--overwrite", action="store_true", help="measure again into an --out that holds results")
+
+
+register_analysis("gpu", "the GPU device check: accuracy under fp32/bf16/fp16, speed against softmax and the floor, "
+                  "training, the Hugging Face bridge (one process, minutes)", _arguments, _run)

@@ -1,0 +1,75 @@
+"""``longattn bench gpu`` on a CPU (--smoke): every part runs, so the device run cannot fail on a typo."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from longattn.bench.gpu import Budget, verdicts
+from longattn.cli import main
+
+
+def test_smoke_run_writes_every_part(tmp_path, capsys):
+    out = tmp_path / "gpu"
+    args = ["bench", "gpu", "--device", "cpu", "--smoke", "--attentions", "softmax", "fsat", "skeleton",
+            "--hf-attentions", "softmax", "nystrom", "--out", str(out)]
+    assert main(args) == 0
+    report = json.loads((out / "gpu.json").read_text())
+    assert report["environment"]["torch"] == torch.__version__ and report["environment"]["date"]
+    assert report["rates"]["gemm_bf16_flop_per_s"] > 0 and report["rates"]["copy_bytes_per_s"] > 0
+    accuracy = {row["attention"]: row for row in report["accuracy"]}
+    assert set(accuracy) == {"softmax", "fsat", "skeleton"}
+    for name in ("softmax", "fsat"):
+        assert all(accuracy[name][label]["status"] == "pass" for label in ("fp32", "fp32_tf32", "bf16", "fp16"))
+    assert accuracy["fsat"]["bf16"]["dtype"] == "bfloat16"
+    speed = report["speed"]
+    assert [(r["attention"], r["length"]) for r in speed] == [
+        (name, n) for name in ("softmax", "fsat", "skeleton") for n in (64, 128)]
+    for row in speed:
+        assert row["status"] == "ok" and row["time_s"] > 0 and row["batch"] * row["length"] == 256
+        assert row["floor_s"] > 0 and row["floor_ratio"] > 0 and row["speedup_vs_softmax"] > 0
+    assert next(r for r in speed if r["attention"] == "fsat")["flops"] > 0  # counted on meta tensors
+    train = report["train"]
+    assert train["status"] == "pass" and train["steps"] == 3 and train["precision"] == "bf16"
+    assert [row["status"] for row in report["hf"]["rows"]] == ["pass", "pass"]
+    assert report["hf"]["softmax_conversion_max_abs_diff_fp32"] < 1e-5
+    table = (out / "gpu.md").read_text()
+    for heading in ("# longattn bench gpu", "## Accuracy", "## Forward + backward", "## Training", "## Hugging Face"):
+        assert heading in table
+    # a second run into the same folder must be asked for
+    assert main(args) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_verdicts_take_the_faster_row_and_only_measured_lengths():
+    def row(name, length, seconds, triton=None, **extra):
+        return {"attention": name, "length": length, "triton": triton, "status": "ok", "time_s": seconds, **extra}
+
+    rows = [row("softmax", 16384, 1.0), row("nystrom", 16384, 2.0, False, speedup_vs_softmax=0.5, memory_vs_softmax=0.9),
+            row("nystrom", 16384, 0.5, True, speedup_vs_softmax=2.0, memory_vs_softmax=1.2)]
+    (nystrom,) = verdicts(rows)
+    checks = {c["check"]: c for c in nystrom["checks"]}
+    assert set(checks) == {"speed-up vs softmax at N=16384 >= 1.0", "peak memory at N=16384 <= softmax's"}
+    assert checks["speed-up vs softmax at N=16384 >= 1.0"]["met"] is True  # the Triton row, the faster one
+    assert checks["peak memory at N=16384 <= softmax's"]["met"] is False
+
+
+def test_budget_gives_unused_time_to_the_parts_still_to_come():
+    budget = Budget(100.0)
+    with budget.part(0.5, 1.0):
+        assert 49 < budget.left() <= 50
+    with budget.part(0.25, 0.5):  # half of what is left
+        assert 49 < budget.left() <= 50
+
+
+def test_speed_rows_switch_triton_only_where_a_kernel_runs_in_the_module_form():
+    from longattn.attention._triton import interpret_triton
+    from longattn.bench.gpu import GpuCheckConfig, kernels_run, speed_plan
+
+    config, cpu = GpuCheckConfig.smoke(), torch.device("cpu")
+    with interpret_triton():  # the block-sparse kernels run in the interpreter as they would on a GPU
+        assert kernels_run("local", 64, config, cpu)
+        assert not kernels_run("fnet", 64, config, cpu)
+    assert not kernels_run("local", 64, config, cpu)  # outside it no kernel runs on a CPU
+    assert {triton for _, _, triton in speed_plan(["local", "fnet"], config, cpu, print)} == {None}
