@@ -150,9 +150,14 @@ def test_pretrain_command_and_errors(corpus, tmp_path, capsys):
 
 
 def test_specs_shipped_and_checked(tmp_path):
-    for name in ("table3_cpu", "table3_paper", "minilm_cpu"):
+    for name in ("table3_cpu", "table3_paper", "minilm"):
         spec = load_spec(name)
         assert set(spec["mechanisms"]) >= {"softmax", "skeleton"}
+    recipe = load_spec("minilm")["finetune"]
+    assert recipe["seeds"] == [0, 1, 2] and recipe["task_set"] == {"sst2": ["train.epochs=1"]}
+    write_yaml({"mechanisms": ["softmax"], "finetune": {"task_set": {"sst3": []}}}, tmp_path / "typo.yaml")
+    with pytest.raises(Exception, match="sst3"):
+        load_spec(tmp_path / "typo.yaml")
     paper = load_spec("table3_paper")["finetune"]["search"]
     assert paper == {"optim.lr": [5e-5, 1e-4], "train.batch_size": [16, 32], "train.epochs": [4, 8, 12, 16, 20]}
     bad = tmp_path / "bad.yaml"
@@ -184,3 +189,14 @@ def test_presets_resolve_to_table15(task, preset):
         assert (config.optim.schedule, config.train.clip_norm, config.model["dropout"]) == ("linear", 1.0, 0.1)
         assert config.data.max_len == 128 and config.train.eval_every_epoch
         assert 4 <= config.train.epochs <= 20 or preset == "cpu"
+
+
+def test_the_recipe_gives_its_budget_in_epochs_and_a_subset_larger_than_the_data_warns(capsys):
+    config = resolve_config("glue_mrpc", "recipe", None, [f"data.data_dir={GLUE_FIXTURES}", "data.subset.train=5000"],
+                            attention="skeleton")
+    assert (config.train.epochs, config.train.min_steps, config.train.evals, config.train.patience) == (3, 300, 10, 3)
+    assert (config.optim.lr, config.optim.new_lr, config.optim.warmup_ratio) == (5e-5, 1e-3, 0.06)
+    assert config.data.subset.train == 5000 and config.model["pooling"] == "mean"
+    data = get_task("glue_mrpc").build_data(config)
+    assert f"data.subset.train=5,000 is larger than the train split of MRPC/train.tsv ({len(data.train)} examples)" \
+        in capsys.readouterr().err
