@@ -58,6 +58,14 @@ def test_epochs_with_a_step_floor_and_evals_spread_over_the_run(tmp_path, capsys
     assert results["steps"] == 18 and validated_steps(results) == [3, 6, 9, 12, 15, 18]
 
 
+def test_early_stopping_waits_for_min_evals_validations(tmp_path):
+    # nothing changes (lr 1e-12): patience 2 alone would stop at the third validation (step 6)
+    results = run(tiny("train.max_steps=40", "train.eval_every=2", "train.patience=2", "optim.lr=1e-12",
+                       "optim.schedule=constant"), tmp_path)
+    assert results["stopped_early"] and validated_steps(results) == [2, 4, 6, 8, 10]
+    assert results["convergence"]["converged"]  # it stopped after its best point
+
+
 def test_a_subset_larger_than_its_split_warns_with_both_numbers(capsys):
     config = tiny("data.subset.train=100", "data.subset.val=10")
     data = get_task("listops").build_data(config)

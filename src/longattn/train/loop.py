@@ -820,7 +820,9 @@ class Trainer:
                             self.checkpoint_dir / "best.pt")
         else:
             p.evals_without_improvement += 1
-            if s.patience is not None and p.evals_without_improvement >= s.patience:
+            # never before min_evals validations: a run stopped at its third validation has seen too little
+            if (s.patience is not None and p.evals_without_improvement >= s.patience
+                    and len(p.history) + 1 >= s.min_evals):
                 p.stopped_early = True
         # "epoch" counts finished passes: a validation right after an epoch's last batch belongs to that epoch.
         # train_time_s: training time so far (validation excluded), the x axis of learning curves against time

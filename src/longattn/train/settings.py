@@ -65,7 +65,8 @@ class TrainConfig:
                                 "windows pad less, smaller ones keep each batch closer to a random sample")
     max_steps_per_epoch: int | None = option(None, ge=1, help="cap each epoch (quick runs); null: full epochs")
     checkpoint_every: int | None = option(None, ge=1, help="null: at every validation")
-    patience: int | None = option(None, ge=1, help="validations without improvement before stopping; null: never")
+    patience: int | None = option(None, ge=1, help="early stopping: validations without improvement of the "
+                                  "selection metric before stopping (never before min_evals validations); null: never")
     log_every: int = option(10, ge=1)
     progress: bool = option(True, help="a tqdm bar on a terminal; off a terminal (nohup, a batch job, CI) a "
                             "line on stdout every progress_every_s seconds")
