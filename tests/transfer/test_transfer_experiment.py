@@ -64,7 +64,8 @@ def _spec(tmp_path):
         "pretrain": {"preset": "cpu", "set": [*TINY_MLM, "train.max_steps=2"]},
         "finetune": {"preset": "cpu", "tasks": ["sst2", "stsb"], "seeds": [0, 1],
                      "search": {"optim.lr": [1.0e-4, 1.0e-3]},
-                     "set": ["train.epochs=1", "train.batch_size=2", "data.max_len=16", "train.progress=false"]},
+                     "set": ["train.epochs=1", "train.min_steps=null", "train.batch_size=2", "data.max_len=16",
+                             "train.progress=false"]},
     }
     path = tmp_path / "tiny.yaml"
     write_yaml(spec, path)
