@@ -1,15 +1,18 @@
+import contextlib
+
 import pytest
 import torch
+from gpu_path_checks import assert_gpu_result_close, kernel_dtype, running_kernels
 
 from longattn import attention
-from longattn.attention import AttentionError
+from longattn.attention import AttentionError, force_path
 from longattn.attention.linear import (
     causal_kernel_attention,
     elu_feature_map,
     linear_attention,
     linear_attention_reference,
 )
-from longattn.testing import random_qkv
+from longattn.testing import random_qkv, scattered_mask
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -73,3 +76,23 @@ def test_causal_form_builds_no_quadratic_intermediate(name):
     with LargestTensorRecorder() as rec:
         layer(x).sum().backward()
     assert rec.max_numel <= n * n // 8, (rec.max_shape, rec.max_op)
+
+
+# ----------------------------------------------------------------------------- GPU path (forced on CPU)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 37])
+def test_gpu_path_matches_reference_forward_and_backward(n, causal, kernels):
+    """Batched GEMMs, the causal sums by the chunked scan: PyTorch, or the Triton kernels (compiled on CUDA in
+    float32, else interpreted in float64)."""
+    dtype = kernel_dtype(kernels)
+    q, k, v = random_qkv(2, 2, n, 8, dtype=dtype)
+    mask = scattered_mask(2, n)
+    g = torch.randn(2, 2, n, 8, dtype=dtype)
+    with running_kernels() if kernels else contextlib.nullcontext("cpu") as device, force_path("gpu"):
+        out = linear_attention(*(t.to(device) for t in (q, k, v, mask)), is_causal=causal)
+        got = torch.autograd.grad(out, (q, k, v), g.to(device))
+    ref = linear_attention_reference(q, k, v, mask, is_causal=causal)
+    assert_gpu_result_close(out.cpu(), got, ref, (q, k, v), g, dtype)

@@ -1,8 +1,11 @@
+import contextlib
+
 import pytest
 import torch
+from gpu_path_checks import assert_gpu_result_close, kernel_dtype, running_kernels
 
 from longattn import attention
-from longattn.attention import AttentionError, performer
+from longattn.attention import AttentionError, force_path, performer
 from longattn.attention.base import budget_slices
 from longattn.attention.performer import (
     orthogonal_random_features,
@@ -261,3 +264,60 @@ def test_matches_performer_pytorch_with_the_same_projection():
         v,
     )
     torch.testing.assert_close(performer_attention(q, k, v, projection=w_peer), theirs)
+
+
+# ----------------------------------------------------------------------------- GPU path (forced on CPU)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_path_matches_reference_forward_and_backward(causal, kernels):
+    """Non-causal: one batched program that recomputes the features in its backward pass; causal: the features
+    through the shared scan (PyTorch, or the Triton kernels: compiled on CUDA in float32, else interpreted in
+    float64). The projection's gradient too."""
+    dtype = kernel_dtype(kernels)
+    q, k, v = random_qkv(2, 2, 37, 8, dtype=dtype)
+    w = orthogonal_random_features(20, 8, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    w.requires_grad_()
+    mask = torch.rand(2, 37, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[:, 0] = True
+    g = torch.randn(2, 2, 37, 8, dtype=dtype)
+    with running_kernels() if kernels else contextlib.nullcontext("cpu") as device, force_path("gpu"):
+        out = performer_attention(*(t.to(device) for t in (q, k, v, mask)), projection=w.to(device),
+                                  is_causal=causal)
+        got = torch.autograd.grad(out, (q, k, v, w), g.to(device))
+    ref = performer_attention_reference(q, k, v, mask, projection=w, is_causal=causal)
+    assert_gpu_result_close(out.cpu(), got, ref, (q, k, v, w), g, dtype)
+
+
+def test_gpu_path_with_fewer_keys_than_queries_and_a_padded_sequence():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 37, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, 23, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = orthogonal_random_features(20, 8, generator=g, dtype=torch.float64)
+    mask = torch.rand(2, 23, generator=g) > 0.3
+    mask[1] = False  # no real key: zeros
+    with force_path("gpu"):
+        out = performer_attention(q, k, v, mask, projection=w)
+    ref = performer_attention_reference(q, k, v, mask, projection=w)
+    torch.testing.assert_close(out, ref)
+    assert torch.all(out[1] == 0)
+    out.square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_training_calls_count_on_the_host_and_follow_a_loaded_state():
+    """The redraw counter is read from the buffer once (no device read-back per call), and again after a
+    state dict is loaded."""
+    layer = attention.build("performer", dim=16, heads=2, redraw_interval=3).train()
+    x = torch.randn(1, 10, 16)
+    for _ in range(2):
+        layer(x)
+    assert int(layer.calls_since_redraw) == 2
+    state = {key: value.clone() for key, value in layer.state_dict().items()}
+    layer(x)
+    layer.load_state_dict(state)  # back to 2 calls: the next call is the third, the one after redraws
+    layer(x)
+    assert torch.equal(layer.projection, state["projection"])
+    layer(x)
+    assert not torch.equal(layer.projection, state["projection"]) and int(layer.calls_since_redraw) == 1

@@ -1,7 +1,8 @@
 import pytest
 import torch
+from gpu_path_checks import KERNEL_DEVICE, running_kernels
 
-from longattn.attention import reformer
+from longattn.attention import force_path, reformer
 from longattn.attention.base import AttentionError
 from longattn.attention.reformer import hash_buckets, hash_buckets_blocked, lsh_attention, lsh_attention_reference, num_buckets
 from longattn.testing import LargestTensorRecorder
@@ -246,3 +247,76 @@ def test_bad_functional_inputs_get_clear_errors():
         lsh_attention(qk, v[:, :, :5], rotations=rot, bucket_size=8)
     with pytest.raises(AttentionError):
         lsh_attention(qk, v, torch.ones(2, 15, dtype=torch.bool), rotations=rot, bucket_size=8)
+
+
+# ----------------------------------------------------------------------------- GPU path (forced on CPU)
+
+
+@pytest.mark.parametrize("n, bucket_size, rounds", [(37, 8, 3), (16, 16, 1), (5, 8, 2)])
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_path_matches_dense_pattern(n, bucket_size, rounds, across, causal):
+    """Odd lengths, one chunk per head (no look-back: 16 tokens, bucket 16, one round), scattered padding."""
+    qk, v, rot = inputs(n, rounds=rounds, bucket_size=bucket_size)
+    mask = torch.rand(2, n, generator=torch.Generator().manual_seed(1)) > 0.25
+    kw = dict(rotations=rot, bucket_size=bucket_size, attend_across_buckets=across, is_causal=causal)
+    with force_path("gpu"):
+        out = lsh_attention(qk, v, mask, **kw)
+    ref = lsh_attention_reference(qk, v, mask, **kw)
+    rows = mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[rows], ref[rows])
+    g = torch.randn_like(out) * rows
+    for a, r in zip(torch.autograd.grad(out, (qk, v), g), torch.autograd.grad(ref, (qk, v), g)):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("across, causal", [(False, False), (True, True)])
+@pytest.mark.parametrize("n, bucket_size, rounds", [(13, 8, 2), (16, 16, 1)])
+def test_gpu_kernels_match_dense_pattern(n, bucket_size, rounds, across, causal):
+    """Hashing and the chunks' attention by the Triton kernels (compiled on CUDA in float32, else interpreted in
+    float64), forward and backward; one (batch, head) pair of few chunks keeps the interpreter fast."""
+    dtype = torch.float32 if KERNEL_DEVICE == "cuda" else torch.float64
+    qk, v, rot = (t[:1, :1] if t.dim() == 4 else t for t in inputs(n, rounds=rounds, bucket_size=bucket_size))
+    qk, v = qk.detach().to(dtype).requires_grad_(), v.detach().to(dtype).requires_grad_()
+    mask = torch.rand(1, n, generator=torch.Generator().manual_seed(3)) > 0.25
+    mask[0, 0] = True
+    kw = dict(bucket_size=bucket_size, attend_across_buckets=across, is_causal=causal)
+    g = torch.randn(qk.shape, dtype=dtype) * mask[:, None, :, None]
+    with running_kernels() as device, force_path("gpu"):
+        out = lsh_attention(qk.to(device), v.to(device), mask.to(device), rotations=rot.to(device, dtype), **kw)
+        got = torch.autograd.grad(out, (qk, v), g.to(device))
+    ref = lsh_attention_reference(qk, v, mask, rotations=rot.to(dtype), **kw)
+    rows = mask[:, None, :, None].expand_as(ref)
+    tol = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.cpu()[rows], ref[rows], **tol)
+    for a, r in zip(got, torch.autograd.grad(ref, (qk, v), g)):
+        torch.testing.assert_close(a, r, **tol)
+
+
+def test_gpu_hash_kernel_matches_argmax_of_both_signs():
+    dtype = torch.float32 if KERNEL_DEVICE == "cuda" else torch.float64
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 50, 8, generator=g, dtype=dtype)
+    rot = torch.randn(8, 3, 70, generator=g, dtype=dtype)  # 70 projections: two tiles, one partial
+    x[0, 0, 0] = 0.0  # every projection 0: a tie, won by the first position
+    with running_kernels() as device:
+        from longattn.attention._reformer_triton import lsh_hash
+
+        got = lsh_hash(x.to(device), rot.to(device)).cpu()
+    assert torch.equal(got, hash_buckets(x, rot))
+    with force_path("gpu"):  # the PyTorch GPU path's max / min with indices
+        assert torch.equal(reformer._hash_gpu(x, rot), hash_buckets(x, rot))
+
+
+def test_gpu_path_half_precision_and_size():
+    n = 1024
+    torch.manual_seed(0)
+    layer = reformer.ReformerAttention(dim=32, heads=2, bucket_size=32)
+    x = torch.randn(1, n, 32, requires_grad=True)
+    with force_path("gpu"), LargestTensorRecorder() as rec:
+        layer(x).sum().backward()
+    # without triton: the [N, n_buckets / 2] projections per round and head, and every chunk's [m, 2m] scores
+    assert rec.max_numel <= 2 * n * 4 * 32 * 2, (rec.max_shape, rec.max_op)
+    with force_path("gpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x[:, :300])
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()

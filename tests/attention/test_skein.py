@@ -5,12 +5,14 @@ import math
 
 import pytest
 import torch
+from gpu_path_checks import running_kernels
 
 from longattn import attention
-from longattn.attention import AttentionError
+from longattn.attention import AttentionError, force_path
 from longattn.attention.skein import (
     SkeinSample,
     _draw_columns,
+    gpu_slots,
     sample_counts_for,
     skein_attention,
     skein_attention_from_sample,
@@ -18,6 +20,7 @@ from longattn.attention.skein import (
     skein_sample,
 )
 from longattn.attention.softmax import softmax_attention
+from longattn.attention._triton import use_triton
 from longattn.testing import LargestTensorRecorder
 
 OPTIONS = list(itertools.product(["adaptive", "simple", "none"], [True, False], ["importance", "uniform"]))
@@ -46,19 +49,22 @@ def grads_on_real_rows(out, mask, inputs, seed=2):
     return torch.autograd.grad(out, inputs, weight)
 
 
-@pytest.mark.parametrize("n", [37, 101])
+@pytest.mark.parametrize("path, n", [("cpu", 37), ("cpu", 101), ("gpu", 37)])
 @pytest.mark.parametrize("row_normalization, pilot_reuse, column_sampling", OPTIONS)
-def test_fast_path_matches_dense_eq6_forward_and_backward(n, row_normalization, pilot_reuse, column_sampling):
+def test_fast_path_matches_dense_eq6_forward_and_backward(path, n, row_normalization, pilot_reuse, column_sampling):
+    """The CPU path and the GPU path (forced on CPU: static slots, fused attention for eq. 6) given a sample."""
     q, k, v = qkv(2, 3, n, 8)
     mask = scattered_mask(2, n)
-    mask[1, 9:] = False  # the two sequences get different m and d
-    sample = skein_sample(q, k, v, mask, samples=12, column_sampling=column_sampling,
-                          generator=torch.Generator().manual_seed(3))
+    mask[1, 9:] = False  # the two sequences get different m and d (on the GPU path: unused slots past d_b)
+    with force_path(path):
+        sample = skein_sample(q, k, v, mask, samples=12, column_sampling=column_sampling,
+                              generator=torch.Generator().manual_seed(3))
     assert sample.sample_counts[0] != sample.sample_counts[1]
     # a pilot row drawn twice must not have its gradient counted twice
     sample.pilot_indices[0, 0, 1] = sample.pilot_indices[0, 0, 0]
     kwargs = dict(sample=sample, row_normalization=row_normalization, pilot_reuse=pilot_reuse)
-    out = skein_attention_from_sample(q, k, v, mask, **kwargs)
+    with force_path(path):
+        out = skein_attention_from_sample(q, k, v, mask, **kwargs)
     ref = skein_attention_reference(q, k, v, mask, **kwargs)
     rows = real_rows(mask, out)
     torch.testing.assert_close(out[rows], ref[rows])
@@ -311,3 +317,124 @@ def test_importance_sampling_finds_the_heavy_columns():
     importance, uniform = mean_error(), mean_error(column_sampling="uniform")
     assert importance < 0.7 * uniform
     assert importance < 0.7 * error(vmean_attention(q, k, v))
+
+
+# ----------------------------------------------------------------------------- GPU path (forced on CPU)
+
+
+def gpu_sample(q, k, v, mask, seed=3, **options):
+    with force_path("gpu"):
+        return skein_sample(q, k, v, mask, generator=torch.Generator().manual_seed(seed), **options)
+
+
+@pytest.mark.parametrize("row_normalization", ["adaptive", "simple", "none"])
+def test_gpu_path_draws_what_its_sample_draws_and_what_the_cpu_path_draws(row_normalization):
+    q, k, v = qkv(2, 2, 45, 4)
+    mask = scattered_mask(2, 45)
+    with force_path("gpu"):
+        out = skein_attention(q, k, v, mask, samples=9, row_normalization=row_normalization,
+                              generator=torch.Generator().manual_seed(7))
+        expected = skein_attention_from_sample(q, k, v, mask, sample=gpu_sample(q, k, v, mask, seed=7, samples=9),
+                                               row_normalization=row_normalization)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # without padding the fused attention runs without masks (every slot is used): the same output
+    with force_path("gpu"):
+        unmasked = skein_attention(q, k, v, samples=9, row_normalization=row_normalization,
+                                   generator=torch.Generator().manual_seed(7))
+        masked = skein_attention_from_sample(q, k, v, sample=gpu_sample(q, k, v, None, seed=7, samples=9),
+                                             row_normalization=row_normalization)
+    torch.testing.assert_close(unmasked, masked)
+    # both paths draw the same indices from one generator state (the CPU path keeps the slots it uses)
+    mask[:, 6:] = False  # the CPU path's slots (the largest d, 5) fewer than the GPU path's D = 9
+    cpu_sample = skein_sample(q, k, v, mask, samples=9, generator=torch.Generator().manual_seed(7))
+    gpu_draws = gpu_sample(q, k, v, mask, seed=7, samples=9)
+    slots = cpu_sample.column_indices.shape[-1]
+    assert slots < gpu_draws.column_indices.shape[-1]
+    used = cpu_sample.slot_mask().expand_as(cpu_sample.column_indices)  # unused slots hold arbitrary indices
+    for name in ("pilot_indices", "column_indices"):
+        assert torch.equal(getattr(gpu_draws, name)[..., :slots][used], getattr(cpu_sample, name)[used])
+    cpu = skein_attention(q, k, v, mask, samples=9, row_normalization=row_normalization,
+                          generator=torch.Generator().manual_seed(7))
+    with force_path("gpu"):
+        gpu = skein_attention(q, k, v, mask, samples=9, row_normalization=row_normalization,
+                              generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(gpu, cpu)
+
+
+def test_gpu_path_on_short_empty_and_poisoned_sequences():
+    q, k, v = qkv(4, 2, 30, 4)
+    mask = torch.zeros(4, 30, dtype=torch.bool)
+    mask[0] = True
+    mask[1, ::3] = True
+    mask[2, 5] = True  # one real token: its own value
+    # sequence 3 has no real token: zeros
+    poison = torch.full_like(q, float("nan"))
+    q2, k2, v2 = (torch.where(real_rows(mask, t), t, poison) for t in (q, k, v))
+    for row_normalization, pilot_reuse, column_sampling in OPTIONS:
+        opts = dict(samples=8, row_normalization=row_normalization, pilot_reuse=pilot_reuse,
+                    column_sampling=column_sampling)
+        with force_path("gpu"):
+            out = skein_attention(q, k, v, mask, generator=torch.Generator().manual_seed(0), **opts)
+            poisoned = skein_attention(q2, k2, v2, mask, generator=torch.Generator().manual_seed(0), **opts)
+        assert torch.isfinite(out).all() and torch.all(out[3] == 0)
+        torch.testing.assert_close(out[2, :, 5], v[2, :, 5].detach())
+        torch.testing.assert_close(poisoned, out)
+        out.square().sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_gpu_sample_draws_real_distinct_columns_into_static_slots():
+    q, k, v = qkv(3, 4, 211, 8, seed=9)
+    mask = scattered_mask(3, 211, keep=0.4, seed=10)
+    mask[2, 20:] = False
+    sample = gpu_sample(q, k, v, mask, samples=64)
+    assert sample.column_indices.shape == (3, 4, gpu_slots(211, 64)) == (3, 4, 64)
+    assert sample.sample_counts.tolist() == sample_counts_for(mask, 64).tolist()
+    used = sample.slot_mask().expand_as(sample.column_indices)
+    real_heads = mask[:, None, :].expand(3, 4, 211)
+    assert real_heads.gather(2, sample.pilot_indices)[used].all()
+    assert real_heads.gather(2, sample.column_indices)[used].all()
+    for i, j in itertools.product(range(3), range(4)):
+        cols = sample.column_indices[i, j, : sample.sample_counts[i]]
+        assert cols.unique().numel() == cols.numel()
+
+
+def test_gpu_path_stable_with_large_scores_in_bfloat16():
+    q, k, v = (t.detach() * s for t, s in zip(qkv(2, 2, 129, 16, seed=13), (12.0, 12.0, 1.0)))
+    mask = scattered_mask(2, 129, seed=14)
+    sample = gpu_sample(q, k, v, mask, samples=32)
+    rounded = [t.to(torch.bfloat16).double() for t in (q, k, v)]
+    for row_normalization in ("adaptive", "simple"):
+        expected = skein_attention_from_sample(*rounded, mask, sample=sample, row_normalization=row_normalization)
+        with force_path("gpu"):
+            out = skein_attention_from_sample(*(t.to(torch.bfloat16) for t in (q, k, v)), mask, sample=sample,
+                                              row_normalization=row_normalization)
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        rows = real_rows(mask, out)
+        torch.testing.assert_close(out[rows].double(), expected[rows], rtol=0.1, atol=0.1)
+
+
+def test_gpu_kernels_draw_and_compute_what_the_pytorch_gpu_path_does():
+    """The pilot statistics of eq. (5) by the Triton kernels (compiled on CUDA, else interpreted): the same
+    draws and output as the PyTorch GPU path (float32: the kernels' dtype on CUDA)."""
+    q, k, v = (t.float() for t in qkv(1, 2, 40, 8, seed=3))
+    mask = scattered_mask(1, 40, seed=4)
+    with running_kernels() as device:
+        inputs = [t.to(device) for t in (q, k, v, mask)]
+        with force_path("gpu"):
+            fused = skein_attention(*inputs, samples=8, generator=torch.Generator(device).manual_seed(1))
+            with use_triton(False):
+                plain = skein_attention(*inputs, samples=8, generator=torch.Generator(device).manual_seed(1))
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("row_normalization", ["adaptive", "simple"])
+def test_gpu_path_has_no_quadratic_intermediate(row_normalization):
+    """The largest tensors are the [d, N] pilot statistics without triton and, on CPU, the [N, d + 1] scores of
+    scaled-dot-product attention's math path (fused kernels on CUDA). ("none" attends over all N keys: O(N^2)
+    time by design, O(N) memory only in a fused kernel.)"""
+    n = 1024
+    q, k, v = qkv(1, 1, n, 16)
+    with force_path("gpu"), LargestTensorRecorder() as rec:
+        skein_attention(q, k, v, samples=64, row_normalization=row_normalization).sum().backward()
+    assert rec.max_numel <= n * (64 + 1), (rec.max_shape, rec.max_op)

@@ -24,7 +24,8 @@ BEFORE = json.loads(gzip.decompress((Path(__file__).parent / "fixtures" / "effec
 # Loop options added after the fixture was written, and the value every shipped preset leaves them at
 # (min_evals: forecasting keeps the papers' one validation per epoch however few the epochs).
 NEW_OPTIONS = {"ema_decay": None, "warmup_epochs": None, "group_by_length": False, "length_window": 50,
-               "min_steps": None, "evals": None, "progress_every_s": 60.0, "warmup_ratio": None, "new_lr": None}
+               "stop_at": None, "min_steps": None, "evals": None, "progress_every_s": 60.0, "warmup_ratio": None,
+               "new_lr": None}
 
 
 def trainer_settings(config) -> dict:

@@ -201,3 +201,31 @@ def test_the_recipe_gives_its_budget_in_epochs_and_a_subset_larger_than_the_data
     data = get_task("glue_mrpc").build_data(config)
     assert f"data.subset.train=5,000 is larger than the train split of MRPC/train.tsv ({len(data.train)} examples)" \
         in capsys.readouterr().err
+
+
+from reliability import CLEAR_ERROR, OUTPUT_FOLDERS, bad_input  # noqa: E402
+
+
+@bad_input(OUTPUT_FOLDERS, CLEAR_ERROR, cases=2)  # pretrain and finetune into a folder holding their runs
+def test_pretrain_and_finetune_refuse_an_out_with_runs_unless_told(corpus, tmp_path, capsys):
+    from tests.commands.test_output_flags import stamps
+
+    pre = tmp_path / "pre"
+    pretrain = ["pretrain", "--attention", "fnet", "--preset", "cpu", "--data-dir", str(corpus),
+                *[a for s in [*TINY_MLM, "train.max_steps=2"] for a in ("--set", s)], "--out", str(pre)]
+    assert main(pretrain) == 0
+    spec = tmp_path / "spec.yaml"
+    write_yaml({"mechanisms": ["fnet"], "finetune": {"preset": "cpu", "tasks": ["sst2"], "seeds": [0],
+                                                     "set": ["train.epochs=1", "train.min_steps=null", "train.batch_size=2",
+                                                             "data.max_len=16", "train.progress=false"]}}, spec)
+    out = tmp_path / "finetune"
+    finetune = ["finetune", "--pretrained", str(pre), "--config", str(spec), "--glue-dir", str(GLUE_FIXTURES),
+                "--out", str(out)]
+    assert main(finetune) == 0
+    for argv, folder in ((pretrain, pre), (finetune, out)):
+        before = stamps(folder)
+        capsys.readouterr()
+        assert main(argv) == 2
+        assert "already hold" in capsys.readouterr().err and stamps(folder) == before
+    assert main([*finetune, "--overwrite"]) == 0
+    assert all(stamp != before[name] for name, stamp in stamps(out).items() if name in before)

@@ -57,6 +57,7 @@ __all__ = [
     "padding_safe",
     "compute_dtype",
     "force_path",
+    "full_float32",
     "output_dtype",
     "uses_gpu_path",
     "AttentionMap",
@@ -301,6 +302,23 @@ def force_path(kind: str) -> Iterator[None]:
         yield
     finally:
         _FORCED_PATH.reset(token)
+
+
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """Inside ``with full_float32():`` float32 matrix products and convolutions on CUDA run in float32:
+    TF32 is switched off for cuBLAS matmuls and cuDNN convolutions (cuDNN's default is TF32, which
+    rounds the factors to 10 mantissa bits), and both settings are restored on exit. The settings are
+    process-wide, so a mechanism enters it around its own products, in forward and in backward (which
+    autograd may run on another thread). Without CUDA it changes nothing observable."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = cudnn
 
 
 def output_dtype(t: Tensor) -> torch.dtype:

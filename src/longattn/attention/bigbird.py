@@ -8,19 +8,31 @@ and the global query blocks attend to every key (BigBird section 2, Fig. 1). Eac
 at most (window + global + random) * block_size keys, gathered per (head, block) and run through
 SDPA's fused kernel, so memory is linear in N; sequences too
 short to be sparse (no more blocks than one query block would see) use full attention, as the
-reference implementation does.
+reference implementation does. On a GPU every block runs at once (:func:`bigbird_attention_gpu`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention.base import AttentionBase, AttentionError, Capabilities, QKVProjection, check_qkv, padding_safe, register_attention
-from longattn.attention.chunked import Chunk, chunked_attention, chunked_projected_attention
+from longattn.attention._triton import triton_runs_on
+from longattn.attention.base import (
+    AttentionBase,
+    AttentionError,
+    Capabilities,
+    QKVProjection,
+    check_qkv,
+    output_dtype,
+    padding_safe,
+    register_attention,
+    uses_gpu_path,
+)
+from longattn.attention.chunked import Band, Chunk, SparsePattern, chunked_attention, chunked_projected_attention
 from longattn.attention.softmax import softmax_attention
 
 
@@ -149,9 +161,95 @@ def bigbird_attention(
     b, h, n, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     _check_pattern(random_idx, h, n, block_size)
+    if uses_gpu_path(query):
+        tables = gpu_tables(random_idx, window_blocks, query.device)
+        return bigbird_attention_gpu(query, key, value, attention_mask, tables, block_size, window_blocks,
+                                     scale).transpose(1, 2)
     valid = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
     chunks = _plan(valid, random_idx, n, block_size, window_blocks, scale)
     return chunked_attention(_bigbird_chunk, chunks, [(query, key, value)])
+
+
+@dataclass(frozen=True)
+class GpuTables:
+    """One random pattern as the GPU path reads it, on the device.
+
+    ``random`` [H, nb - 2, r]: the random key blocks of each middle query block (the kernel's
+    block lists); ``random_by_key`` [H, nb, L]: the middle query blocks that drew each key block,
+    -1 = none (the kernel's backward reads keys by key block); ``idx``/``keep`` [H, nb - 2, K]:
+    every key block of each middle query block and whether it counts (the PyTorch path)."""
+
+    random: Tensor | None
+    random_by_key: Tensor | None
+    idx: Tensor
+    keep: Tensor
+
+
+def gpu_tables(random_idx: Tensor, window_blocks: int, device: torch.device) -> GpuTables:
+    """Built on the CPU (where the pattern is drawn), vectorised, then copied to ``device``."""
+    random_idx = random_idx.cpu()
+    heads, middle, r = random_idx.shape
+    nb = middle + 2
+    idx, keep = key_block_indices(nb, random_idx, window_blocks)
+    random = random_by_key = None
+    if r:
+        # invert the lists: group the (head, query block, slot) entries by (head, key block)
+        code = (torch.arange(heads)[:, None] * nb + random_idx.reshape(heads, -1)).flatten()
+        order = torch.argsort(code, stable=True)
+        counts = torch.bincount(code, minlength=heads * nb)
+        rank = torch.arange(code.numel()) - (torch.cumsum(counts, 0) - counts)[code[order]]
+        table = torch.full((heads * nb, int(counts.max())), -1, dtype=torch.int32)
+        table[code[order], rank] = torch.arange(middle).repeat_interleave(r).repeat(heads)[order].to(torch.int32)
+        random = random_idx.to(torch.int32).to(device, non_blocking=True)
+        random_by_key = table.view(heads, nb, -1).to(device, non_blocking=True)
+    return GpuTables(random, random_by_key, idx.to(device, non_blocking=True), keep.to(device, non_blocking=True))
+
+
+def bigbird_attention_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                          tables: GpuTables, block_size: int, window_blocks: int, scale: float) -> Tensor:
+    """The GPU path, every block at once. The two global query blocks attend to every key (one
+    SDPA call). The middle blocks run through the block-sparse Triton kernel where it runs: their
+    window as a band of blocks, their random blocks as per-head block lists, and the global key
+    blocks as extra keys (kept out of the band, so block 0 in block 1's window counts once); else
+    through one gather of each (head, block)'s key blocks and one SDPA call (as the CPU chunks do,
+    all at once). Output token-major [B, N, H, Dv] in the autocast dtype."""
+    dtype = output_dtype(query)
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    b, h, n, _ = query.shape
+    bs = block_size
+    nb = -(-n // bs)
+    last = (nb - 1) * bs  # the last (global) block starts here
+
+    def global_blocks(t: Tensor, dim: int = 2) -> Tensor:  # the first and the last block's rows
+        return torch.cat([t.narrow(dim, 0, bs), t.narrow(dim, last, n - last)], dim=dim)
+
+    visible = None if attention_mask is None else attention_mask[:, None, None, :]
+    glob = F.scaled_dot_product_attention(global_blocks(query), key, value, attn_mask=visible, scale=scale)
+    if visible is not None:
+        glob = torch.where(visible.any(-1, keepdim=True), glob, 0.0)  # queries that see no key output zeros
+    middle = query[:, :, bs:last]
+    if triton_runs_on(query):
+        from longattn.attention import _blocksparse_triton as kernels
+
+        half = window_blocks // 2
+        positions = torch.arange(n, device=query.device)
+        is_global = (positions < bs) | (positions >= last)
+        key_valid = (~is_global).expand(b, n)  # the global keys come as extras
+        if attention_mask is not None:
+            key_valid = key_valid & attention_mask
+        pattern = SparsePattern(Band(bs, -half * bs, (half + 1) * bs), key_valid=key_valid, query_offset=bs,
+                                block_size=bs, blocks=tables.random, blocks_by_key=tables.random_by_key,
+                                extra_valid=None if attention_mask is None else global_blocks(attention_mask, dim=1))
+        if kernels.kernel_supports(query, pattern):
+            # the middle rows' output goes straight into the full output, the global rows' beside it
+            return kernels.blocksparse_attention(middle, key, value, pattern, extra_key=global_blocks(key),
+                                                 extra_value=global_blocks(value), scale=scale, output_length=n,
+                                                 replace_rows=(global_blocks(positions, dim=0), glob))
+    valid = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
+    chunk = Chunk(rows=slice(bs, last), keys=slice(0, n), info=(valid, scale, bs, tables.idx, tables.keep))
+    mid = _bigbird_chunk(chunk, middle, key, value).transpose(1, 2)
+    glob = glob.transpose(1, 2)
+    return torch.cat([glob[:, :bs], mid, glob[:, bs:]], dim=1)
 
 
 @padding_safe
@@ -182,6 +280,10 @@ def bigbird_attention_reference(
         allowed = allowed & attention_mask[:, None, None, :]
     scores = (query @ key.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
     return torch.softmax(scores, -1).nan_to_num(0.0) @ value
+
+
+def _refresh_seed(module: "BigBirdAttention", incompatible_keys: object) -> None:
+    module._seed_value = int(module.seed)
 
 
 @register_attention(
@@ -219,10 +321,14 @@ class BigBirdAttention(AttentionBase):
         # each number of blocks met, so eval is deterministic and a reloaded model is identical.
         seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed
         self.register_buffer("seed", torch.tensor(seed), persistent=True)
+        # the seed as a host int: reading the buffer (on the GPU with the model) would wait for the device
+        self._seed_value = seed
+        self.register_load_state_dict_post_hook(_refresh_seed)
         self._random_cache: dict[tuple[int, int], Tensor] = {}
+        self._gpu_cache: dict[tuple[int, int, torch.device], GpuTables] = {}
 
     def random_idx(self, num_blocks: int) -> Tensor:
-        key = (int(self.seed), num_blocks)  # keyed by seed too: loading a state dict changes it
+        key = (self._seed_value, num_blocks)  # keyed by seed too: loading a state dict changes it
         if key not in self._random_cache:
             g = torch.Generator().manual_seed(key[0] * 100003 + num_blocks)
             self._random_cache[key] = random_block_indices(
@@ -230,12 +336,24 @@ class BigBirdAttention(AttentionBase):
             )
         return self._random_cache[key]
 
+    def gpu_tables(self, num_blocks: int, device: torch.device) -> GpuTables:
+        """The pattern's tables on ``device`` (built on the first call for each number of blocks)."""
+        key = (self._seed_value, num_blocks, device)
+        if key not in self._gpu_cache:
+            self._gpu_cache[key] = gpu_tables(self.random_idx(num_blocks), self.window_blocks, device)
+        return self._gpu_cache[key]
+
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         b, n, _ = x.shape
         nb = -(-n // self.block_size)
         if nb <= 2 + self.window_blocks + self.random_blocks:
             q, k, v = self.proj.qkv(x)
             return self.proj.out(softmax_attention(q, k, v, attention_mask))  # too short to be sparse
+        if uses_gpu_path(x):
+            q, k, v = self.proj.qkv(x)
+            out = bigbird_attention_gpu(q, k, v, attention_mask, self.gpu_tables(nb, x.device), self.block_size,
+                                        self.window_blocks, 1.0 / math.sqrt(self.head_dim))
+            return self.proj.out(out.transpose(1, 2))
         if not isinstance(self.proj, QKVProjection):  # q, k, v handed over from outside (longattn.hf)
             q, k, v = self.proj.qkv(x)
             return self.proj.out(bigbird_attention(q, k, v, attention_mask, random_idx=self.random_idx(nb),

@@ -33,7 +33,8 @@ from torch.autograd.function import once_differentiable
 
 from longattn.attention.base import split_heads
 
-__all__ = ["Chunk", "chunked_attention", "chunked_projected_attention"]
+__all__ = ["Band", "Chunk", "SparsePattern", "chunked_attention", "chunked_projected_attention", "window_chunk",
+           "windowed_attention"]
 
 Selector = slice | Tensor
 
@@ -216,3 +217,152 @@ def chunked_sequence_op(op: Callable[[Chunk, list[Tensor], Sequence[Tensor]], Te
 
     plan = _Plan(chunks, sources[0].shape[2], source_reads, op, len(sources), replay_random=False)
     return _ChunkedAttention.apply(plan, *sources, *params).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------- the GPU path
+#
+# On a GPU the chunks above are one kernel launch (or several) each; there the same patterns run
+# over all chunks at once. A pattern is described once, by position rules the Triton kernel
+# (_blocksparse_triton.py) evaluates tile by tile and the batched PyTorch path below evaluates on
+# all windows at once: a band of keys around each query, optional per-head lists of key blocks
+# (BigBird's random blocks) and a few extra keys outside the sequence's own keys (global tokens,
+# Transformer-LS's projected tokens).
+
+
+@dataclass(frozen=True)
+class Band:
+    """The keys a query sees by position: query i sees key j when ``lo(i) <= j < hi(i)`` with
+    ``lo(i) = (i // step) * step + start`` and ``hi(i) = (i // step) * step + stop``, and
+    ``(j - i) % dilation == 0``. ``step = 1`` is a sliding window around each query; a larger
+    ``step`` gives every query of a segment of ``step`` tokens the same keys (blocked windows)."""
+
+    step: int
+    start: int
+    stop: int
+    dilation: int = 1
+
+    def __post_init__(self) -> None:
+        if self.step < 1 or self.dilation < 1 or self.start > 0 or self.stop < 1:
+            raise ValueError(f"a band needs step, dilation >= 1, start <= 0 < stop, got {self}")
+
+    def allowed(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
+        """Whether each query position sees each key position (broadcast)."""
+        segment = torch.div(query_pos, self.step, rounding_mode="floor") * self.step
+        ok = (key_pos >= segment + self.start) & (key_pos < segment + self.stop)
+        if self.dilation > 1:
+            ok = ok & ((key_pos - query_pos) % self.dilation == 0)
+        return ok
+
+
+@dataclass(frozen=True)
+class SparsePattern:
+    """Which keys each query row sees, as rules (nothing of size N x N).
+
+    Query row r sits at position ``r + query_offset`` of the key sequence. It sees
+    * the keys its ``band`` allows,
+    * with ``blocks`` ([H, query blocks, L], -1 = none): whole key blocks of ``block_size``
+      listed for its query block (of ``block_size`` rows) in its head; ``blocks_by_key``
+      ([H, key blocks, L'], -1 = none) lists the query blocks that list each key block (the
+      backward pass reads it),
+    * every extra key (``extra_pos`` [E], ``extra_valid`` [B, E]): keys held apart from the
+      sequence (global tokens, projected tokens), seen when valid and, if ``causal``, when their
+      position is at most the query's,
+    where band and block keys must also be real (``key_valid`` [B, N_keys]) and, if ``causal``,
+    not after the query. The three sets must not overlap (a key listed twice would count twice).
+    """
+
+    band: Band
+    causal: bool = False
+    key_valid: Tensor | None = None
+    query_offset: int = 0
+    block_size: int = 0
+    blocks: Tensor | None = None
+    blocks_by_key: Tensor | None = None
+    extra_pos: Tensor | None = None
+    extra_valid: Tensor | None = None
+
+    def dense_mask(self, batch: int, heads: int, n_queries: int, n_keys: int, n_extra: int = 0) -> Tensor:
+        """The pattern as an explicit [B, H, N_queries, N_keys + E] mask: references and tests only."""
+        device = self.key_valid.device if self.key_valid is not None else None
+        i = torch.arange(n_queries, device=device)[:, None] + self.query_offset
+        j = torch.arange(n_keys, device=device)[None, :]
+        seen = self.band.allowed(i, j).expand(batch, heads, -1, -1)
+        if self.blocks is not None:
+            listed = torch.zeros(heads, n_queries, n_keys, dtype=torch.bool, device=device)
+            qblock = torch.arange(n_queries, device=device) // self.block_size
+            for slot in range(self.blocks.shape[-1]):
+                kb = self.blocks[:, qblock, slot].long()  # [H, N_queries]
+                listed |= (j[None] // self.block_size == kb[..., None]) & (kb[..., None] >= 0)
+            seen = seen | listed[None]
+        if self.key_valid is not None:
+            seen = seen & self.key_valid[:, None, None, :]
+        if self.causal:
+            seen = seen & (j <= i)
+        if n_extra:
+            extra = torch.ones(batch, 1, n_queries, n_extra, dtype=torch.bool, device=device)
+            if self.extra_valid is not None:
+                extra = extra & self.extra_valid[:, None, None, :]
+            if self.causal:
+                extra = extra & (self.extra_pos[None, :] <= i)
+            seen = torch.cat([seen, extra.expand(batch, heads, -1, -1)], dim=-1)
+        return seen
+
+
+def window_chunk(band: Band, minimum: int = 64) -> int:
+    """Query rows per chunk of :func:`windowed_attention`: about half the band's width (the
+    window then spans 1.5x the keys a query needs), at least ``minimum``, a multiple of the step."""
+    rows = max(minimum, (band.stop - band.start) // 2)
+    return -(-rows // band.step) * band.step
+
+
+def windowed_attention(query: Tensor, key: Tensor, value: Tensor, pattern: SparsePattern, chunk: int, *,
+                       extra_key: Tensor | None = None, extra_value: Tensor | None = None, scale: float,
+                       dropout_p: float = 0.0) -> Tensor:
+    """A band pattern (no block lists, queries at offset 0) over all chunks at once: queries in
+    chunks of ``chunk`` rows (a multiple of the band's step), each against the window of keys
+    its rows' bands span (an ``unfold`` of the padded keys) plus the extra keys, all chunks in one
+    call of SDPA's fused kernel (which keeps no [rows, keys] weights for backward). Returns the
+    output token-major, [B, N, H, Dv]."""
+    band = pattern.band
+    b, h, n, _ = query.shape
+    if chunk % band.step or pattern.blocks is not None or pattern.query_offset:
+        raise ValueError("windowed_attention takes band patterns with chunks a multiple of the band's step")
+    chunks = -(-n // chunk)
+    span = chunk - band.step + band.stop - band.start  # keys of one chunk's window
+    before = -band.start  # chunk t's window starts at key t * chunk + band.start
+    after = (chunks - 1) * chunk + span - before - n
+    device = query.device
+
+    def windows(t: Tensor, extra: Tensor | None) -> Tensor:  # [B, H, N, D] -> [B * chunks, H, span (+ E), D]
+        padded = F.pad(t.transpose(1, 2), (0, 0, 0, 0, before, after))  # token-major [B, L, H, D]
+        window = padded.unfold(1, span, chunk).transpose(-1, -2)  # [B, chunks, H, span, D], a view
+        if extra is not None:
+            window = torch.cat([window, extra[:, None].expand(-1, chunks, -1, -1, -1)], dim=3)
+        return window.reshape(b * chunks, h, -1, t.shape[-1])
+
+    queries = F.pad(query.transpose(1, 2), (0, 0, 0, 0, 0, chunks * chunk - n))  # [B, chunks * chunk, H, D]
+    queries = queries.reshape(b * chunks, chunk, h, -1).transpose(1, 2)
+    rows = torch.arange(chunk, device=device)
+    cols = torch.arange(span, device=device) + band.start  # key position - chunk start
+    # every chunk starts at a multiple of the step, so the band relative to it is the same for all
+    allowed = band.allowed(rows[:, None], cols[None, :])
+    if pattern.causal:
+        allowed = allowed & (cols[None, :] <= rows[:, None])
+    valid = pattern.key_valid
+    valid = torch.ones(1, n, dtype=torch.bool, device=device) if valid is None else valid
+    key_ok = F.pad(valid, (before, after), value=False).unfold(1, span, chunk)  # [B or 1, chunks, span]
+    mask = allowed & key_ok[:, :, None, :]  # [B or 1, chunks, chunk, span]
+    if extra_key is not None:
+        extra_ok = torch.ones(1, 1, 1, extra_key.shape[2], dtype=torch.bool, device=device)
+        if pattern.extra_valid is not None:
+            extra_ok = pattern.extra_valid[:, None, None, :]
+        if pattern.causal:
+            positions = torch.arange(chunks * chunk, device=device).view(chunks, chunk, 1)
+            extra_ok = extra_ok & (pattern.extra_pos <= positions)
+        lead = torch.broadcast_shapes(mask.shape[:-1], extra_ok.shape[:-1])
+        mask = torch.cat([mask.expand(*lead, -1), extra_ok.expand(*lead, -1)], dim=-1)
+    mask = mask.expand(b, -1, -1, -1).reshape(b * chunks, 1, chunk, -1)
+    out = F.scaled_dot_product_attention(queries, windows(key, extra_key), windows(value, extra_value),
+                                         attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    out = torch.where(mask.any(-1, keepdim=True), out, 0.0)  # queries that see no key output zeros
+    return out.transpose(1, 2).reshape(b, chunks * chunk, h, -1)[:, :n]

@@ -10,6 +10,11 @@ and ``O_i = sum_j s(Q_i, K_j) V_j / sum_j s(Q_i, K_j)``. Ptolemy's identity
 the attention is linear: ``O = phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j))`` (eq. 11).
 Causal attention uses prefix sums, computed chunk by chunk (intra-chunk block + carried state),
 so memory stays O(N C + (N / C) d^2).
+
+GPU path (:func:`~longattn.attention.base.uses_gpu_path`): the same features (angles and cos / sin
+in float32, the products in the autocast dtype) through
+:func:`~longattn.attention.linear.kernel_sums_gpu`: batched GEMMs, causal by the chunked scan
+(Triton kernels where they run) with its running state in float32.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    compute_dtype,
+    output_dtype,
     padding_safe,
     register_attention,
+    uses_gpu_path,
 )
-from longattn.attention.linear import causal_kernel_sums, elu_feature_map, kernel_sums
+from longattn.attention.linear import causal_kernel_sums, elu_feature_map, kernel_sums, kernel_sums_gpu, normalised
 
 __all__ = [
     "CosformerAttention",
@@ -100,6 +108,9 @@ def cosformer_attention(
         raise AttentionError("cosFormer here is self-attention: query and key lengths must match")
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise AttentionError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if uses_gpu_path(query):
+        return _cosformer_gpu(query, key, value, attention_mask, is_causal, max_positions, reweight, feature_map,
+                              eps, chunk_size)
     phi_q = cosformer_features(query, max_positions, reweight, feature_map)
     phi_k = cosformer_features(key, max_positions, reweight, feature_map)
     if attention_mask is not None:
@@ -109,6 +120,27 @@ def cosformer_attention(
     else:
         numerator, denominator = kernel_sums(phi_q, phi_k, value)
     return numerator / denominator.clamp_min(eps)
+
+
+def _gpu_features(x: Tensor, max_positions: int | None, reweight: bool, feature_map: str) -> Tensor:
+    """:func:`cosformer_features` with the angles and their cos / sin in float32 (half precision does not
+    hold pi i / 2M for long sequences), the products in x's dtype (the GEMM dtype)."""
+    positive = _positive_map(x, feature_map)
+    if not reweight:
+        return positive
+    angles = _reweight_angles(x.shape[2], max_positions, x.new_empty(0, dtype=compute_dtype(x.dtype)))[:, None]
+    return torch.cat([positive * torch.cos(angles).to(x.dtype), positive * torch.sin(angles).to(x.dtype)], dim=-1)
+
+
+def _cosformer_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, is_causal: bool,
+                   max_positions: int | None, reweight: bool, feature_map: str, eps: float, chunk_size: int) -> Tensor:
+    dtype = output_dtype(query)
+    phi_q = _gpu_features(query.to(dtype), max_positions, reweight, feature_map)
+    phi_k = _gpu_features(key.to(dtype), max_positions, reweight, feature_map)
+    if attention_mask is not None:
+        phi_k = phi_k.masked_fill(~attention_mask[:, None, :, None], 0.0)  # padded keys contribute 0
+    numerator, denominator = kernel_sums_gpu(phi_q, phi_k, value.to(dtype), is_causal, chunk_size)
+    return normalised(numerator, denominator.clamp_min(eps), dtype)
 
 
 @padding_safe

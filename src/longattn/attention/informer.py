@@ -15,6 +15,13 @@ sequence (c * ceil(ln m), at least 1, at most m).
 
 The sampling uses the global torch RNG (or ``key_samples`` given explicitly), once per call, shared
 by all heads (as in the authors' implementation), so the output is random also in eval mode.
+
+GPU path (:func:`~longattn.attention.base.uses_gpu_path`): the same steps as a few batched programs
+with no read-back from the device: U and u have static bounds from the length (the slots past a
+sequence's own U_b and u_b unused), the sparsity measure by the Triton kernel of
+``_informer_triton`` where it runs (else the sampled keys gathered at once), the active queries'
+softmax attention by fused scaled-dot-product attention (autocast dtype, float32 softmax), the
+mean of V in float32.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from longattn.attention.base import (
@@ -30,9 +38,13 @@ from longattn.attention.base import (
     Capabilities,
     QKVProjection,
     check_qkv,
+    compute_dtype,
+    output_dtype,
     padding_safe,
     register_attention,
+    uses_gpu_path,
 )
+from longattn.attention.linear import kernels_run_on
 
 # Budget (elements) of one chunk of gathered sampled keys while scoring the queries.
 _SAMPLE_CHUNK_ELEMENTS = 1 << 20
@@ -59,15 +71,26 @@ def sample_informer_keys(
     The draws depend only on the mask, never on the content, so padded content cannot change them.
     """
     real = torch.ones(batch, length, dtype=torch.bool, device=device) if attention_mask is None else attention_mask
+    most_samples = int(probsparse_counts(real.sum(dim=-1), factor).max())
+    return _draw_key_samples(real, most_samples, generator)
+
+
+def _draw_key_samples(real: Tensor, slots: int, generator: torch.Generator | None) -> Tensor:
+    """[B, N, slots] key indices, uniform with replacement among each sequence's real tokens."""
+    batch, length = real.shape
     m = real.sum(dim=-1)
-    per_seq = probsparse_counts(m, factor)
-    most_samples = int(per_seq.max())
     # real_positions[b, r] = position of the r-th real token of sequence b
     real_positions = torch.argsort((~real).to(torch.int8), dim=-1, stable=True)
-    uniform = torch.rand(batch, length, most_samples, generator=generator, device=device)
+    uniform = torch.rand(batch, length, slots, generator=generator, device=real.device)
     rank = (uniform * m.clamp(min=1)[:, None, None]).long()
     rank = torch.minimum(rank, (m.clamp(min=1) - 1)[:, None, None])
-    return real_positions.gather(-1, rank.reshape(batch, -1)).reshape(batch, length, most_samples)
+    return real_positions.gather(-1, rank.reshape(batch, -1)).reshape(batch, length, slots)
+
+
+def probsparse_slots(length: int, factor: float) -> int:
+    """The largest c * ceil(ln m) (clamped to [1, m]) any sequence of ``length`` tokens can have: the static
+    number of sample and query slots of the GPU path (never read back from the device)."""
+    return min(length, max(1, math.floor(factor * math.ceil(math.log(max(length, 1))))))
 
 
 @torch.no_grad()
@@ -95,6 +118,57 @@ def sparsity_measure(query: Tensor, key: Tensor, key_samples: Tensor, sample_cou
     return torch.cat(measures, dim=-1)
 
 
+def _check_key_samples(key_samples: Tensor, batch: int, length: int, needed: int) -> None:
+    if key_samples.dim() != 3 or key_samples.shape[:2] != (batch, length) or key_samples.shape[-1] < needed:
+        raise AttentionError(f"key_samples must be [B, N, >= {needed}] indices, got {list(key_samples.shape)}")
+    if key_samples.numel() and (int(key_samples.min()) < 0 or int(key_samples.max()) >= length):
+        raise AttentionError(f"key_samples must index keys in [0, {length}), got values outside")
+
+
+def _sparsity_measure_gpu(query: Tensor, key: Tensor, key_samples: Tensor, counts: Tensor, m: Tensor) -> Tensor:
+    """M_bar of eq. 4 on the GPU path, [B, H, N], no gradient: the Triton kernel where it runs, else the
+    sampled keys of every query gathered at once ([B, H, N, U, Dh] in the GEMM dtype)."""
+    if kernels_run_on(query):
+        from longattn.attention._informer_triton import sparsity_measure
+
+        return sparsity_measure(query, key, key_samples, counts, m)
+    b, h, n, d = query.shape
+    index = key_samples[:, None, :, :, None].expand(b, h, n, key_samples.shape[-1], d)
+    sampled = key.gather(2, index.reshape(b, h, -1, d)).view(b, h, n, -1, d)
+    scores = (sampled @ query[..., None])[..., 0].to(compute_dtype(query.dtype))  # [B, H, N, U]
+    valid = (torch.arange(key_samples.shape[-1], device=query.device) < counts[:, None])[:, None, None, :]
+    top = scores.masked_fill(~valid, float("-inf")).amax(dim=-1)
+    total = scores.masked_fill(~valid, 0.0).sum(dim=-1)
+    return top - total / m.clamp(min=1)[:, None, None].to(scores.dtype)
+
+
+def _probsparse_gpu(query: Tensor, key: Tensor, value: Tensor, real: Tensor, m: Tensor, counts: Tensor, slots: int,
+                    scale: float | None, dropout_p: float, key_samples: Tensor | None, padded: bool) -> Tensor:
+    """ProbSparse attention as batched programs: ``slots`` = the static bound of U and u (each sequence uses
+    its first counts[b]); padded rows of q, k, v must already be zero or masked by ``real``. Without padding the
+    active queries' attention has no mask, so that the flash kernel (which splits the keys of few queries) can
+    run."""
+    dtype = output_dtype(query)
+    b, h, n, d = query.shape
+    q, k, v = (t.to(dtype) for t in (query, key, value))
+    v = v.masked_fill(~real[:, None, :, None], 0.0)
+    if key_samples is None:
+        key_samples = _draw_key_samples(real, slots, None)
+    with torch.no_grad():
+        measure = _sparsity_measure_gpu(q, k, key_samples, counts, m)
+        measure = measure.masked_fill(~real[:, None, :], float("-inf"))  # padded queries are never active
+        top = measure.topk(slots, dim=-1).indices  # [B, H, u_max]
+    active = torch.arange(slots, device=query.device)[None, :] < counts[:, None]  # [B, u_max]
+    lazy = (v.sum(dim=-2, keepdim=True, dtype=compute_dtype(dtype))
+            / m.clamp(min=1)[:, None, None, None]).to(dtype)  # the mean of V over the real tokens
+    top_q = q.gather(2, top[..., None].expand(b, h, slots, d))
+    keys_real = real | ~real.any(-1, keepdim=True)  # a sequence without real tokens: softmax over zeros, not 0/0
+    attended = F.scaled_dot_product_attention(top_q, k, v, attn_mask=keys_real[:, None, None, :] if padded else None,
+                                              dropout_p=dropout_p, scale=scale)  # [B, H, u_max, Dv]
+    active_out = torch.where(active[:, None, :, None], attended, lazy)
+    return lazy.expand(b, h, n, v.shape[-1]).scatter(2, top[..., None].expand(b, h, slots, v.shape[-1]), active_out)
+
+
 @padding_safe
 def probsparse_attention(
     query: Tensor,
@@ -118,14 +192,14 @@ def probsparse_attention(
     real = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
     m = real.sum(dim=-1)
     counts = probsparse_counts(m, factor)  # u_b = U_b = c * ceil(ln m_b)
+    if uses_gpu_path(query):
+        if key_samples is not None:  # given by the caller: checked (a read-back from the device)
+            _check_key_samples(key_samples, b, n, int(counts.max()))
+        return _probsparse_gpu(query, key, value, real, m, counts, probsparse_slots(n, factor), scale, dropout_p,
+                               key_samples, padded=attention_mask is not None)
     if key_samples is None:
         key_samples = sample_informer_keys(attention_mask, b, n, factor, query.device)
-    if key_samples.dim() != 3 or key_samples.shape[:2] != (b, n) or key_samples.shape[-1] < int(counts.max()):
-        raise AttentionError(
-            f"key_samples must be [B, N, >= {int(counts.max())}] indices, got {list(key_samples.shape)}"
-        )
-    if key_samples.numel() and (int(key_samples.min()) < 0 or int(key_samples.max()) >= n):
-        raise AttentionError(f"key_samples must index keys in [0, {n}), got values outside")
+    _check_key_samples(key_samples, b, n, int(counts.max()))
     scale = 1.0 / math.sqrt(d) if scale is None else scale
 
     measure = sparsity_measure(query, key, key_samples, counts, m)

@@ -10,6 +10,12 @@ matrix nor an N x Dh x Dv tensor of all prefix states is ever built.
 
 ``causal_kernel_attention`` and ``kernel_attention`` are shared with Performer (same algebra,
 different feature map).
+
+On the GPU path (:func:`~longattn.attention.base.uses_gpu_path`) the same sums come from
+:func:`kernel_sums_gpu`, shared by linear, performer and cosformer: batched GEMMs in the autocast
+dtype, the causal sums by the chunked scan (:func:`causal_scan`: the Triton kernels of
+``_linear_scan_triton`` where they run, else :func:`causal_scan_chunked`) with its running state
+in float32, and the normalisation in float32.
 """
 
 from __future__ import annotations
@@ -20,14 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
     Capabilities,
     QKVProjection,
     check_qkv,
+    compute_dtype,
+    output_dtype,
     padding_safe,
     register_attention,
+    uses_gpu_path,
 )
 
 CAUSAL_CHUNK = 64
@@ -112,6 +122,94 @@ def causal_kernel_attention(
     return numerator / (normaliser + eps)
 
 
+# ----------------------------------------------------------------------------- GPU path
+
+
+def causal_scan_chunked(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
+    """The causal sums o_i = sum_{j <= i} (q_i . k_j) v_j and z_i = sum_{j <= i} q_i . k_j (eq. 8-9) as one
+    batched tensor program, no loop over chunks: per-chunk states k_c^T [v_c, 1] in the input dtype (the
+    GEMM dtype), their exclusive prefix sum over chunks in float32 (float64 stays float64), then
+    o_c = q_c h_c + tril(q_c k_c^T) [v_c, 1]. Returns o in the input dtype (rounded once from the accumulation
+    dtype) and z in the accumulation dtype.
+
+    The GPU path where the Triton kernels do not run; memory: the states of all chunks,
+    [B, H, N / chunk, K, V + 1] in float32."""
+    b, h, n, f = q.shape
+    dv = v.shape[-1]
+    acc = compute_dtype(q.dtype)
+    count = -(-n // chunk)
+    pad = count * chunk - n
+    v1 = torch.cat([v, v.new_ones(b, h, n, 1)], dim=-1)  # the normaliser is the sum of a column of ones
+    if pad:
+        q, k, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v1))
+    q_c, k_c = q.reshape(b, h, count, chunk, f), k.reshape(b, h, count, chunk, f)
+    v_c = v1.reshape(b, h, count, chunk, dv + 1)
+    states = (k_c.transpose(-1, -2) @ v_c).to(acc)
+    past = (states.cumsum(dim=2) - states).to(q.dtype)  # chunks strictly before, summed in `acc`
+    within = (q_c @ k_c.transpose(-1, -2)).tril_()
+    sums = ((q_c @ past).to(acc) + (within @ v_c).to(acc)).reshape(b, h, count * chunk, dv + 1)[:, :, :n]
+    return sums[..., :dv].to(q.dtype), sums[..., dv]
+
+
+def kernels_run_on(t: Tensor) -> bool:
+    """Whether the Triton kernels of the GPU paths (this family's scan, skein's, informer's and reformer's
+    kernels) take inputs like ``t``: where :func:`~longattn.attention._triton.triton_runs_on` says kernels run,
+    in float16, bfloat16 or float32 on CUDA (float64 there takes the PyTorch GPU path), and in Triton's CPU
+    interpreter in any dtype but bfloat16 (whose ``tl.dot`` the interpreter of triton 3.9 gets wrong)."""
+    if not triton_runs_on(t):
+        return False
+    if t.device.type == "cuda":
+        return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return t.dtype != torch.bfloat16
+
+
+# the values of a head are one tile of the scan kernels: wider values take causal_scan_chunked
+MAX_KERNEL_VALUE_DIM = 256
+
+
+def causal_scan(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
+    """(o, z) of :func:`causal_scan_chunked`, by the Triton kernels where they run (:func:`kernels_run_on`;
+    values wider than MAX_KERNEL_VALUE_DIM take the PyTorch form). The
+    kernels' chunk is ``chunk`` when it is a power of two from 16 to 128 (a tile), else CAUSAL_CHUNK: the
+    chunking changes only the order of the sums."""
+    if kernels_run_on(q) and v.shape[-1] <= MAX_KERNEL_VALUE_DIM:
+        from longattn.attention._linear_scan_triton import CausalScan
+
+        tile = chunk if chunk in (16, 32, 64, 128) else CAUSAL_CHUNK
+        return CausalScan.apply(q, k, v, tile)
+    return causal_scan_chunked(q, k, v, chunk)
+
+
+def kernel_sums_gpu(phi_q: Tensor, phi_k: Tensor, value: Tensor, is_causal: bool,
+                    chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
+    """Numerator [B, H, N, Dv] and normaliser [B, H, N] of kernel attention (eq. 5-6, causal eq. 8-9) on the
+    GPU path. Features and values must be in the GEMM dtype (the autocast dtype) with padded keys' features
+    zero. Not causal: one GEMM phi(K)^T [V, 1] (float32 accumulation inside the GEMM), then phi(Q) times it;
+    causal: :func:`causal_scan`. The numerator is in the GEMM dtype, the normaliser in the accumulation dtype
+    (see :func:`normalised`)."""
+    if is_causal:
+        return causal_scan(phi_q, phi_k, value, chunk)
+    dv = value.shape[-1]
+    context = phi_k.transpose(-1, -2) @ torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)
+    sums = phi_q @ context
+    return sums[..., :dv], sums[..., dv].to(compute_dtype(phi_q.dtype))
+
+
+def normalised(numerator: Tensor, normaliser: Tensor, dtype: torch.dtype) -> Tensor:
+    """numerator / normaliser in ``dtype``: the reciprocal in the normaliser's (accumulation) dtype, rounded
+    once; multiplying by it keeps no copy of the numerator in float32 for the backward pass."""
+    return (numerator * (1.0 / normaliser).to(numerator.dtype)[..., None]).to(dtype)
+
+
+def _linear_attention_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                          is_causal: bool, eps: float) -> Tensor:
+    dtype = output_dtype(query)
+    phi_q = elu_feature_map(query.to(dtype))
+    phi_k, value = _mask_keys(elu_feature_map(key.to(dtype)), value.to(dtype), attention_mask)
+    numerator, normaliser = kernel_sums_gpu(phi_q, phi_k, value, is_causal)
+    return normalised(numerator, normaliser + eps, dtype)
+
+
 @padding_safe
 def linear_attention(
     query: Tensor,
@@ -126,6 +224,8 @@ def linear_attention(
     check_qkv(query, key, value, attention_mask)
     if is_causal and query.shape[-2] != key.shape[-2]:
         raise AttentionError("causal linear attention needs as many queries as keys")
+    if uses_gpu_path(query):
+        return _linear_attention_gpu(query, key, value, attention_mask, is_causal, eps)
     phi_q = elu_feature_map(query)
     phi_k, value = _mask_keys(elu_feature_map(key), value, attention_mask)
     if is_causal:

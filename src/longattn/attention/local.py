@@ -6,7 +6,7 @@ block attends to its own block plus ``look_backward`` blocks before and ``look_f
 ``exact_window=True`` (the default) keys further than ``window_size * look_*`` positions from
 the query are masked, which gives the true sliding window |i - j| <= w. Each block runs through
 SDPA's fused kernel, so memory is O(N * head_dim * (1 + look_backward + look_forward)) plus one
-block's scores at a time, never N x N.
+block's scores at a time, never N x N. On a GPU all blocks run at once (:func:`local_attention_gpu`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention.base import AttentionBase, AttentionError, Capabilities, QKVProjection, check_qkv, padding_safe, register_attention
-from longattn.attention.chunked import Chunk, chunked_attention, chunked_projected_attention
+from longattn.attention._triton import triton_runs_on
+from longattn.attention.base import (
+    AttentionBase,
+    AttentionError,
+    Capabilities,
+    QKVProjection,
+    check_qkv,
+    output_dtype,
+    padding_safe,
+    register_attention,
+    uses_gpu_path,
+)
+from longattn.attention.chunked import (
+    Band,
+    Chunk,
+    SparsePattern,
+    chunked_attention,
+    chunked_projected_attention,
+    window_chunk,
+    windowed_attention,
+)
 
 
 # Query tokens per chunk: the chunk's neighbourhood copies, SDPA mask and temporaries are the only
@@ -130,8 +149,36 @@ def local_attention(
     b, h, n, d = query.shape
     options = _Options(window_size, look_backward, look_forward, exact_window, is_causal,
                        1.0 / math.sqrt(d) if scale is None else scale, dropout_p, n)
+    if uses_gpu_path(query):
+        return local_attention_gpu(query, key, value, attention_mask, options).transpose(1, 2)
     valid = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
     return chunked_attention(_local_chunk, _plan(valid, options), [(query, key, value)], replay_random=dropout_p > 0)
+
+
+def local_band(window: int, look_backward: int, look_forward: int, exact_window: bool) -> Band:
+    """The keys of query i: |j - i| within the window (exact), or whole neighbouring blocks."""
+    if exact_window:
+        return Band(1, -window * look_backward, window * look_forward + 1)
+    return Band(window, -window * look_backward, window * (look_forward + 1))
+
+
+def local_attention_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                        options: _Options) -> Tensor:
+    """The GPU path, all blocks at once: the block-sparse Triton kernel where it runs, else every
+    query chunk against its window in one SDPA call (chunked.windowed_attention). Output
+    token-major [B, N, H, Dv] in the autocast dtype."""
+    o = options
+    dtype = output_dtype(query)
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    pattern = SparsePattern(local_band(o.window, o.look_backward, o.look_forward, o.exact_window), o.is_causal,
+                            key_valid=attention_mask)
+    if triton_runs_on(query):
+        from longattn.attention import _blocksparse_triton as kernels
+
+        if kernels.kernel_supports(query, pattern):
+            return kernels.blocksparse_attention(query, key, value, pattern, scale=o.scale, dropout_p=o.dropout_p)
+    return windowed_attention(query, key, value, pattern, window_chunk(pattern.band), scale=o.scale,
+                              dropout_p=o.dropout_p)
 
 
 def _neighbourhood(blocks: Tensor, start: int, stop: int, backward: int, forward: int) -> Tensor:
@@ -212,7 +259,8 @@ class LocalAttention(AttentionBase):
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         dropout_p = self.dropout if self.training else 0.0
-        if not isinstance(self.proj, QKVProjection):  # q, k, v handed over from outside (longattn.hf)
+        # q, k, v handed over from outside (longattn.hf), or the GPU path (all blocks at once)
+        if not isinstance(self.proj, QKVProjection) or uses_gpu_path(x):
             q, k, v = self.proj.qkv(x)
             return self.proj.out(local_attention(
                 q, k, v, attention_mask, window_size=self.window_size, look_backward=self.look_backward,

@@ -11,7 +11,8 @@ The interface has no per-call global mask, so the global positions are a module 
 the first token, the usual [CLS] choice). Each non-global query sees ``window ∪ globals`` under one
 softmax (a global key inside the window counts once). Computed in chunks of ``w/2`` queries
 against their ``w/2 + w * delta`` window keys plus the global keys, each chunk through SDPA's fused
-kernel: memory O(N (1 + 2 delta + 2G/w) Dh) per head for the gathered keys, never N x N.
+kernel: memory O(N (1 + 2 delta + 2G/w) Dh) per head for the gathered keys, never N x N. On a
+GPU every chunk runs at once (:func:`longformer_attention_gpu`).
 """
 
 from __future__ import annotations
@@ -24,17 +25,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
     Capabilities,
     QKVProjection,
     check_qkv,
+    output_dtype,
     padding_safe,
     register_attention,
     split_heads,
+    uses_gpu_path,
 )
-from longattn.attention.chunked import Chunk, chunked_attention, chunked_projected_attention
+from longattn.attention.chunked import (
+    Band,
+    Chunk,
+    SparsePattern,
+    chunked_attention,
+    chunked_projected_attention,
+    window_chunk,
+    windowed_attention,
+)
 
 __all__ = ["LongformerAttention", "longformer_attention", "longformer_attention_reference"]
 
@@ -192,10 +204,104 @@ def longformer_attention(
             )
     options = _Options(attention_window // 2, dilation, is_causal, 1.0 / math.sqrt(d) if scale is None else scale,
                        dropout_p)
+    if uses_gpu_path(query):
+        gidx = _global_index_on(global_positions, n, query.device)
+        global_rows = _global_rows(global_query.index_select(2, gidx).to(output_dtype(query)), global_key,
+                                   global_value, attention_mask, gidx, options)
+        return longformer_attention_gpu(query, key, value, global_rows, attention_mask, gidx, options).transpose(1, 2)
     real = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
     chunks = _plan(real, _global_index(global_positions, n, query.device), options)
     return chunked_attention(_longformer_chunk, chunks, [(query, key, value), (global_query, global_key, global_value)],
                              replay_random=dropout_p > 0)
+
+
+def _global_index_on(global_positions: Sequence[int], length: int, device: torch.device) -> Tensor:
+    """:func:`_global_index` built on the host and copied without waiting for the device."""
+    return _global_index(global_positions, length, torch.device("cpu")).to(device, non_blocking=True)
+
+
+def longformer_attention_gpu(query: Tensor, key: Tensor, value: Tensor, global_rows: Tensor,
+                             attention_mask: Tensor | None, gidx: Tensor, options: _Options) -> Tensor:
+    """The GPU path, all rows at once. The sliding window (Q_s, K_s, V_s) runs through the
+    block-sparse Triton kernel where it runs (the window as a band, the global tokens' keys as
+    extra keys, kept out of the band so a global key inside the window counts once), else through
+    one SDPA call over every chunk's window (chunked.windowed_attention). ``global_rows``
+    [B, H, G, Dv] (the global tokens' own attention, :func:`_global_rows`) replace the rows
+    ``gidx``, written into the kernel's output buffer. Output token-major [B, N, H, Dv] in the
+    autocast dtype."""
+    o = options
+    dtype = output_dtype(query)
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    b, h, n, _ = query.shape
+    g = gidx.numel()
+    key_valid, extra_key, extra_value, extra_valid = attention_mask, None, None, None
+    if g:
+        is_global = torch.zeros(n, dtype=torch.bool, device=query.device).index_fill_(0, gidx, True)
+        key_valid = (~is_global).expand(b, n) if attention_mask is None else attention_mask & ~is_global
+        extra_key, extra_value = key.index_select(2, gidx), value.index_select(2, gidx)
+        extra_valid = None if attention_mask is None else attention_mask.index_select(1, gidx)
+    band = Band(1, -o.reach, o.reach + 1, o.dilation)
+    pattern = SparsePattern(band, o.is_causal, key_valid=key_valid, extra_pos=gidx, extra_valid=extra_valid)
+    if triton_runs_on(query):
+        from longattn.attention import _blocksparse_triton as kernels
+
+        if kernels.kernel_supports(query, pattern):
+            return kernels.blocksparse_attention(query, key, value, pattern, extra_key=extra_key,
+                                                 extra_value=extra_value, scale=o.scale, dropout_p=o.dropout_p,
+                                                 replace_rows=(gidx, global_rows) if g else None)
+    out = windowed_attention(query, key, value, pattern, window_chunk(band), extra_key=extra_key,
+                             extra_value=extra_value, scale=o.scale, dropout_p=o.dropout_p)
+    return out.index_copy(1, gidx, global_rows.transpose(1, 2).to(out.dtype)) if g else out
+
+
+def _global_visible(attention_mask: Tensor | None, gidx: Tensor, n: int, is_causal: bool) -> Tensor | None:
+    """[B or 1, 1, G, N]: the keys each global row sees (None: every key)."""
+    visible = None if attention_mask is None else attention_mask[:, None, None, :]
+    if is_causal:
+        before = torch.arange(n, device=gidx.device) <= gidx[:, None]  # [G, N]
+        visible = before if visible is None else visible & before
+    return visible
+
+
+def _global_rows(global_query_rows: Tensor, global_key: Tensor, global_value: Tensor, attention_mask: Tensor | None,
+                 gidx: Tensor, options: _Options) -> Tensor:
+    """The global rows: Q_g at the global positions against K_g, V_g of every token, one SDPA call."""
+    visible = _global_visible(attention_mask, gidx, global_key.shape[2], options.is_causal)
+    out = F.scaled_dot_product_attention(global_query_rows, global_key, global_value, attn_mask=visible,
+                                         dropout_p=options.dropout_p, scale=options.scale)
+    return out if visible is None else torch.where(visible.any(-1, keepdim=True), out, 0.0)  # seeing no key: zeros
+
+
+def _global_rows_from_input(x: Tensor, global_query_rows: Tensor, key_proj: nn.Linear, value_proj: nn.Linear,
+                            attention_mask: Tensor | None, gidx: Tensor, options: _Options) -> Tensor:
+    """The global rows without K_g, V_g for every token: with K_g = x W_k^T + b_k and V_g = x W_v^T
+    + b_v per head, q K_g^T = (q W_k) x^T + q b_k and P V_g = (P x) W_v^T + (sum of P) b_v. Equal to
+    :func:`_global_rows` on the projections; [B, H, G, N] scores instead of two [B, N, dim]
+    projections (G is small)."""
+    b, n, dim = x.shape
+    heads, head_dim = global_query_rows.shape[1], global_query_rows.shape[-1]
+    g = global_query_rows.shape[2]
+    w_key = key_proj.weight.view(heads, head_dim, dim)
+    w_value = value_proj.weight.view(heads, head_dim, dim)
+    # heads and global rows side by side as the rows of one [B, H G, *] product with x (no copy of x per head)
+    scores = torch.einsum("bhgd,hde->bhge", global_query_rows, w_key).flatten(1, 2) @ x.transpose(1, 2)
+    scores = scores.unflatten(1, (heads, g))  # [B, H, G, N]
+    if key_proj.bias is not None:  # the same for every key of a row (softmax ignores it), kept as in K_g
+        scores = scores + (global_query_rows @ key_proj.bias.view(heads, head_dim, 1).to(scores.dtype))
+    scores = scores.float() * options.scale  # softmax in float32
+    visible = _global_visible(attention_mask, gidx, n, options.is_causal)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, torch.finfo(torch.float32).min)
+    weights = torch.softmax(scores, dim=-1)
+    if visible is not None:
+        weights = weights * visible  # a row that sees no key gets zeros (its softmax was uniform over nothing)
+    if options.dropout_p:
+        weights = F.dropout(weights, options.dropout_p)
+    mixed = (weights.to(global_query_rows.dtype).flatten(1, 2) @ x).unflatten(1, (heads, g))  # [B, H, G, dim]
+    out = torch.einsum("bhge,hde->bhgd", mixed, w_value)
+    if value_proj.bias is not None:
+        out = out + weights.sum(-1, keepdim=True) * value_proj.bias.view(heads, 1, head_dim)
+    return out
 
 
 @padding_safe
@@ -313,6 +419,8 @@ class LongformerAttention(AttentionBase):
                 q, k, v, attention_mask, attention_window=self.attention_window, dilation=self.dilation,
                 global_positions=self.global_positions, global_query=gq, global_key=gk, global_value=gv,
                 is_causal=self.causal, scale=self.scale, dropout_p=options.dropout_p))
+        if uses_gpu_path(x):
+            return self.proj.out(self._attend_gpu(x, attention_mask, options).transpose(1, 2))
         # the functional form's chunks, with the projections inside them (see chunked.py)
         b, n, _ = x.shape
         real = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
@@ -322,6 +430,19 @@ class LongformerAttention(AttentionBase):
         out = chunked_projected_attention(_longformer_chunk, chunks, x, [local, glob], self.heads,
                                           replay_random=options.dropout_p > 0)
         return self.proj.out(out)
+
+    def _attend_gpu(self, x: Tensor, attention_mask: Tensor | None, options: _Options) -> Tensor:
+        """The GPU path of the module: Q_g projected at the global rows only, K_g and V_g never
+        projected for every token (:func:`_global_rows_from_input`)."""
+        q, k, v = self.proj.qkv(x)
+        gidx = _global_index_on(self.global_positions, x.shape[1], x.device)
+        if self.global_proj is None:
+            global_rows = _global_rows(q.index_select(2, gidx), k, v, attention_mask, gidx, options)
+        else:
+            gq_rows = split_heads(self.global_proj["query"](x.index_select(1, gidx)), self.heads)
+            global_rows = _global_rows_from_input(x, gq_rows, self.global_proj["key"], self.global_proj["value"],
+                                                  attention_mask, gidx, options)
+        return longformer_attention_gpu(q, k, v, global_rows, attention_mask, gidx, options)
 
     def extra_repr(self) -> str:
         return (

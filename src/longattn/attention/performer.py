@@ -14,6 +14,12 @@ causal via prefix sums. The features are redrawn every ``redraw_interval`` train
 Numerics: exp(w^T x - |x|^2/2) is computed after subtracting a constant that cancels in the
 normalised output (the per-query max for queries, the max over real keys of one head for keys);
 the constant carries no gradient because it cancels exactly.
+
+GPU path (:func:`~longattn.attention.base.uses_gpu_path`): the same features and sums as batched
+tensor programs in the autocast dtype (no loop over batch rows, heads, groups or chunks); not
+causal, :class:`_FavorGPU` keeps only the [F, Dv + 1] context and recomputes the features in the
+backward pass; causal, the chunked scan of :func:`~longattn.attention.linear.causal_scan` (Triton
+kernels where they run) on the features, its running state in float32.
 """
 
 from __future__ import annotations
@@ -33,10 +39,13 @@ from longattn.attention.base import (
     QKVProjection,
     budget_slices,
     check_qkv,
+    compute_dtype,
+    output_dtype,
     padding_safe,
     register_attention,
+    uses_gpu_path,
 )
-from longattn.attention.linear import causal_chunks, causal_kernel_attention
+from longattn.attention.linear import causal_chunks, causal_kernel_attention, kernel_sums_gpu, normalised
 
 
 def orthogonal_random_features(
@@ -203,6 +212,8 @@ def performer_attention(
         )
     if is_causal and query.shape[-2] != key.shape[-2]:
         raise AttentionError("causal Performer attention needs as many queries as keys")
+    if uses_gpu_path(query):
+        return _favor_gpu(query, key, value, attention_mask, projection, is_causal)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, projection)):
         # training: the features and the sums in cache, a group of (batch, head) pairs at a time (causal, or a
         # sequence whose features are kept for the backward pass anyway)
@@ -462,6 +473,78 @@ def _favor_query_output(query: Tensor, projection: Tensor, sums: Tensor, eps: fl
     return both[..., :-1] / (both[..., -1:] + eps)
 
 
+# ----------------------------------------------------------------------------- GPU path
+
+
+def _favor_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, projection: Tensor,
+               is_causal: bool) -> Tensor:
+    """FAVOR+ (eq. 4-5, causal: prefix sums) on the GPU path: features and GEMMs in the autocast dtype, the
+    normalisation (and the causal running state) in float32, output in the autocast dtype."""
+    dtype = output_dtype(query)
+    data_scale = query.shape[-1] ** -0.25  # x.y = q.k / sqrt(d)
+    x_q, x_k, value = query.to(dtype) * data_scale, key.to(dtype) * data_scale, value.to(dtype)
+    real = None
+    if attention_mask is not None:
+        real = attention_mask[:, None, :, None]
+        value = value.masked_fill(~real, 0.0)
+    eps = torch.finfo(compute_dtype(dtype)).tiny  # turns a fully padded 0 / 0 into 0
+    if not is_causal:
+        return _FavorGPU.apply(x_q, x_k, value, projection, real, eps).to(dtype)
+    phi_q = _positive_features(x_q, projection, (-1,), None)
+    phi_k = _positive_features(x_k, projection, (-1, -2), real)
+    numerator, normaliser = kernel_sums_gpu(phi_q, phi_k, value, is_causal=True)
+    return normalised(numerator, normaliser + eps, dtype)
+
+
+class _FavorGPU(torch.autograd.Function):
+    """Non-causal FAVOR+ as one batched program that keeps neither feature map for the backward pass:
+    phi(K) gives the context C = phi(K)^T [V, 1] ([F, Dv + 1] per head) and is freed, then
+    S = phi(Q) C = [num, den] and out = num / (den + eps). The backward pass recomputes phi(K) and phi(Q)
+    (one GEMM and an exp each, with the same stabilisers) instead of holding two [B, H, N, F] tensors from
+    the forward pass to the backward pass; with G = grad_phi * phi the feature gradients are those of
+    :func:`_feature_grads`."""
+
+    @staticmethod
+    def forward(ctx, x_q: Tensor, x_k: Tensor, value: Tensor, projection: Tensor, real: Tensor | None,
+                eps: float) -> Tensor:
+        value1 = torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)  # [V, 1]
+        phi_k, key_shift = _features_and_shift(x_k, projection, (-1, -2), real, None)
+        context = phi_k.transpose(-1, -2) @ value1
+        del phi_k
+        phi_q, _ = _features_and_shift(x_q, projection, (-1,), None, None)
+        sums = (phi_q @ context).to(compute_dtype(x_q.dtype))
+        denominator = sums[..., -1:] + eps
+        out = sums[..., :-1] / denominator
+        ctx.save_for_backward(x_q, x_k, value1, projection, real, key_shift, context, out, denominator)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        x_q, x_k, value1, projection, real, key_shift, context, out, denominator = ctx.saved_tensors
+        needs_q, needs_k, needs_v, needs_w = ctx.needs_input_grad[:4]
+        dtype = x_q.dtype
+        # out = num / den: d/dnum = g / den, d/dden = -(g . out) / den
+        grad_sums = torch.cat([grad / denominator, -(grad * out).sum(-1, keepdim=True) / denominator], dim=-1)
+        grad_sums = grad_sums.to(dtype)
+        grad_q = grad_k = grad_v = grad_w = None
+        phi_q, _ = _features_and_shift(x_q, projection, (-1,), None, None)
+        grad_context = phi_q.transpose(-1, -2) @ grad_sums  # [F, Dv + 1]
+        if needs_q or needs_w:
+            weighted = (grad_sums @ context.transpose(-1, -2)).mul_(phi_q)  # G = grad_phi(Q) * phi(Q)
+            grad_q, grad_w = _feature_grads(weighted, x_q, projection, needs_q, needs_w)
+            del weighted
+        del phi_q
+        phi_k, _ = _features_and_shift(x_k, projection, (-1, -2), real, key_shift)
+        if needs_v:
+            grad_v = (phi_k @ grad_context[..., :-1])
+        if needs_k or needs_w:
+            weighted = (value1 @ grad_context.transpose(-1, -2)).mul_(phi_k)
+            grad_k, grad_w_k = _feature_grads(weighted, x_k, projection, needs_k, needs_w)
+            grad_w = grad_w_k if grad_w is None else grad_w + grad_w_k
+        return grad_q, grad_k, grad_v, grad_w, None, None
+
+
 @padding_safe
 def performer_attention_reference(
     query: Tensor,
@@ -526,6 +609,13 @@ class PerformerAttention(AttentionBase):
             "projection", orthogonal_random_features(nb_features, self.head_dim, orthogonal=orthogonal)
         )
         self.register_buffer("calls_since_redraw", torch.zeros((), dtype=torch.long))
+        # a host copy of calls_since_redraw, so that a training call does not read the buffer back from the GPU
+        # (a device sync per call); None: read it at the next call (after loading a state dict)
+        self._calls_on_host: int | None = 0
+        self._register_load_state_dict_pre_hook(self._forget_host_calls)
+
+    def _forget_host_calls(self, *args: object) -> None:
+        self._calls_on_host = None
 
     @torch.no_grad()
     def redraw_features(self) -> None:
@@ -536,12 +626,16 @@ class PerformerAttention(AttentionBase):
         )
         self.projection.copy_(fresh)
         self.calls_since_redraw.zero_()
+        self._calls_on_host = 0
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         if self.training and self.redraw_interval is not None:
-            if int(self.calls_since_redraw) >= self.redraw_interval:
+            if self._calls_on_host is None:
+                self._calls_on_host = int(self.calls_since_redraw)
+            if self._calls_on_host >= self.redraw_interval:
                 self.redraw_features()
             self.calls_since_redraw += 1
+            self._calls_on_host += 1
         q, k, v = self.proj.qkv(x)
         out = performer_attention(q, k, v, attention_mask, projection=self.projection, is_causal=self.causal)
         return self.proj.out(out)

@@ -18,6 +18,12 @@ forward pass keeps them for the backward pass instead of recomputing them.
 
 Padding: padded tokens are put in a bucket of their own after all real buckets, so where real
 tokens land in the sort never depends on padded content.
+
+GPU path (:func:`~longattn.attention.base.uses_gpu_path`): the same hashing, sort and chunked
+attention as a few batched programs with no loop over blocks, chunks or heads. With triton, the
+kernels of ``_reformer_triton`` hash without the [N, n_buckets] projections and run the chunks'
+attention (scores in registers, float32 softmax statistics, outputs and gradients added into token
+rows); without it, :func:`lsh_chunks_torch` materialises every chunk's [m, 2m] scores at once.
 """
 
 from __future__ import annotations
@@ -35,10 +41,13 @@ from longattn.attention.base import (
     check_qkv,
     compute_dtype,
     merge_heads,
+    output_dtype,
     padding_safe,
     register_attention,
     split_heads,
+    uses_gpu_path,
 )
+from longattn.attention.linear import kernels_run_on
 
 SELF_ATTENTION_SCORE = -5e4  # "attend to itself only if nothing else": large negative but finite
 BLOCK_ELEMENTS = 1 << 18  # scores (or hash projections) computed at once: cache-sized, never [N, N]
@@ -299,6 +308,9 @@ def lsh_attention(
     if not isinstance(bucket_size, int) or bucket_size < 1:
         raise AttentionError(f"bucket_size must be a positive int, got {bucket_size!r}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if uses_gpu_path(shared_qk):
+        return _lsh_gpu(shared_qk, value, attention_mask, rotations, bucket_size, attend_across_buckets, is_causal,
+                        scale)
     rounds, n_buckets = rotations.shape[1], 2 * rotations.shape[2]
     m = bucket_size
     pad = (-n) % m
@@ -342,6 +354,102 @@ def lsh_attention(
     token_major = (t.reshape(bh * n_total, t.shape[-1]) for t in (shared_qk * scale, keys, value))  # [B*H*N, D]
     out = _ChunkedLSHSoftmax.apply(*token_major, layout)
     return out.view(b, h, n_total, d)[:, :, :n]
+
+
+# ----------------------------------------------------------------------------- GPU path
+
+
+def _hash_gpu(vectors: Tensor, rotations: Tensor) -> Tensor:
+    """Buckets [B, H, R, N] on the GPU path: the Triton kernel where it runs, else the projections of all
+    tokens at once ([B, H, N, R, n_buckets / 2] in the GEMM dtype) and their max / min with indices."""
+    if kernels_run_on(vectors):
+        from longattn.attention._reformer_triton import lsh_hash
+
+        return lsh_hash(vectors, rotations)
+    b, h, n, d = vectors.shape
+    _, rounds, half = rotations.shape
+    rotated = (vectors @ rotations.to(vectors.dtype).reshape(d, rounds * half)).view(b, h, n, rounds, half)
+    top, top_index = rotated.max(dim=-1)
+    bottom, bottom_index = rotated.min(dim=-1)
+    # argmax([xR; -xR]): the first half wins a tie (as argmax, the first position)
+    return torch.where(top >= -bottom, top_index, half + bottom_index).transpose(2, 3)
+
+
+def lsh_chunks_torch(q: Tensor, k: Tensor, v: Tensor, slot_token: Tensor, slot_bucket: Tensor, valid: Tensor,
+                     heads: int, bucket_size: int, scale: float, across: bool, causal: bool) -> Tensor:
+    """The chunked attention of the sorted slots with the rounds combined (one softmax of each token over its
+    slots in all rounds, see :class:`_ChunkedLSHSoftmax`), all chunks at once: [chunks, m, 2m] scores in float32;
+    autograd gives the backward pass. The GPU path without triton, and the Triton kernels' reference.
+
+    q (unscaled), k (unit length), v: token-major rows [P*N, D] of P = B*H (batch, head) pairs; slot_token,
+    slot_bucket [P, R*N]: the token and bucket id (distinct across rounds) of each sorted slot, round r's slots
+    being [r*N, (r+1)*N); valid [B, N] bool. Returns [P*N, D] in the accumulation dtype."""
+    pairs, slots = slot_token.shape
+    n, d = q.shape[0] // pairs, q.shape[1]
+    m = bucket_size
+    chunks = slots // m
+    acc = compute_dtype(q.dtype)
+    rows = slot_token + n * torch.arange(pairs, device=q.device)[:, None]  # [P, R*N] token rows
+    slot_valid = valid.repeat_interleave(heads, dim=0).gather(1, slot_token)
+
+    def by_chunk(t: Tensor) -> Tensor:
+        return t.reshape(pairs, chunks, m, *t.shape[2:])
+
+    def with_previous(t: Tensor) -> Tensor:
+        """[P, C, m, ...] -> [P, C, 2m, ...]: each chunk's own slots, then the previous chunk's (if any)."""
+        return torch.cat([t, t.roll(1, dims=1)], dim=2) if chunks > 1 else t
+
+    q_s = by_chunk(q[rows])
+    k_keys, v_keys = (with_previous(by_chunk(t[rows])) for t in (k, v))
+    token_q, bucket_q = by_chunk(slot_token)[..., :, None], by_chunk(slot_bucket)[..., :, None]
+    token_k, bucket_k, valid_k = (with_previous(by_chunk(t))[..., None, :] for t in (slot_token, slot_bucket, slot_valid))
+    scores = (q_s @ k_keys.transpose(-1, -2)).to(acc) * scale  # [P, C, m, 2m]
+    allowed = valid_k if across else valid_k & (bucket_q == bucket_k)
+    if causal:
+        allowed = allowed & (token_k <= token_q)
+    scores = torch.where(token_k == token_q, SELF_ATTENTION_SCORE, torch.where(allowed, scores, float("-inf")))
+    # L of each token: logsumexp over its slots' lse in all rounds (slot s of a head is in round s // N)
+    lse = scores.logsumexp(-1).reshape(pairs, slots)
+    round_token = (torch.arange(slots, device=q.device) // n * n)[None, :] + slot_token
+    total = torch.empty_like(lse).scatter(1, round_token, lse).view(pairs, slots // n, n).logsumexp(1)
+    weights = torch.exp(scores - by_chunk(total.gather(1, slot_token))[..., None])
+    slot_out = (weights.to(v.dtype) @ v_keys).to(acc).reshape(pairs, slots, d)
+    out = torch.zeros(pairs, n, d, dtype=acc, device=q.device)
+    return out.scatter_add(1, slot_token[..., None].expand(-1, -1, d), slot_out).view(pairs * n, d)
+
+
+def _lsh_gpu(shared_qk: Tensor, value: Tensor, attention_mask: Tensor | None, rotations: Tensor, bucket_size: int,
+             across: bool, causal: bool, scale: float) -> Tensor:
+    """LSH attention on the GPU path: hashing, sort and the chunks' attention as batched programs."""
+    dtype = output_dtype(shared_qk)
+    qk, value = shared_qk.to(dtype), value.to(dtype)
+    b, h, n, d = qk.shape
+    rounds, n_buckets = rotations.shape[1], 2 * rotations.shape[2]
+    pad = (-n) % bucket_size
+    valid = torch.ones(b, n, dtype=torch.bool, device=qk.device) if attention_mask is None else attention_mask
+    if pad:
+        qk, value = F.pad(qk, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
+        valid = F.pad(valid, (0, pad), value=False)
+    n_total = n + pad
+    with torch.no_grad():
+        buckets = _hash_gpu(qk.detach(), rotations).masked_fill(~valid[:, None, None, :], n_buckets)
+        # bucket ids offset per round, so that the sort keeps rounds apart: round r holds slots [r*N, (r+1)*N)
+        buckets = buckets + torch.arange(rounds, device=qk.device)[:, None] * (n_buckets + 1)
+        order = (buckets * n_total + torch.arange(n_total, device=qk.device)).flatten(2).argsort(dim=-1)
+        order = order.view(b * h, rounds * n_total)
+        slot_token = order % n_total
+        slot_bucket = buckets.reshape(b * h, -1).gather(1, order)
+    # shared-QK: unit-length keys (normalised in float32: see lsh_attention)
+    keys = F.normalize(qk.to(compute_dtype(dtype)), dim=-1).to(dtype)
+    q_rows, k_rows, v_rows = (t.reshape(b * h * n_total, d) for t in (qk, keys, value))
+    args = (slot_token, slot_bucket, valid, h, bucket_size, scale, across, causal)
+    if kernels_run_on(qk):
+        from longattn.attention._reformer_triton import LSHChunkAttention
+
+        out = LSHChunkAttention.apply(q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous(), *args)
+    else:
+        out = lsh_chunks_torch(q_rows, k_rows, v_rows, *args)
+    return out.view(b, h, n_total, d)[:, :, :n].to(dtype)
 
 
 @padding_safe
@@ -433,7 +541,9 @@ class ReformerAttention(AttentionBase):
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         qk, v = split_heads(self.to_qk(x), self.heads), split_heads(self.to_v(x), self.heads)
         n_b = num_buckets(x.shape[1], self.bucket_size)
-        rotations = torch.randn(self.head_dim, self.n_hashes, n_b // 2, device=x.device, dtype=x.dtype)
+        # drawn in float32 whatever the input's dtype, so that one seed gives the same rotations (and buckets)
+        # in float64, float32 and under autocast
+        rotations = torch.randn(self.head_dim, self.n_hashes, n_b // 2, device=x.device).to(x.dtype)
         out = lsh_attention(qk, v, attention_mask, rotations=rotations, bucket_size=self.bucket_size,
                             attend_across_buckets=self.attend_across_buckets, is_causal=self.causal)
         return self.to_out(merge_heads(out))

@@ -10,6 +10,13 @@ The computation is split so that the random part and the deterministic part can 
 * :func:`skein_attention` does both (it computes the pilot attention once and uses it for the
   probabilities and for the reused rows).
 
+On the GPU path (:func:`~longattn.attention.base.uses_gpu_path`) the same algorithm runs as a few
+batched programs (:func:`_draw_sample_gpu`, :func:`_skein_core_gpu`): no loop over blocks of rows,
+no read-back of ``d`` (the index tensors have D = min(samples, N - 1) slots, the slots >= d of a
+sequence unused), GEMMs in the autocast dtype, softmax statistics in float32, the pilot output
+B_J V and eq. (6) by fused scaled-dot-product attention, and the pilot column statistics of eq. (5)
+by the Triton kernels of ``_skein_triton`` where they run.
+
 Shapes: ``query``/``key``/``value`` are [B, H, N, Dh]; ``attention_mask`` is bool [B, N] with
 True = real token, padding anywhere. ``m`` is the number of real tokens of a sequence and the
 sample size of that sequence is ``d = min(samples, m - 1)`` (authors' code; ``d = m`` when
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -34,9 +42,12 @@ from longattn.attention.base import (
     QKVProjection,
     check_qkv,
     compute_dtype,
+    output_dtype,
     padding_safe,
     register_attention,
+    uses_gpu_path,
 )
+from longattn.attention.linear import kernels_run_on, normalised
 
 ColumnSampling = Literal["importance", "uniform"]
 RowNormalization = Literal["adaptive", "simple", "none"]
@@ -164,15 +175,16 @@ def _pilot_pass(
 
 
 def _column_probabilities(
-    pilot_square_sums: Tensor | None, value: Tensor, real: Tensor, column_sampling: str
+    pilot_square_sums: Tensor | None, value_norms: Tensor, real: Tensor, column_sampling: str
 ) -> Tensor:
-    """p_hat over the N columns, [B, H, N], zero at padding, summing to one over real tokens."""
-    real_heads = real[:, None, :].expand(-1, value.shape[1], -1)
+    """p_hat over the N columns, [B, H, N], zero at padding, summing to one over real tokens;
+    ``value_norms`` [B, H, N] = ||V_(i)||."""
+    real_heads = real[:, None, :].expand(-1, value_norms.shape[1], -1)
     if column_sampling == "uniform":
-        weights = real_heads.to(value.dtype)
+        weights = real_heads.to(value_norms.dtype)
     else:
         # eq. (5): p_hat_i ∝ (sum_k b_{j_k i}^2)^(1/2) ||V_(i)||, summed over the used pilot slots.
-        weights = pilot_square_sums.sqrt() * value.norm(dim=-1)
+        weights = pilot_square_sums.sqrt() * value_norms
         weights = weights.masked_fill(~real_heads, 0.0)
         # All-zero weights (e.g. V = 0 on every real token) carry no information: fall back to uniform.
         weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, real_heads.to(weights.dtype))
@@ -313,20 +325,24 @@ def _skein_core(
     out = torch.cat([rows_output(block) for block in scaled_query.split(rows, dim=2)], dim=2)
 
     if pilot_reuse:
-        # Line 12: rows in J get their exact output B_J V. A pilot row drawn twice is written by
-        # one slot only, so its gradient is not counted twice.
         if pilot_out is None:  # B_J V, [B, H, D, P]
             _, pilot_out = _pilot_pass(
                 query, key, value, real, sample.pilot_indices, slot_mask.expand_as(sample.pilot_indices),
                 scale, square_sums=False, output=True,
             )
-        slot_ids = torch.arange(slot_mask.shape[-1], device=real.device).expand_as(sample.pilot_indices)
-        slot_ids = torch.where(slot_mask, slot_ids, -1)
-        slot_of_row = torch.full(out.shape[:3], -1, dtype=torch.long, device=real.device)
-        slot_of_row = slot_of_row.scatter_reduce(2, sample.pilot_indices, slot_ids, reduce="amax")
-        reused = _gather_rows(pilot_out, slot_of_row.clamp(min=0))
-        out = torch.where((slot_of_row >= 0)[..., None], reused, out)
+        out = _reuse_pilot_rows(out, pilot_out, sample.pilot_indices, slot_mask)
     return out
+
+
+def _reuse_pilot_rows(out: Tensor, pilot_out: Tensor, pilot_indices: Tensor, slot_mask: Tensor) -> Tensor:
+    """Line 12: rows in J get their exact output B_J V ([B, H, D, P]). A pilot row drawn twice is written by
+    one slot only, so its gradient is not counted twice."""
+    slot_ids = torch.arange(slot_mask.shape[-1], device=out.device).expand_as(pilot_indices)
+    slot_ids = torch.where(slot_mask, slot_ids, -1)
+    slot_of_row = torch.full(out.shape[:3], -1, dtype=torch.long, device=out.device)
+    slot_of_row = slot_of_row.scatter_reduce(2, pilot_indices, slot_ids, reduce="amax")
+    reused = _gather_rows(pilot_out, slot_of_row.clamp(min=0))
+    return torch.where((slot_of_row >= 0)[..., None], reused, out)
 
 
 def _prepare(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -374,6 +390,156 @@ def _check_sample(sample: SkeinSample, real: Tensor, heads: int, row_normalizati
             raise AttentionError('row_normalization="none" needs positive column_probabilities [B, H, D]')
 
 
+# ----------------------------------------------------------------------------- GPU path
+
+
+def gpu_slots(length: int, samples: int) -> int:
+    """Index slots D of the GPU path: the largest d = min(samples, m - 1) any sequence of ``length`` tokens can
+    have (so that d is never read back from the device); at least 1."""
+    return max(1, min(samples, length - 1))
+
+
+def _gpu_inputs(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Cast to the GEMM dtype (the autocast dtype) and zero padded rows (the module's projections give
+    padded tokens their bias), so padded content cannot reach anything."""
+    dtype = output_dtype(query)
+    real = _real_token_mask(attention_mask, key.shape[0], key.shape[2], key.device)
+    q, k, v = (t.to(dtype) for t in (query, key, value))
+    if attention_mask is not None:
+        padded = ~real[:, None, :, None]
+        q, k, v = (t.masked_fill(padded, 0.0) for t in (q, k, v))
+    return q, k, v, real
+
+
+def _some_real(real: Tensor) -> Tensor:
+    """``real`` with every token of a sequence without real tokens marked real, [B, N]: a softmax over such a
+    sequence's (all-zero) keys is then finite instead of 0 / 0, and its rows are zeroed by the caller."""
+    return real | ~real.any(-1, keepdim=True)
+
+
+def _pilot_square_sums_gpu(q: Tensor, k: Tensor, real: Tensor, pilot: Tensor, used: Tensor, scale: float) -> Tensor:
+    """sum_k b_{j_k i}^2 of eq. (5), [B, H, N], no gradient: the Triton kernels where they run (B_J stays in
+    registers), else B_J materialised ([B, H, D, N] in float32)."""
+    if kernels_run_on(q):
+        from longattn.attention._skein_triton import pilot_square_sums
+
+        return pilot_square_sums(q, k, real, pilot, used, scale)
+    acc = compute_dtype(q.dtype)
+    scores = (_gather_rows(q, pilot) @ k.transpose(-1, -2)).to(acc) * scale
+    weights = (scores + _padding_bias(_some_real(real), acc)[:, None, None, :]).softmax(dim=-1)
+    return (weights.square() * used[..., None].to(acc)).sum(2)
+
+
+def _pilot_output_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, pilot: Tensor, scale: float,
+                      padded: bool) -> Tensor:
+    """B_J V (line 12, with gradient), [B, H, D, P]: fused attention of the pilot rows over the real keys. Without
+    padding there is no mask, so that the flash kernel (which splits the keys of few queries) can run."""
+    mask = _some_real(real)[:, None, None, :] if padded else None
+    return F.scaled_dot_product_attention(_gather_rows(q, pilot), k, v, attn_mask=mask, scale=scale)
+
+
+def _draw_sample_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, samples: int, column_sampling: str,
+                     generator: torch.Generator | None, scale: float, keep_pilot_output: bool, padded: bool
+                     ) -> tuple[SkeinSample, Tensor | None]:
+    """:func:`_draw_sample` on the GPU path: the same draws (pilot rows with replacement, columns by
+    Gumbel-top-k), with D = :func:`gpu_slots` slots fixed by the length (no read-back of d) and the pilot
+    statistics by :func:`_pilot_square_sums_gpu`. ``padded``: whether ``real`` has padding."""
+    counts = sample_counts_for(real, samples)
+    slots = gpu_slots(real.shape[1], samples)
+    pilot = _draw_pilot(real, q.shape[1], slots, generator)
+    pilot_out = _pilot_output_gpu(q, k, v, real, pilot, scale, padded) if keep_pilot_output else None
+    with torch.no_grad():
+        square_sums = None
+        if column_sampling == "importance":
+            square_sums = _pilot_square_sums_gpu(q, k, real, pilot, _slot_mask(counts, slots), scale)
+        value_norms = torch.linalg.vector_norm(v, dim=-1, dtype=compute_dtype(v.dtype))
+        probabilities = _column_probabilities(square_sums, value_norms, real, column_sampling)
+        columns = _draw_columns(probabilities, real, slots, generator)
+    return SkeinSample(pilot, columns, counts, probabilities.gather(2, columns)), pilot_out
+
+
+def _value_tile(width: int) -> int:
+    """Value width rounded up to a multiple of 8 (the alignment fused attention kernels need)."""
+    return -(-width // 8) * 8
+
+
+def _with_weight_column(values: Tensor, weights: Tensor) -> Tensor:
+    """[values, weights, 0...] on the last axis, padded to :func:`_value_tile`: fused attention then returns a
+    weighted sum of the values and of the weights in one pass."""
+    width = values.shape[-1] + 1
+    return F.pad(torch.cat([values, weights[..., None].to(values.dtype)], dim=-1), (0, _value_tile(width) - width))
+
+
+def _skein_core_gpu(q: Tensor, k: Tensor, v: Tensor, real: Tensor, sample: SkeinSample, row_normalization: str,
+                    pilot_reuse: bool, scale: float, pilot_out: Tensor | None, dense: bool) -> Tensor:
+    """Alg. 1 lines 6-12 as fused attention of every query over the D sampled columns (plus one or N extra
+    keys), on GEMM-dtype inputs with zeroed padded rows; result in the GEMM dtype (the ratio below taken in
+    float32).
+
+    * ``"adaptive"`` (eq. 6): one extra key per (sequence, head), the mean of the used sampled keys, so that
+      its score is mean_k s_ik = log g_i (line 8); its value is v = the sum of V over the real unselected
+      tokens (line 10) and a weight column holds 1 for the sampled keys and m - d for the extra one. The
+      attention then returns (R_J' + g v) / Z and (A_J' 1 + (m - d) g) / Z for the same normaliser Z, whose
+      ratio is eq. (6) (Z cancels: the softmax's float32 max-shift is the stabiliser of the CPU path).
+    * ``"simple"``: softmax over the used sampled columns.
+    * ``"none"``: D^-1 A S S^T V with exact row sums D (Sec. 4.1), as attention over all N keys (value 0,
+      weight 1) and the sampled columns (value v_k, weight 0, score bias -log(d p_k)): the ratio of the two
+      returned parts is sum_k a_ik v_k / (d p_k) over sum_j a_ij. O(N^2) time as in the paper, O(N) memory.
+
+    ``dense``: no padding and every slot used (a sample drawn for an unpadded batch), so no mask is needed.
+    """
+    acc = compute_dtype(q.dtype)
+    used = sample.slot_mask()  # [B, 1, D]
+    counts = sample.sample_counts
+    has_real = real.any(-1)[:, None, None]  # a sequence without real tokens: every slot masked otherwise
+    key_cols, value_cols = _gather_rows(k, sample.column_indices), _gather_rows(v, sample.column_indices)
+    p = v.shape[-1]
+    if row_normalization == "simple":
+        mask = None if dense else (used | ~has_real)[:, :, None, :]
+        out = F.scaled_dot_product_attention(q, key_cols, value_cols, attn_mask=mask, scale=scale)
+    else:
+        if row_normalization == "adaptive":
+            used_cols = used[..., None].to(acc)
+            mean_key = (key_cols.to(acc) * used_cols).sum(2, keepdim=True) / counts.clamp(min=1)[:, None, None, None]
+            selected_sum = (value_cols.to(acc) * used_cols).sum(2, keepdim=True)
+            unselected_sum = v.sum(2, keepdim=True, dtype=acc) - selected_sum  # [B, H, 1, P]
+            rest = (real.sum(-1) - counts).to(acc)[:, None, None].expand(-1, q.shape[1], 1)  # m - d
+            keys = torch.cat([key_cols, mean_key.to(q.dtype)], dim=2)
+            values = torch.cat([_with_weight_column(value_cols, torch.ones_like(value_cols[..., 0])),
+                                _with_weight_column(unselected_sum.to(q.dtype), rest)], dim=2)
+            mask = torch.cat([used | ~has_real, torch.ones_like(used[..., :1])], dim=-1)[:, :, None, :]
+            mask = None if dense else mask
+        else:
+            # padded keys and unused slots are masked; a sequence without real tokens keeps all keys (zeros)
+            log_weights = torch.where(used, sample.column_probabilities.to(acc) * counts.to(acc)[:, None, None],
+                                      1.0).log().neg()
+            bias = torch.cat([_padding_bias(_some_real(real), acc)[:, None, :].expand(-1, q.shape[1], -1),
+                              torch.where(used | ~has_real, log_weights, float("-inf"))], dim=-1)
+            keys = torch.cat([k, key_cols], dim=2)
+            values = torch.cat([_with_weight_column(torch.zeros_like(v), torch.ones_like(v[..., 0])),
+                                _with_weight_column(value_cols, torch.zeros_like(value_cols[..., 0]))], dim=2)
+            mask = bias.to(q.dtype)[:, :, None, :]
+        parts = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        denominator = parts[..., p].to(acc)
+        out = normalised(parts[..., :p], torch.where(denominator > 0, denominator, 1.0), q.dtype)
+    if pilot_reuse:
+        if pilot_out is None:
+            pilot_out = _pilot_output_gpu(q, k, v, real, sample.pilot_indices, scale, not dense)
+        out = _reuse_pilot_rows(out, pilot_out, sample.pilot_indices, used)
+    return out
+
+
+def _skein_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, samples: int,
+               column_sampling: str, row_normalization: str, pilot_reuse: bool, generator: torch.Generator | None,
+               scale: float) -> Tensor:
+    q, k, v, real = _gpu_inputs(query, key, value, attention_mask)
+    padded = attention_mask is not None
+    sample, pilot_out = _draw_sample_gpu(q, k, v, real, samples, column_sampling, generator, scale, pilot_reuse,
+                                         padded)
+    return _skein_core_gpu(q, k, v, real, sample, row_normalization, pilot_reuse, scale, pilot_out, not padded)
+
+
 # ----------------------------------------------------------------------------- public functions
 
 
@@ -397,8 +563,12 @@ def skein_sample(
     check_qkv(query, key, value, attention_mask)
     _check_sampling_options(samples, column_sampling)
     with torch.no_grad():
-        q, k, v, real = _prepare(query, key, value, attention_mask)
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        if uses_gpu_path(query):
+            q, k, v, real = _gpu_inputs(query, key, value, attention_mask)
+            return _draw_sample_gpu(q, k, v, real, samples, column_sampling, generator, scale, False,
+                                    attention_mask is not None)[0]
+        q, k, v, real = _prepare(query, key, value, attention_mask)
         return _draw_sample(q, k, v, real, samples, column_sampling, generator, scale, False)[0]
 
 
@@ -420,13 +590,14 @@ def _draw_sample(
     """
     counts = sample_counts_for(real, samples)
     slots = max(int(counts.max()), 1)
-    pilot = _draw_pilot(real, q.shape[1], slots, generator)
+    # the GPU path's draws, cut to the slots in use: both paths draw the same indices from one generator state
+    pilot = _draw_pilot(real, q.shape[1], gpu_slots(real.shape[1], samples), generator)[..., :slots]
     square_sums, pilot_out = _pilot_pass(
         q, k, v, real, pilot, _slot_mask(counts, slots).expand_as(pilot), scale,
         square_sums=column_sampling == "importance", output=keep_pilot_output,
     )
     with torch.no_grad():
-        probabilities = _column_probabilities(square_sums, v.detach(), real, column_sampling)
+        probabilities = _column_probabilities(square_sums, v.detach().norm(dim=-1), real, column_sampling)
         columns = _draw_columns(probabilities, real, slots, generator)
     sample = SkeinSample(pilot, columns, counts, probabilities.gather(2, columns))
     return sample, pilot_out
@@ -451,9 +622,13 @@ def skein_attention_from_sample(
     """
     check_qkv(query, key, value, attention_mask)
     _check_output_options(row_normalization, pilot_reuse)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if uses_gpu_path(query):
+        q, k, v, real = _gpu_inputs(query, key, value, attention_mask)
+        _check_sample(sample, real, query.shape[1], row_normalization)
+        return _skein_core_gpu(q, k, v, real, sample, row_normalization, pilot_reuse, scale, None, dense=False)
     q, k, v, real = _prepare(query, key, value, attention_mask)
     _check_sample(sample, real, query.shape[1], row_normalization)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     out = _skein_core(q, k, v, real, sample, row_normalization, pilot_reuse, scale, None)
     return out.to(query.dtype)
 
@@ -486,8 +661,11 @@ def skein_attention(
     check_qkv(query, key, value, attention_mask)
     _check_sampling_options(samples, column_sampling)
     _check_output_options(row_normalization, pilot_reuse)
-    q, k, v, real = _prepare(query, key, value, attention_mask)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if uses_gpu_path(query):
+        return _skein_gpu(query, key, value, attention_mask, samples, column_sampling, row_normalization,
+                          pilot_reuse, generator, scale)
+    q, k, v, real = _prepare(query, key, value, attention_mask)
     sample, pilot_out = _draw_sample(q, k, v, real, samples, column_sampling, generator, scale, pilot_reuse)
     out = _skein_core(q, k, v, real, sample, row_normalization, pilot_reuse, scale, pilot_out)
     return out.to(query.dtype)

@@ -16,10 +16,15 @@ Per head, with Q, K, V of shape [N, Dh]:
 The sampled indices are drawn once per layer at construction (shared by the batch and the heads)
 and stored as buffers, so they are saved with the model. The cost is O(N (s1 + s2) Dh) per head:
 no N x N tensor exists at any step.
+
+Two paths compute the same layer: on a CPU, tiles sized for the caches (``_SkeletonCore``, the Smoother's
+fused stem); on a GPU (``uses_gpu_path``), one batched program with no host synchronisation, autocast-native,
+with the Triton kernels of ``_skeleton_triton`` and ``_smoother_triton`` where they run (``_gpu_attend``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -27,18 +32,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
     Capabilities,
     QKVProjection,
     check_qkv,
+    compute_dtype,
     merge_heads,
+    output_dtype,
     padding_safe,
     register_attention,
     split_heads,
+    uses_gpu_path,
 )
-from longattn.attention.smoother import PRECISIONS, Smoother, draw_keep, mask_factor
+from longattn.attention.smoother import KERNEL_DTYPES, PRECISIONS, Smoother, draw_keep, mask_factor, no_autocast
 
 __all__ = ["SkeletonAttention", "skeleton_attention", "skeleton_attention_reference", "draw_skeleton_indices"]
 
@@ -603,6 +612,45 @@ class _CoreTiles:
                 row[1], row[2], column[1], column[2], grad_weight_out, grad_bias_out)
 
 
+class _ProjectAndSample(torch.autograd.Function):
+    """s W^T + b in ``dtype`` (one GEMM for the stacked [Q | K P2 | V P2] weights) and the sampled token rows
+    s[:, rows] (None without rows), with one backward: the rows' gradient is added in place into the GEMM's
+    input gradient (autograd would make a zero tensor of the whole sequence for it, then add the two)."""
+
+    @staticmethod
+    def forward(ctx, s, weight, bias, rows, dtype):  # type: ignore[override]
+        with no_autocast(s):
+            gemm_input = s.to(dtype)
+            projected = F.linear(gemm_input, weight.to(dtype), None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(gemm_input, weight, rows)
+        ctx.has_bias = bias is not None
+        return projected, None if rows is None else s[:, rows]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, grad_sampled):  # type: ignore[override]
+        gemm_input, weight, rows = ctx.saved_tensors
+        with no_autocast(grad):
+            grad = grad.to(gemm_input.dtype)
+            flat = grad.reshape(-1, grad.shape[-1])
+            grad_s = (flat @ weight.to(grad.dtype)).view(gemm_input.shape)
+            if grad_sampled is not None:
+                grad_s.index_add_(1, rows, grad_sampled.to(grad_s.dtype))
+            grad_weight = flat.t() @ gemm_input.reshape(-1, gemm_input.shape[-1])
+        return grad_s, grad_weight, flat.sum(0) if ctx.has_bias else None, None, None
+
+
+def _stacked_linear(parts: list[tuple[nn.Module, Tensor | None]]) -> tuple[Tensor, Tensor | None]:
+    """(weight, bias) of one linear map producing the outputs of several linear layers side by side, each
+    restricted to the given output rows (None = all of them); a missing bias counts as zeros."""
+    weights = [linear.weight if rows is None else linear.weight[rows] for linear, rows in parts]
+    if all(linear.bias is None for linear, _ in parts):
+        return torch.cat(weights), None
+    biases = [w.new_zeros(w.shape[0]) if linear.bias is None else (linear.bias if rows is None else linear.bias[rows])
+              for (linear, rows), w in zip(parts, weights)]
+    return torch.cat(weights), torch.cat(biases)
+
+
 def _linear(linear: nn.Linear, x: Tensor, gemm_dtype: torch.dtype | None) -> Tensor:
     """``linear(x)``; with ``gemm_dtype`` the product takes factors of that dtype (the GEMM
     accumulates in float32) and the bias is added in x's dtype."""
@@ -638,7 +686,16 @@ def _skeleton_from_samples(
 
     For a sequence split across processes (longattn.parallel) the caller passes ``row_valid``
     (bool [B, s1]: the sample is a real token; the samples live on other processes) and
-    ``sum_over_tokens``, an all-reduce completing the column branch's sums over the tokens."""
+    ``sum_over_tokens``, an all-reduce completing the column branch's sums over the tokens.
+
+    On the GPU path (``uses_gpu_path``) the same numbers come from ``_skeleton_from_samples_gpu``."""
+    if uses_gpu_path(merged_query):
+        return _skeleton_from_samples_gpu(
+            merged_query, heads, row_keys=row_keys, row_values=row_values, column_keys=column_keys,
+            column_values=column_values, attention_mask=attention_mask, row_indices=row_indices, row_scale=row_scale,
+            column_scale=column_scale, dropout_p=dropout_p, mask_padded_samples=mask_padded_samples,
+            row_norm=row_norm, column_norm=column_norm, norm_eps=norm_eps, row_valid=row_valid,
+            sum_over_tokens=sum_over_tokens)
     batch, length, _ = merged_query.shape
     out = None
 
@@ -687,6 +744,129 @@ def _skeleton_from_samples(
         column_half = _half_layer_norm(column_out, column_norm, norm_eps)
         out = column_half if out is None else out + column_half
     return out
+
+
+# ----------------------------------------------------------------------------- GPU path
+
+
+def _half_norm(norm: tuple[Tensor | None, Tensor | None] | None, dim: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(weight / 2, bias / 2) of a branch's LayerNorm (the 1/2 of eq. 2), ones / 2 and zeros where absent."""
+    weight, bias = norm if norm is not None else (None, None)
+    half_weight = like.new_full((dim,), 0.5) if weight is None else weight * 0.5
+    return half_weight, like.new_zeros(dim) if bias is None else bias * 0.5
+
+
+def _skeleton_from_samples_gpu(
+    merged_query: Tensor,
+    heads: int,
+    *,
+    row_keys: Tensor | None,
+    row_values: Tensor | None,
+    column_keys: Tensor | None,
+    column_values: Tensor | None,
+    attention_mask: Tensor | None,
+    row_indices: Tensor,
+    row_scale: float | None,
+    column_scale: float | Tensor | None,
+    dropout_p: float,
+    mask_padded_samples: bool,
+    row_norm: tuple[Tensor | None, Tensor | None] | None,
+    column_norm: tuple[Tensor | None, Tensor | None] | None,
+    norm_eps: float = 1e-5,
+    row_valid: Tensor | None = None,
+    sum_over_tokens: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """``_skeleton_from_samples`` on the GPU path: the whole-sequence reduction of the column branch (its
+    scores Q^T K P2 over the real tokens, softmax and dropout, all heads in one product), then both
+    branches and their LayerNorms token by token in ``skeleton_core``. No host synchronisation: padded
+    samples are always masked (a mask that excludes nothing changes nothing). GEMMs in the queries'
+    dtype (the autocast dtype under autocast), softmaxes and LayerNorm statistics in float32, output in
+    the queries' dtype."""
+    batch, length, dim = merged_query.shape
+    stats_dtype = compute_dtype(merged_query.dtype)
+    valid = keep = column_weights = None
+    if row_keys is not None:
+        s1, head_dim = row_keys.shape[2:]
+        valid = _row_sample_validity(row_indices, attention_mask, batch, length) if row_valid is None else row_valid
+        factor = valid[:, None, :, None].to(row_keys.dtype)
+        scale = 1.0 / math.sqrt(head_dim) if row_scale is None else row_scale
+        # the temperature folded into P1 K; padded (or beyond-N) samples get zero keys and values
+        row_keys, row_values = row_keys * (factor * scale), row_values * factor
+        if dropout_p > 0:  # token-major [B, N, H, s1], drawn before the column dropout (as the CPU paths)
+            keep = torch.rand((batch, length, heads, s1), device=merged_query.device) >= dropout_p
+    if column_keys is not None:
+        if attention_mask is not None:  # padded K and V are zeroed
+            real = attention_mask[..., None].to(column_keys.dtype)
+            column_keys, column_values = column_keys * real, column_values * real
+        # Q^T K P2 of every head pair in one product over the tokens; the diagonal blocks are the per-head ones
+        scores = _head_blocks(merged_query.transpose(1, 2) @ column_keys, heads).to(stats_dtype)  # [B, H, Dh, s2]
+        if sum_over_tokens is not None:
+            scores = sum_over_tokens(scores)
+        scores = scores * _column_scale_tensor(column_scale, length, scores)
+        column_weights = torch.softmax(scores, dim=-1)  # over the s2 samples
+        column_weights = F.dropout(column_weights, dropout_p) if dropout_p > 0 else column_weights
+    norms = tuple(_half_norm(norm, dim, merged_query.new_empty((), dtype=stats_dtype))
+                  for norm in (row_norm, column_norm))
+    return skeleton_core(merged_query, column_values, row_keys, row_values, column_weights, norms, valid, keep,
+                         1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0, norm_eps, mask_padded_samples)
+
+
+def skeleton_core(query: Tensor, column_values: Tensor | None, row_keys: Tensor | None, row_values: Tensor | None,
+                  column_weights: Tensor | None, norms: tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]],
+                  row_valid: Tensor | None, row_keep: Tensor | None, keep_scale: float, eps: float,
+                  mask_padded_samples: bool) -> Tensor:
+    """LN_1(V_1) / 2 + LN_2(V_2) / 2 of eq. (2), token by token, on the GPU path: the Triton kernel of
+    ``_skeleton_triton`` where it runs (CUDA with triton installed, or the interpreter in the tests), else
+    ``gpu_core_torch``.
+
+    Args:
+        query: [B, N, H*Dh] queries (a view with unit feature stride is fine).
+        column_values: [B, N, H*s2] the sampled feature columns V P2, zero at padded tokens; None: no column branch.
+        row_keys, row_values: [B, H, s1, Dh] P1 K (temperature folded in) and P1 V, zero for padded samples;
+            None: no row branch.
+        column_weights: [B, H, Dh, s2] softmax(P2^T K^T Q / sqrt(n)) transposed, after dropout.
+        norms: (weight / 2, bias / 2) of the two LayerNorms over H*Dh.
+        row_valid: bool [B, s1], the sample is a real token; row_keep: bool [B, N, H, s1] row dropout or None,
+            kept weights scaled by ``keep_scale``.
+        mask_padded_samples: leave invalid samples out of the row softmax (else they keep weight exp(0)).
+    Returns [B, N, H*Dh] in the queries' dtype.
+    """
+    if query.dtype in KERNEL_DTYPES and triton_runs_on(query):
+        from longattn.attention import _skeleton_triton
+
+        return _skeleton_triton.skeleton_core(query, column_values, row_keys, row_values, column_weights, norms,
+                                              row_valid, row_keep, keep_scale, eps, mask_padded_samples)
+    return gpu_core_torch(query, column_values, row_keys, row_values, column_weights, norms, row_valid, row_keep,
+                          keep_scale, eps, mask_padded_samples)
+
+
+def gpu_core_torch(query: Tensor, column_values: Tensor | None, row_keys: Tensor | None, row_values: Tensor | None,
+                   column_weights: Tensor | None, norms: tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]],
+                   row_valid: Tensor | None, row_keep: Tensor | None, keep_scale: float, eps: float,
+                   mask_padded_samples: bool) -> Tensor:
+    """``skeleton_core`` in batched PyTorch (autograd differentiates it): every head's small product at once
+    as one batched GEMM with block-diagonal sampled blocks (see _block_diagonal)."""
+    batch, length, dim = query.shape
+    dtype, stats_dtype = query.dtype, compute_dtype(query.dtype)
+    out = None
+    if row_keys is not None:
+        heads, s1 = row_keys.shape[1:3]
+        scores = (query @ _block_diagonal(row_keys).transpose(1, 2)).to(stats_dtype).view(batch, length, heads, s1)
+        valid = row_valid[:, None, None, :]
+        if mask_padded_samples:  # a finite fill keeps all-padded rows NaN-free (uniform, then zeroed)
+            scores = scores.masked_fill(~valid, torch.finfo(stats_dtype).min)
+        weights = torch.softmax(scores, dim=-1)
+        if mask_padded_samples:
+            weights = weights * valid.to(stats_dtype)
+        if row_keep is not None:
+            weights = weights * (row_keep.to(stats_dtype) * keep_scale)
+        mixed = weights.view(batch, length, heads * s1).to(dtype) @ _block_diagonal(row_values)  # V_1: [B, N, H*Dh]
+        out = F.layer_norm(mixed.to(stats_dtype), (dim,), *(t.to(stats_dtype) for t in norms[0]), eps)
+    if column_weights is not None:
+        mixed = column_values @ _block_diagonal(column_weights.transpose(-1, -2).to(dtype))  # V_2: [B, N, H*Dh]
+        column_half = F.layer_norm(mixed.to(stats_dtype), (dim,), *(t.to(stats_dtype) for t in norms[1]), eps)
+        out = column_half if out is None else out + column_half
+    return out.to(dtype)
 
 
 @padding_safe
@@ -876,7 +1056,7 @@ class SkeletonAttention(AttentionBase):
     def forward(self, x: Tensor, attention_mask: Tensor | None = None, layer_state: dict | None = None) -> Tensor:
         if (isinstance(x, Tensor) and isinstance(attention_mask, Tensor) and attention_mask.dtype == torch.bool
                 and attention_mask.shape == x.shape[:2] and attention_mask.device == x.device
-                and bool(attention_mask.all())):
+                and not uses_gpu_path(x) and bool(attention_mask.all())):
             # every token real: the same numbers without the two whole-sequence masking copies
             attention_mask = None
         return super().forward(x, attention_mask, layer_state)
@@ -906,6 +1086,8 @@ class SkeletonAttention(AttentionBase):
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
         if self.training and self.resample_each_step:
             self.resample()
+        if uses_gpu_path(x):
+            return self._gpu_attend(x, attention_mask)
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # every token real: the same numbers without any mask pass
         fused_core = self._uses_fused_core(x)
@@ -1016,6 +1198,39 @@ class SkeletonAttention(AttentionBase):
             weight_v, bias_v, column_weights, row_keys, row_values, *norms[0], *norms[1], proj.to_out.weight,
             proj.to_out.bias, attention_mask, row_valid, row_keep, config, shared,
         )
+
+    def _gpu_attend(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """The GPU path: Smoother, the projections the branches read, both branches and the output projection
+        as a fixed sequence of batched operations (none of them repeated per batch element, head, tile or
+        block) with no host synchronisation; GEMMs in the autocast dtype (bfloat16 with ``precision="bf16"``
+        for float32 inputs), FFT, statistics, softmaxes and LayerNorms in float32; output in output_dtype(x)."""
+        out_dtype = output_dtype(x)
+        reduced = self.precision == "bf16" and out_dtype == torch.float32 and x.device.type in ("cpu", "cuda")
+        with torch.autocast(x.device.type, dtype=torch.bfloat16) if reduced else contextlib.nullcontext():
+            smoothed = x if self.smoother is None else self.smoother(x, attention_mask)
+            out = self._gpu_core(smoothed, attention_mask)
+        return out.to(out_dtype)
+
+    def _gpu_core(self, s: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """Q, the sampled K/V feature columns (one GEMM over the tokens) and the sampled rows' K/V (one small
+        GEMM), the two branches, the output projection."""
+        proj, heads, (batch, length, dim) = self.proj, self.heads, s.shape
+        parts = [(proj.to_q, None)]
+        if self.column_attention:
+            head_offsets = torch.arange(heads, device=s.device)[:, None] * self.head_dim
+            features = (head_offsets + self.column_indices).flatten()  # h*Dh + the P2 columns
+            parts += [(proj.to_k, features), (proj.to_v, features)]
+        rows = self.row_indices.clamp(max=length - 1) if self.row_attention else None
+        projected, sampled = _ProjectAndSample.apply(s, *_stacked_linear(parts), rows, output_dtype(s))
+        width = (projected.shape[-1] - dim) // 2
+        query, column_keys, column_values = (projected.split([dim, width, width], -1) if width
+                                             else (projected, None, None))
+        row_keys = row_values = None
+        if self.row_attention:
+            sampled_keys_values = F.linear(sampled, *_stacked_linear([(proj.to_k, None), (proj.to_v, None)]))
+            row_keys, row_values = (split_heads(t, heads) for t in sampled_keys_values.split(dim, -1))
+        out = self.combine_samples(s, query, row_keys, row_values, column_keys, column_values, attention_mask)
+        return proj.to_out(out)
 
     def extra_repr(self) -> str:
         return (

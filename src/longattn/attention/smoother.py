@@ -21,14 +21,23 @@ N < max_len tokens is treated exactly like the same sequence padded to max_len.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention.base import AttentionError, check_attention_mask, compute_dtype
+from longattn.attention._triton import triton_runs_on
+from longattn.attention.base import (
+    AttentionError,
+    check_attention_mask,
+    compute_dtype,
+    full_float32,
+    output_dtype,
+    uses_gpu_path,
+)
 
 __all__ = ["Smoother", "MaskedBatchNorm", "draw_keep", "mask_factor"]
 
@@ -522,6 +531,290 @@ def _add_product(out: Tensor, a: Tensor, b: Tensor, overwrite: bool = False) -> 
         out.copy_(a @ b) if overwrite else out.add_(a @ b)
 
 
+# ------------------------------------------------------------------------------ GPU path
+# The Smoother on a GPU (Smoother._gpu_forward): one batched program for any batch and length, no host
+# synchronisation, autocast-native. The fused steps of its stem have two implementations with the same
+# signatures: TorchStemSteps below (plain PyTorch: the reference, and the path without Triton) and the
+# Triton kernels of _smoother_triton.TritonStemSteps.
+
+# dtypes the Triton kernels take (float64 runs the PyTorch steps)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SQRT_HALF = math.sqrt(0.5)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+class StemConfig(NamedTuple):
+    """What the stem steps need to know besides tensors."""
+
+    kernel_size: int
+    over: str  # "positions" or "features": the BatchNorm channels
+    activation: str
+    dropout_p: float  # the rate of the given keep mask (its kept entries are scaled by 1 / (1 - p))
+    eps: float
+    training: bool  # batch statistics (True) or the running ones
+    gemm_dtype: torch.dtype  # the convolution's factors, the stored X^smooth/x and conv output
+    out_dtype: torch.dtype  # the Smoother's output (the autocast dtype under autocast)
+
+    @property
+    def stats_dtype(self) -> torch.dtype:
+        return compute_dtype(self.gemm_dtype)
+
+
+def no_autocast(t: Tensor):
+    """Autocast off for products whose dtypes are chosen explicitly."""
+    if t.device.type in ("cpu", "cuda"):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def exact_products(dtype: torch.dtype):
+    """float32 products in float32 (TF32 off, see full_float32); nothing to do for other dtypes."""
+    return full_float32() if dtype == torch.float32 else contextlib.nullcontext()
+
+
+def activation_grad(y: Tensor, activation: str) -> Tensor:
+    """d act(y) / dy for the stem's activations (ReLU's derivative is 0 at 0, as torch's)."""
+    if activation == "relu":
+        return (y > 0).to(y.dtype)
+    if activation == "elu":
+        return torch.where(y > 0, torch.ones_like(y), torch.exp(y))
+    return 0.5 * (1.0 + torch.erf(y * _SQRT_HALF)) + y * torch.exp(-0.5 * y.square()) * _INV_SQRT_2PI
+
+
+class TorchStemSteps:
+    """The GPU path's Smoother steps in plain PyTorch. Sequences are [B, N, ·] tensors, ``mask`` a bool
+    [B, N] (True = real token) or None; per-channel vectors (BatchNorm statistics and affine parameters)
+    are indexed by position (``over="positions"``, [N]) or by feature (``over="features"``, [dim])."""
+
+    @staticmethod
+    def segment_mean(x: Tensor, mask: Tensor | None, segments: int, dtype: torch.dtype) -> Tensor:
+        """X S of eq. (6) in compact form, [B, N, r] in ``dtype``, padded tokens as zeros (even NaN ones)."""
+        batch, length, dim = x.shape
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0)
+        return x.to(dtype).view(batch, length, segments, dim // segments).mean(-1)
+
+    @staticmethod
+    def stem_input(x: Tensor, smoothed: Tensor | None, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """The stem's input [X^smooth, X] ([B, N, 2 dim], or X alone) in ``dtype``, zero at padded tokens."""
+        parts = [t for t in (smoothed, x) if t is not None]
+        if mask is not None:
+            parts = [t.masked_fill(~mask[..., None], 0) for t in parts]
+        return torch.cat([t.to(dtype) for t in parts], -1)
+
+    @staticmethod
+    def stem_input_backward(grad: Tensor, mask: Tensor | None, has_smoothed: bool,
+                            dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[Tensor | None, Tensor]:
+        """(gradient of X^smooth or None, gradient of X) from that of the stem input, zero at padded tokens,
+        in ``dtypes`` (those of X^smooth and X)."""
+        if mask is not None:
+            grad = grad.masked_fill(~mask[..., None], 0)
+        if not has_smoothed:
+            return None, grad.to(dtypes[1])
+        dim = grad.shape[-1] // 2
+        return grad[..., :dim].to(dtypes[0]), grad[..., dim:].to(dtypes[1])
+
+    @staticmethod
+    def shift_sum(taps_out: Tensor, bias: Tensor, mask: Tensor | None,
+                  cfg: StemConfig) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+        """The Conv1d output h[n] = bias + sum_j Y_j[n + j - k//2] from every tap's product Y = [Y_0 .. Y_{k-1}]
+        ([B, N, k dim]; zero beyond the sequence), stored in the GEMM dtype, and in training its masked
+        BatchNorm statistics (mean, biased variance, count of real entries per channel) taken from the
+        stored values."""
+        batch, length, width = taps_out.shape
+        k = cfg.kernel_size
+        half, dim = k // 2, width // k
+        taps = taps_out.view(batch, length, k, dim)
+        h = taps[:, :, half].to(cfg.stats_dtype) + bias.to(cfg.stats_dtype)
+        for j in range(k):  # one shifted add per tap of the kernel
+            offset = j - half
+            lo, hi = max(0, -offset), min(length, length - offset)
+            if j != half and lo < hi:
+                h[:, lo:hi] += taps[:, lo + offset:hi + offset, j]
+        h = h.to(cfg.gemm_dtype)
+        if not cfg.training:
+            return h, None, None, None
+        return (h, *_masked_moments(h.to(cfg.stats_dtype), mask, cfg.over))
+
+    @staticmethod
+    def normalise(h: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor, keep: Tensor | None,
+                  mask: Tensor | None, cfg: StemConfig) -> Tensor:
+        """BatchNorm with the given statistics, activation, dropout (``keep``) and zero padding, in the output dtype."""
+        y, _ = _batchnorm_affine(h, mean, rstd, weight, bias, cfg)
+        out = _ACTIVATIONS[cfg.activation](y)
+        factor = _pass_factor(keep, mask, cfg)
+        return (out if factor is None else out * factor).to(cfg.out_dtype)
+
+    @staticmethod
+    def backward_sums(grad: Tensor, h: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor,
+                      keep: Tensor | None, mask: Tensor | None, cfg: StemConfig) -> tuple[Tensor, Tensor]:
+        """Per channel sum(dy) and sum(dy xhat), dy the gradient of the BatchNorm output: the gradients of its
+        bias and weight, and the two sums its batch-statistics backward needs."""
+        dy, xhat = _batchnorm_output_grad(grad, h, mean, rstd, weight, bias, keep, mask, cfg)
+        dims = _reduce_dims(cfg.over)
+        return dy.sum(dims), (dy * xhat).sum(dims)
+
+    @staticmethod
+    def backward_input(grad: Tensor, h: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor,
+                       keep: Tensor | None, mask: Tensor | None, sums: tuple[Tensor, Tensor] | None,
+                       count: Tensor | None, cfg: StemConfig) -> tuple[Tensor, Tensor]:
+        """The gradient dh of the conv output, returned as D = [D_0 .. D_{k-1}] ([B, N, k dim], GEMM dtype) with
+        D_j[m] = dh[m - j + k//2] (zero beyond the sequence), so that the input gradient is one GEMM D W^T;
+        and the conv bias gradient sum(dh). ``sums`` (training): backward_sums' output, for the batch
+        statistics' part; None uses the running statistics' (constant) BatchNorm."""
+        dy, xhat = _batchnorm_output_grad(grad, h, mean, rstd, weight, bias, keep, mask, cfg)
+        shape = _channel_shape(cfg.over, h)
+        scale = (weight.to(dy.dtype) * rstd).view(shape)
+        if sums is None:
+            dh = dy * scale
+        else:
+            safe = count.clamp_min(1)
+            dh = scale * (dy - (sums[0] / safe).view(shape) - xhat * (sums[1] / safe).view(shape))
+            if mask is not None:
+                dh = dh * mask[..., None].to(dh.dtype)
+        batch, length, dim = h.shape
+        k = cfg.kernel_size
+        half = k // 2
+        shifted = h.new_zeros(batch, length, k, dim, dtype=cfg.gemm_dtype)
+        for j in range(k):  # one shifted copy per tap
+            offset = j - half
+            lo, hi = max(0, offset), min(length, length + offset)
+            if lo < hi:
+                shifted[:, lo:hi, j] = dh[:, lo - offset:hi - offset]
+        return shifted.view(batch, length, k * dim), dh.sum((0, 1))
+
+
+def _reduce_dims(over: str) -> tuple[int, int]:
+    return (0, 2) if over == "positions" else (0, 1)
+
+
+def _channel_shape(over: str, h: Tensor) -> tuple[int, int, int]:
+    return (1, h.shape[1], 1) if over == "positions" else (1, 1, h.shape[2])
+
+
+def _masked_moments(h: Tensor, mask: Tensor | None, over: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-channel mean, biased variance and count over the real tokens of h."""
+    dims = _reduce_dims(over)
+    batch, length, dim = h.shape
+    if mask is None:
+        var, mean = torch.var_mean(h, dims, correction=0)
+        return mean, var, h.new_full(mean.shape, batch * (dim if over == "positions" else length))
+    real = mask[..., None].to(h.dtype)
+    count = real.sum(dims) * dim if over == "positions" else real.sum(dims).expand(dim)
+    safe = count.clamp_min(1)
+    mean = (h * real).sum(dims) / safe
+    var = ((h - mean.view(_channel_shape(over, h))).square() * real).sum(dims) / safe
+    return mean, var, count
+
+
+def _batchnorm_affine(h: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor,
+                      cfg: StemConfig) -> tuple[Tensor, Tensor]:
+    """(y, xhat): xhat = (h - mean) rstd and the BatchNorm output y = xhat weight + bias, in the statistics' dtype."""
+    shape = _channel_shape(cfg.over, h)
+    xhat = (h.to(cfg.stats_dtype) - mean.view(shape)) * rstd.view(shape)
+    return xhat * weight.to(xhat.dtype).view(shape) + bias.to(xhat.dtype).view(shape), xhat
+
+
+def _pass_factor(keep: Tensor | None, mask: Tensor | None, cfg: StemConfig) -> Tensor | None:
+    """Dropout (kept entries scaled by 1 / (1 - p)) and zero padding as one factor, or None."""
+    factor = None
+    if keep is not None:
+        factor = keep.to(cfg.stats_dtype) * (1.0 / (1.0 - cfg.dropout_p))
+    if mask is not None:
+        real = mask[..., None].to(cfg.stats_dtype)
+        factor = real if factor is None else factor * real
+    return factor
+
+
+def _batchnorm_output_grad(grad: Tensor, h: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor,
+                           keep: Tensor | None, mask: Tensor | None, cfg: StemConfig) -> tuple[Tensor, Tensor]:
+    """(dy, xhat): the gradient of the BatchNorm output through zero padding, dropout and the activation."""
+    y, xhat = _batchnorm_affine(h, mean, rstd, weight, bias, cfg)
+    dy = grad.to(y.dtype) * activation_grad(y, cfg.activation)
+    factor = _pass_factor(keep, mask, cfg)
+    return (dy if factor is None else dy * factor), xhat
+
+
+def stem_steps(x: Tensor, gemm_dtype: torch.dtype):
+    """The Triton stem steps where the kernels run for ``x`` and both dtypes are theirs, else TorchStemSteps."""
+    if x.dtype in KERNEL_DTYPES and gemm_dtype in KERNEL_DTYPES and triton_runs_on(x):
+        from longattn.attention import _smoother_triton
+
+        return _smoother_triton.TritonStemSteps
+    return TorchStemSteps
+
+
+class _StemInput(torch.autograd.Function):
+    """The stem's input [X^smooth, X] in the GEMM dtype, zero at padded tokens (``steps.stem_input``). Its own
+    function so that the float32 X^smooth is freed before the convolution's GEMM output is allocated."""
+
+    @staticmethod
+    def forward(ctx, x, smoothed, mask, dtype, steps):  # type: ignore[override]
+        ctx.save_for_backward(mask)
+        ctx.config = (steps, smoothed is not None, (x.dtype if smoothed is None else smoothed.dtype, x.dtype))
+        return steps.stem_input(x, smoothed, mask, dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        steps, has_smoothed, dtypes = ctx.config
+        grad_smoothed, grad_x = steps.stem_input_backward(grad, mask, has_smoothed, dtypes)
+        return grad_x, grad_smoothed, None, None, None
+
+
+class _StemConvolution(torch.autograd.Function):
+    """The convolution stem on the GPU path after its input: Conv1d (kernel k, Section 3.2.2) -> masked BatchNorm
+    -> activation -> dropout -> zero padding, with a hand-written backward.
+
+    The convolution is GEMMs over all B N tokens at once. Forward: Y = inp [W_0 .. W_{k-1}] (every tap's
+    product in one [B N, C] x [C, k dim] GEMM, W_j = W[:, :, j]^T) and h[n] = bias + sum_j Y_j[n + j - k//2]
+    (``steps.shift_sum``, with the BatchNorm statistics). Backward: with D_j[m] = dh[m - j + k//2] side by
+    side (``steps.backward_input``), d inp = D [W_0 .. W_{k-1}]^T and d[W_0 .. W_{k-1}] = inp^T D, two GEMMs.
+    GEMMs take the GEMM dtype (the autocast dtype under autocast; float32 ones with TF32 off, forward and
+    backward); statistics, normalisation and activation run in float32 (float64 for float64). Saved for
+    backward: the stem input and conv output in the GEMM dtype, the per-channel statistics and the
+    dropout mask. ``on_statistics(mean, var, count)`` receives the batch statistics in training."""
+
+    @staticmethod
+    def forward(ctx, inp, conv_weight, conv_bias, bn_weight, bn_bias, mask, keep, running_mean, running_var, cfg,
+                steps, on_statistics):  # type: ignore[override]
+        batch, length, channels = inp.shape
+        with no_autocast(inp):
+            taps = conv_weight.permute(1, 2, 0).reshape(channels, -1).to(cfg.gemm_dtype)  # column j dim + o: W[o, :, j]
+            with exact_products(cfg.gemm_dtype):
+                taps_out = torch.mm(inp.view(-1, channels), taps).view(batch, length, -1)
+            h, mean, var, count = steps.shift_sum(taps_out, conv_bias, mask, cfg)
+            del taps_out
+            if cfg.training:
+                on_statistics(mean, var, count)
+            else:
+                mean, var = running_mean.to(cfg.stats_dtype), running_var.to(cfg.stats_dtype)
+            rstd = torch.rsqrt(var + cfg.eps)
+            out = steps.normalise(h, mean, rstd, bn_weight, bn_bias, keep, mask, cfg)
+        ctx.save_for_backward(inp, h, mean, rstd, count, bn_weight, bn_bias, taps, keep, mask)
+        ctx.config = (cfg, steps)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        inp, h, mean, rstd, count, bn_weight, bn_bias, taps, keep, mask = ctx.saved_tensors
+        cfg, steps = ctx.config
+        channels, dim, k = inp.shape[-1], h.shape[-1], cfg.kernel_size
+        with no_autocast(grad):
+            sums = steps.backward_sums(grad, h, mean, rstd, bn_weight, bn_bias, keep, mask, cfg)
+            shifted, grad_conv_bias = steps.backward_input(grad, h, mean, rstd, bn_weight, bn_bias, keep, mask,
+                                                           sums if cfg.training else None, count, cfg)
+            flat = shifted.view(-1, k * dim)
+            with exact_products(cfg.gemm_dtype):
+                grad_inp = torch.mm(flat, taps.t()).view(inp.shape) if ctx.needs_input_grad[0] else None
+                grad_taps = torch.mm(inp.view(-1, channels).t(), flat)
+        grad_conv_weight = grad_taps.view(channels, k, dim).permute(2, 0, 1)
+        return (grad_inp, grad_conv_weight, grad_conv_bias, sums[1], sums[0], None, None, None, None, None, None,
+                None)
+
+
 class MaskedBatchNorm(nn.Module):
     """BatchNorm over [B, N, C] whose statistics ignore padded tokens.
 
@@ -691,6 +984,13 @@ class Smoother(nn.Module):
 
     # ------------------------------------------------------------------------------ pieces
     def _valid(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """Check the input; the mask as 0/1 factors in x's dtype (ones without a mask)."""
+        self._check(x, attention_mask)
+        if attention_mask is None:
+            return torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
+        return attention_mask.to(x.dtype)
+
+    def _check(self, x: Tensor, attention_mask: Tensor | None) -> None:
         if not isinstance(x, Tensor) or x.dim() != 3:
             raise AttentionError(f"Smoother input must be a [B, N, dim] tensor, got {getattr(x, 'shape', x)!r}")
         if not x.is_floating_point():
@@ -701,9 +1001,6 @@ class Smoother(nn.Module):
         if n == 0 or n > self.max_len:
             raise AttentionError(f"Smoother sequence length must be in [1, max_len={self.max_len}], got {n}")
         check_attention_mask(attention_mask, b, n, x.device)
-        if attention_mask is None:
-            return torch.ones(b, n, dtype=x.dtype, device=x.device)
-        return attention_mask.to(x.dtype)
 
     def segment_average_of(self, x: Tensor) -> Tensor:
         """X S of eq. (6) in compact form: [B, N, dim] -> [B, N, r] (one column per segment)."""
@@ -751,7 +1048,9 @@ class Smoother(nn.Module):
         ``output_grad_private``: the caller guarantees that the gradient autograd passes back for the
         output is seen by nothing else (no hook, no retained gradient: the output feeds only the
         caller's own functions); the fused stem then writes the gradient of x over it."""
-        self._valid(x, attention_mask)
+        self._check(x, attention_mask)
+        if uses_gpu_path(x):
+            return self._gpu_forward(x, attention_mask)
         # None when every token is real: then no mask is applied anywhere (multiplying by 1 is a no-op)
         real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         if real is not None:  # padded contents (even NaN) never enter the FFT or the stem
@@ -804,6 +1103,52 @@ class Smoother(nn.Module):
         count = x.new_full((n,), x.shape[0] * self.dim) if real is None else real.sum(0).to(x.dtype) * self.dim
         norm.update_running_statistics(mean, var, count, norm.running_mean[:n], norm.running_var[:n])
         return out
+
+    def _gpu_forward(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """The GPU path: the same pipeline as one batched program for any batch and length, with no host
+        synchronisation (a mask with every token real is used as it is). Output in ``output_dtype(x)``;
+        the convolution's GEMMs in that dtype (bfloat16 with ``precision="bf16"`` for float32), the FFT,
+        statistics and normalisation in float32 (float64 for float64)."""
+        out_dtype = output_dtype(x)
+        gemm_dtype = torch.bfloat16 if self.precision == "bf16" and out_dtype == torch.float32 else out_dtype
+        p = self.dropout.p if self.training else 0.0
+        # drawn first, as one tensor: on a CPU the numbers the CPU paths draw
+        keep = torch.rand(x.shape, device=x.device) >= p if p > 0 else None
+        steps = stem_steps(x, gemm_dtype)
+        smoothed = self._gpu_fourier(x, attention_mask, steps) if self.fourier else None
+        if not self.conv_stem:
+            cfg = StemConfig(1, "features", "relu", p, 0.0, self.training, gemm_dtype, out_dtype)
+            factor = _pass_factor(keep, attention_mask, cfg)
+            return (smoothed if factor is None else smoothed * factor).to(out_dtype)
+        norm, length = self.stem_norm, x.shape[1]
+        channels = slice(0, length) if norm.over == "positions" else slice(None)
+        running = norm.running_mean[channels], norm.running_var[channels]
+        cfg = StemConfig(self.kernel_size, norm.over, self.activation, p, norm.eps, self.training, gemm_dtype,
+                         out_dtype)
+
+        def on_statistics(mean: Tensor, var: Tensor, count: Tensor) -> None:
+            norm.update_running_statistics(mean, var, count, *running)
+
+        inp = _StemInput.apply(x, smoothed, attention_mask, gemm_dtype, steps)
+        del smoothed  # float32 [B, N, dim]: gone before the convolution's GEMM output exists
+        return _StemConvolution.apply(inp, self.stem_conv.weight, self.stem_conv.bias, norm.weight[channels],
+                                      norm.bias[channels], attention_mask, keep, *running, cfg, steps, on_statistics)
+
+    def _gpu_fourier(self, x: Tensor, attention_mask: Tensor | None, steps) -> Tensor:
+        """X^smooth of eq. (5) on the GPU path, [B, N, dim] in float32 (float64 for float64): the segment means
+        (``steps.segment_mean``, padded tokens as zeros), their rFFT at max_len, the product with L and the
+        irFFT of the dim columns, each one batched operation (autograd differentiates them). Channel-first
+        ([B, dim, F] and [B, dim, max_len], the layout torch's FFTs run in): no transposed copy before or after
+        a transform, forward or backward; the result is a [B, N, dim] view of it (the stem input reads it so)."""
+        batch, length, dim = x.shape
+        fft_dtype = compute_dtype(x.dtype)
+        means = steps.segment_mean(x, attention_mask, self.segments, fft_dtype)  # [B, N, r]
+        spectrum = torch.fft.rfft(means, n=self.max_len, dim=1, norm=self.fft_norm).transpose(1, 2)  # [B, r, F]
+        # L is stored channel-first: its [dim, F] transpose is contiguous
+        weight = torch.view_as_complex(self.frequency_weight.to(fft_dtype)).t()
+        product = weight.view(self.segments, dim // self.segments, -1) * spectrum.unsqueeze(2)  # [B, r, dim/r, F]
+        smoothed = torch.fft.irfft(product.flatten(1, 2), n=self.max_len, dim=-1, norm=self.fft_norm).transpose(1, 2)
+        return smoothed if length == self.max_len else smoothed[:, :length]
 
     def _dropout_and_zero_padding(self, h: Tensor, keep: Tensor) -> Tensor:
         """dropout(h) * keep as one multiplication, written token-major contiguous [B, N, dim]

@@ -17,17 +17,22 @@ Cost per head: O(N (2w + r) d) time, O(N (2w + r)) memory; nothing N x N is ever
 Autoregressive form (Sec. 3.2, ``causal=True``): the window is the w keys ending at the query, and
 the dynamic projection is applied per chunk of l tokens (r tokens per chunk); a query attends to
 the projected tokens of the chunks completed up to it, O(N (2w + N r / l)).
+
+On a GPU: :func:`long_short_attention_gpu` (the module form: ``LongShortAttention._attend_gpu``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from longattn.attention._triton import triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -35,10 +40,13 @@ from longattn.attention.base import (
     QKVProjection,
     check_qkv,
     merge_heads,
+    output_dtype,
     padding_safe,
     register_attention,
     split_heads,
+    uses_gpu_path,
 )
+from longattn.attention.chunked import Band, SparsePattern, window_chunk, windowed_attention
 
 __all__ = [
     "LongShortAttention",
@@ -112,11 +120,11 @@ def _short_term_windows(
     return k_win, v_win, visible
 
 
-def _causal_long_term(
-    key: Tensor, value: Tensor, projection_logits: Tensor, real: Tensor, chunk_size: int, queries: int
+def _chunk_projection(
+    key: Tensor, value: Tensor, projection_logits: Tensor, real: Tensor, chunk_size: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-chunk dynamic projection for autoregressive models: [B, H, C r, d] keys/values and
-    visible [B, 1, queries, C r]: query t sees chunk c once the chunk is complete, (c + 1) l <= t + 1."""
+    """Per-chunk dynamic projection for autoregressive models: [B, H, C r, d] keys and values, and
+    whether each chunk holds a real token, [B, C]."""
     b, h, n, d = key.shape
     rank = projection_logits.shape[-1]
     chunks = -(-n // chunk_size)
@@ -127,11 +135,23 @@ def _causal_long_term(
     proj = torch.softmax(logits.masked_fill(~real_c, torch.finfo(logits.dtype).min), dim=3) * real_c
     key_c = proj.transpose(-1, -2) @ F.pad(key, (0, 0, 0, tail)).view(b, h, chunks, chunk_size, d)
     value_c = proj.transpose(-1, -2) @ F.pad(value, (0, 0, 0, tail)).view(b, h, chunks, chunk_size, d)
+    return key_c.flatten(2, 3), value_c.flatten(2, 3), real_c.any(3).view(b, chunks)
+
+
+def _causal_long_term(
+    key: Tensor, value: Tensor, projection_logits: Tensor, real: Tensor, chunk_size: int, queries: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_chunk_projection` and which projected tokens each query sees, visible [B, 1, queries,
+    C r]: query t sees chunk c once the chunk is complete, (c + 1) l <= t + 1."""
+    b = key.shape[0]
+    rank = projection_logits.shape[-1]
+    key_c, value_c, chunk_real = _chunk_projection(key, value, projection_logits, real, chunk_size)
+    chunks = chunk_real.shape[1]
     chunk_end = (torch.arange(chunks, device=key.device) + 1) * chunk_size
     done = chunk_end <= torch.arange(queries, device=key.device)[:, None] + 1
-    visible = done[None, None] & real_c.any(3).view(b, 1, 1, chunks)  # an all-padding chunk is never seen
+    visible = done[None, None] & chunk_real.view(b, 1, 1, chunks)  # an all-padding chunk is never seen
     visible = visible[..., None].expand(b, 1, queries, chunks, rank).flatten(-2)
-    return key_c.flatten(2, 3), value_c.flatten(2, 3), visible
+    return key_c, value_c, visible
 
 
 @padding_safe
@@ -168,6 +188,9 @@ def long_short_attention(
     short_norm = short_norm or _identity
     long_norm = long_norm or _identity
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if uses_gpu_path(query):
+        return long_short_attention_gpu(query, key, value, attention_mask, projection_logits, window_size, short_norm,
+                                        long_norm, is_causal, chunk_size, scale, dropout_p).transpose(1, 2)
     real = attention_mask
     if real is None:
         real = torch.ones(b, n, dtype=torch.bool, device=query.device)
@@ -202,6 +225,101 @@ def long_short_attention(
         sees_something = visible_short.any(-1, keepdim=True) | visible_long.any(-1, keepdim=True)
         out = out.masked_fill(~sees_something, 0.0)
     return out.reshape(b, h, segments * w, d)[:, :, :n]
+
+
+def long_short_attention_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                             projection_logits: Tensor, window_size: int, short_norm: Norm, long_norm: Norm,
+                             is_causal: bool, chunk_size: int, scale: float, dropout_p: float) -> Tensor:
+    """The GPU path of the functional form: the keys of both terms, recomputed in backward from k,
+    v and the logits rather than stored, then :func:`_attend_gpu`. Output token-major
+    [B, N, H, Dh] in the autocast dtype."""
+    dtype = output_dtype(query)
+
+    def keys(key: Tensor, value: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if is_causal:
+            b, _, n, _ = key.shape
+            real = torch.ones(b, n, dtype=torch.bool, device=key.device) if attention_mask is None else attention_mask
+            key_long, value_long, _ = _chunk_projection(key, value, logits, real, chunk_size)
+        else:  # r projected tokens shared by every query (eq. 3-4)
+            proj = dynamic_projection(logits, attention_mask).transpose(-1, -2)
+            key_long, value_long = proj @ key, proj @ value
+        return _normalised(key, value, key_long, value_long, short_norm, long_norm, dtype)
+
+    terms = checkpoint(keys, key, value, projection_logits, use_reentrant=False, preserve_rng_state=False)
+    return _attend_gpu(query, *terms, attention_mask, window_size, is_causal, chunk_size, scale, dropout_p)
+
+
+def _normalised(key: Tensor, value: Tensor, key_long: Tensor, value_long: Tensor, short_norm: Norm, long_norm: Norm,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """DualLN (eq. 5): LN_S(K), LN_S(V) and LN_L of the projected keys and values, in ``dtype``."""
+    return (_short_normalised(key, short_norm, dtype), _short_normalised(value, short_norm, dtype),
+            long_norm(key_long).to(dtype), long_norm(value_long).to(dtype))
+
+
+def _short_normalised(t: Tensor, short_norm: Norm, dtype: torch.dtype) -> Tensor:
+    """LN_S on the keys or values in ``dtype`` (its statistics in float32): no float32 copy of them."""
+    with _autocast_off(t.device):
+        return short_norm(t.to(dtype)).to(dtype)
+
+
+def _projected_from_input(x: Tensor, proj: Tensor, linears: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
+    """P^T K for K = x W^T + b per head, as (P^T x) W^T + (column sums of P) b, for each linear:
+    the projected tokens without K or V ([B, H r, dim] in between, shared). ``proj`` [B, H, L, r]
+    over ``x`` [B, L, dim], or per chunk [B, H, C, L, r] over [B, C, L, dim]; returns [B, H, r, Dh]
+    or [B, H, C r, Dh] each."""
+    heads, rank, dim = proj.shape[1], proj.shape[-1], x.shape[-1]
+    mixed = proj.movedim(1, -3).transpose(-1, -2).flatten(-3, -2) @ x  # [B, (C,) H r, dim]
+    mixed = mixed.unflatten(-2, (heads, rank))
+    totals = proj.sum(-2)[..., None]  # [B, H, (C,) r, 1]
+    out = []
+    for linear in linears:
+        projected = torch.einsum("...hre,hde->...hrd", mixed, linear.weight.view(heads, -1, dim)).movedim(-3, 1)
+        if linear.bias is not None:
+            projected = projected + totals * linear.bias.view(heads, *[1] * (proj.dim() - 3), -1)
+        out.append(projected.flatten(2, -2))
+    return tuple(out)
+
+
+def _attend_gpu(query: Tensor, key_short: Tensor, value_short: Tensor, key_long: Tensor, value_long: Tensor,
+                attention_mask: Tensor | None, window_size: int, is_causal: bool, chunk_size: int, scale: float,
+                dropout_p: float) -> Tensor:
+    """Eq. 5 on all segments at once: the short-term window as a band of keys around each segment
+    (or the w keys ending at the query, causal) and the projected tokens as extra keys seen by every
+    query (causal: once their chunk is complete), under one softmax, through the block-sparse
+    Triton kernel where it runs, else one SDPA call over every chunk's window
+    (chunked.windowed_attention). Output token-major [B, N, H, Dh]."""
+    b, _, n, _ = query.shape
+    w = window_size
+    extra_pos = extra_valid = None
+    if is_causal:
+        # the projected tokens of chunk c are seen from the chunk's last position on, if it holds a real token
+        chunks = -(-n // chunk_size)
+        rank = key_long.shape[2] // chunks
+        chunk_last = (torch.arange(chunks, device=query.device) + 1) * chunk_size - 1
+        extra_pos = chunk_last[:, None].expand(chunks, rank).flatten()
+        if attention_mask is not None:
+            chunk_real = F.pad(attention_mask, (0, chunks * chunk_size - n)).view(b, chunks, chunk_size).any(-1)
+            extra_valid = chunk_real[:, :, None].expand(b, chunks, rank).flatten(1)
+        band = Band(1, 1 - w, 1)  # the w keys ending at the query
+    else:
+        half = _half_window(w)
+        band = Band(w, -half, w + half)  # the query's segment and w/2 on each side
+    pattern = SparsePattern(band, is_causal, key_valid=attention_mask, extra_pos=extra_pos, extra_valid=extra_valid)
+    query = query.to(key_short.dtype)
+    if triton_runs_on(query):
+        from longattn.attention import _blocksparse_triton as kernels
+
+        if kernels.kernel_supports(query, pattern):
+            return kernels.blocksparse_attention(query, key_short, value_short, pattern, extra_key=key_long,
+                                                 extra_value=value_long, scale=scale, dropout_p=dropout_p)
+    return windowed_attention(query, key_short, value_short, pattern, window_chunk(band), extra_key=key_long,
+                              extra_value=value_long, scale=scale, dropout_p=dropout_p)
+
+
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 @padding_safe
@@ -338,6 +456,8 @@ class LongShortAttention(AttentionBase):
         return self.to_projection(x).view(b, n, self.heads, self.projection_width).transpose(1, 2)
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
+        if uses_gpu_path(x) and isinstance(self.proj, QKVProjection):
+            return self.proj.out(self._attend_gpu(x, attention_mask).transpose(1, 2))
         q, k, v = self.proj.qkv(x)
         out = long_short_attention(
             q, k, v, attention_mask,
@@ -351,6 +471,42 @@ class LongShortAttention(AttentionBase):
             dropout_p=self.dropout if self.training else 0.0,
         )
         return self.proj.out(out)
+
+    def _attend_gpu(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """The GPU path of the module: only q, the normalised short-term keys and values and the
+        output are kept for backward (as softmax attention keeps q, k, v and its output). K, V,
+        the projection logits and the norms are recomputed from x, in three separate pieces (so
+        their temporaries never coexist); the projected tokens are computed from x without K or
+        V (:func:`_projected_from_input`)."""
+        scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+        query = split_heads(self.proj.to_q(x), self.heads)
+        dtype = output_dtype(query)
+        b, n, _ = x.shape
+
+        def short_term(x: Tensor, linear: nn.Linear) -> Tensor:  # LN_S over each token's heads, as short_norm
+            return split_heads(_short_normalised(linear(x), self.norm_short, dtype), self.heads)
+
+        def long_term(x: Tensor) -> tuple[Tensor, Tensor]:
+            logits = self.projection_logits(x)
+            if self.causal:  # P_c per chunk of l tokens (eq. 3 restricted to the chunk)
+                chunks = -(-n // self.chunk_size)
+                tail = chunks * self.chunk_size - n
+                real = torch.ones(b, n, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
+                real = F.pad(real, (0, tail)).view(b, 1, chunks, self.chunk_size, 1)
+                logits = F.pad(logits, (0, 0, 0, tail)).view(b, self.heads, chunks, self.chunk_size, -1)
+                proj = torch.softmax(logits.masked_fill(~real, torch.finfo(logits.dtype).min), dim=3) * real
+                tokens = (F.pad(x, (0, 0, 0, tail)) if tail else x).view(b, chunks, self.chunk_size, -1)
+            else:
+                proj, tokens = dynamic_projection(logits, attention_mask), x
+            key_long, value_long = _projected_from_input(tokens, proj, (self.proj.to_k, self.proj.to_v))
+            return self.long_norm(key_long).to(dtype), self.long_norm(value_long).to(dtype)
+
+        recomputed = dict(use_reentrant=False, preserve_rng_state=False)
+        key_short, value_short = (checkpoint(short_term, x, linear, **recomputed)
+                                  for linear in (self.proj.to_k, self.proj.to_v))
+        key_long, value_long = checkpoint(long_term, x, **recomputed)
+        return _attend_gpu(query, key_short, value_short, key_long, value_long, attention_mask, self.window_size,
+                           self.causal, self.chunk_size, scale, self.dropout if self.training else 0.0)
 
     def extra_repr(self) -> str:
         if self.causal:

@@ -67,6 +67,8 @@ class TrainConfig:
     checkpoint_every: int | None = option(None, ge=1, help="null: at every validation")
     patience: int | None = option(None, ge=1, help="early stopping: validations without improvement of the "
                                   "selection metric before stopping (never before min_evals validations); null: never")
+    stop_at: float | None = option(None, help="stop once the validation selection metric reaches this value "
+                                   "(at least it when higher is better, at most it otherwise); null: never")
     log_every: int = option(10, ge=1)
     progress: bool = option(True, help="a tqdm bar on a terminal; off a terminal (nohup, a batch job, CI) a "
                             "line on stdout every progress_every_s seconds")
