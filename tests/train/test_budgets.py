@@ -136,6 +136,8 @@ def test_convergence_is_judged_from_the_last_two_validations():
     assert convergence([record(3, 1.0, 0.9, True), record(6, 1.1, 0.7, True)], "mae")["converged"]  # loss rising
     assert convergence([record(3, 1.0, 0.7, True), record(6, 0.9, 0.8, False)], "mae")["converged"]  # best earlier
     assert not convergence([record(3, 1.0, 0.7, True)], "mae")["converged"]  # once: nothing shows it had stopped
+    reached = convergence(still_improving, "mae", target_reached=True)  # stopped at train.stop_at: its target
+    assert reached["converged"] and reached["target_reached"] and "text" not in reached
     assert convergence([], "mae") is None
 
 
