@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +27,27 @@ def optional_import(module: str, extra: str = "experiments") -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         raise ImportError(f"{module} is needed here: pip install 'longattn[{extra}]'") from None
+
+
+def note(text: str) -> None:
+    """One line on stderr that does not mix into a command's output (e.g. a setting the run adjusted)."""
+    print(f"note: {text}", file=sys.stderr, flush=True)
+
+
+def warn(text: str) -> None:
+    """A ``warning:`` line on stderr: the run goes on, but not as its settings said (e.g. a subset larger than
+    the data)."""
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``3 min 5 s``, ``2 h 14 min``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
 def seed_everything(seed: int) -> None:

@@ -126,6 +126,12 @@ def test_crossval_layout_table_resume_and_command(tmp_path, monkeypatch, capsys)
     report = run_crossval(["r8"], ["post_ln", "singularformer"], out, folds=3, report_only=True)
     assert calls == [] and "(2/3 folds)" in (out / "table.md").read_text()
     assert [len(e["folds"]) for e in report["entries"]] == [2, 3]
+    # training one fold writes the table from every fold finished in the folder, not from that fold alone
+    one = run_crossval(["r8"], ["post_ln"], out, preset="cpu", overrides=[f"data.data_dir={data_dir}", *TINY],
+                       folds=3, only_folds=[2], resume=True)
+    assert calls == [out / "r8" / "post_ln" / "fold2"]
+    assert [f["fold"] for f in one["entries"][0]["folds"]] == [0, 1, 2]
+    assert "folds)" not in (out / "table.md").read_text()
     with pytest.raises(SystemExit) as stop:  # checked as the command line is read, with the nearest name
         main(["paper", "singularformer-table4", "--tasks", "r8", "--models", "post_lnn", "--out", str(out)])
     assert stop.value.code == 2 and "unknown model 'post_lnn' (did you mean 'post_ln'?)" in capsys.readouterr().err

@@ -27,7 +27,8 @@ RANK = int(os.environ.get("RANK", "0"))
 BASE = ["train.max_steps=12", "train.eval_every=4", "train.checkpoint_every=2", "train.batch_size=4",
         "train.grad_accum=2", "data.options.num_examples=40", "data.val.num_examples=11", "optim.lr=3e-3",
         "model.dim=16", "model.hidden=32", "model.dropout=0.3", "train.progress=false",
-        "data.options.min_length=20", "data.options.max_length=120"]  # short trees: seconds a run
+        "data.options.min_length=20", "data.options.max_length=120",  # short trees: seconds a run
+        "train.min_evals=1"]  # validations at steps 4, 8 and 12, where the faults are placed
 SINGLE_BATCH = ["train.max_steps=1", "train.eval_every=1", "train.log_every=1", "train.batch_size=4",
                 "data.options.num_examples=40", "model.dim=16", "model.hidden=32", "train.progress=false",
                 "data.options.min_length=20", "data.options.max_length=120"]

@@ -27,12 +27,15 @@ def tiny_config(*overrides: str, task: str = "listops"):
     # short ListOps trees (LRA's are 500-2,000 tokens): a run costs seconds, not a minute
     base = ["train.max_steps=12", "train.eval_every=4", "train.batch_size=8", "data.options.num_examples=40",
             "data.options.min_length=20", "data.options.max_length=120",
-            "optim.lr=3e-3", "optim.warmup_steps=2", "model.dim=16", "model.hidden=32", "train.progress=false"]
+            "optim.lr=3e-3", "optim.warmup_steps=2", "model.dim=16", "model.hidden=32", "train.progress=false",
+            "train.min_evals=1"]  # the validations these tests count
     return resolve_config(task, attention="softmax", overrides=[*base, *overrides])
 
 
 def loop_settings(**values) -> dict:
-    """Trainer keyword arguments from flat settings (train, optim, seed and selection in one call)."""
+    """Trainer keyword arguments from flat settings (train, optim, seed and selection in one call); the
+    validation interval as given (min_evals 1) unless a test sets min_evals."""
+    values.setdefault("min_evals", 1)
     optim = {k: values.pop(k) for k in list(values) if k in OptimConfig.__dataclass_fields__}
     chosen = {k: values.pop(k) for k in ("select_metric", "select_mode", "seed") if k in values}
     return {"train": TrainConfig(**values), "optim": OptimConfig(**optim), **chosen}

@@ -64,7 +64,8 @@ def _spec(tmp_path):
         "pretrain": {"preset": "cpu", "set": [*TINY_MLM, "train.max_steps=2"]},
         "finetune": {"preset": "cpu", "tasks": ["sst2", "stsb"], "seeds": [0, 1],
                      "search": {"optim.lr": [1.0e-4, 1.0e-3]},
-                     "set": ["train.epochs=1", "train.batch_size=2", "data.max_len=16", "train.progress=false"]},
+                     "set": ["train.epochs=1", "train.min_steps=null", "train.batch_size=2", "data.max_len=16",
+                             "train.progress=false"]},
     }
     path = tmp_path / "tiny.yaml"
     write_yaml(spec, path)
@@ -150,9 +151,14 @@ def test_pretrain_command_and_errors(corpus, tmp_path, capsys):
 
 
 def test_specs_shipped_and_checked(tmp_path):
-    for name in ("table3_cpu", "table3_paper", "minilm_cpu"):
+    for name in ("table3_cpu", "table3_paper", "minilm"):
         spec = load_spec(name)
         assert set(spec["mechanisms"]) >= {"softmax", "skeleton"}
+    recipe = load_spec("minilm")["finetune"]
+    assert recipe["seeds"] == [0, 1, 2] and recipe["task_set"] == {"sst2": ["train.epochs=1"]}
+    write_yaml({"mechanisms": ["softmax"], "finetune": {"task_set": {"sst3": []}}}, tmp_path / "typo.yaml")
+    with pytest.raises(Exception, match="sst3"):
+        load_spec(tmp_path / "typo.yaml")
     paper = load_spec("table3_paper")["finetune"]["search"]
     assert paper == {"optim.lr": [5e-5, 1e-4], "train.batch_size": [16, 32], "train.epochs": [4, 8, 12, 16, 20]}
     bad = tmp_path / "bad.yaml"
@@ -186,6 +192,17 @@ def test_presets_resolve_to_table15(task, preset):
         assert 4 <= config.train.epochs <= 20 or preset == "cpu"
 
 
+def test_the_recipe_gives_its_budget_in_epochs_and_a_subset_larger_than_the_data_warns(capsys):
+    config = resolve_config("glue_mrpc", "recipe", None, [f"data.data_dir={GLUE_FIXTURES}", "data.subset.train=5000"],
+                            attention="skeleton")
+    assert (config.train.epochs, config.train.min_steps, config.train.evals, config.train.patience) == (3, 300, 10, 3)
+    assert (config.optim.lr, config.optim.new_lr, config.optim.warmup_ratio) == (5e-5, 1e-3, 0.06)
+    assert config.data.subset.train == 5000 and config.model["pooling"] == "mean"
+    data = get_task("glue_mrpc").build_data(config)
+    assert f"data.subset.train=5,000 is larger than the train split of MRPC/train.tsv ({len(data.train)} examples)" \
+        in capsys.readouterr().err
+
+
 from reliability import CLEAR_ERROR, OUTPUT_FOLDERS, bad_input  # noqa: E402
 
 
@@ -199,8 +216,8 @@ def test_pretrain_and_finetune_refuse_an_out_with_runs_unless_told(corpus, tmp_p
     assert main(pretrain) == 0
     spec = tmp_path / "spec.yaml"
     write_yaml({"mechanisms": ["fnet"], "finetune": {"preset": "cpu", "tasks": ["sst2"], "seeds": [0],
-                                                     "set": ["train.epochs=1", "train.batch_size=2", "data.max_len=16",
-                                                             "train.progress=false"]}}, spec)
+                                                     "set": ["train.epochs=1", "train.min_steps=null", "train.batch_size=2",
+                                                             "data.max_len=16", "train.progress=false"]}}, spec)
     out = tmp_path / "finetune"
     finetune = ["finetune", "--pretrained", str(pre), "--config", str(spec), "--glue-dir", str(GLUE_FIXTURES),
                 "--out", str(out)]

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from longattn.registry import nearest
+from longattn.utils import note
 
 __all__ = ["HelpFormatter", "ListAction", "add_config_arguments", "add_data_dir_argument", "add_list_argument",
            "add_renamed_argument", "add_run_arguments", "add_set_argument", "add_workers_argument", "attention_names", "deprecated_alias",
@@ -51,11 +51,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             action = copy.copy(action)
             action.default = " ".join(map(str, action.default))
         return super()._expand_help(action)
-
-
-def note(text: str) -> None:
-    """One line on stderr that does not mix into a command's output (e.g. what replaced an old name)."""
-    print(f"note: {text}", file=sys.stderr, flush=True)
 
 
 def _check_names(kind: str, values: list[str], names: Names | None) -> str | None:

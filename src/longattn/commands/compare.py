@@ -17,8 +17,9 @@ from longattn.commands._args import (add_attentions_argument, add_config_argumen
 from longattn.config import ConfigError
 from longattn.data.timeseries import SERIES
 from longattn.experiment.curves import CurveGroup, curve_groups, learning_curves, write_learning_curves
-from longattn.experiment.grid import (DEMO_SEEDS, PAPER_SEEDS, Cell, default_seeds, difference_record, load_sweep,
-                                      paired_against, run_cells, run_sweep, shipped_sweeps)
+from longattn.experiment.grid import (DEMO_SEEDS, PAPER_SEEDS, Cell, convergence_legend, default_seeds,
+                                      difference_record, load_sweep, paired_against, run_cells, run_sweep,
+                                      shipped_sweeps)
 from longattn.experiment.results import markdown_table, now, write_results
 from longattn.experiment.stats import format_difference, format_sem, legend, mean_std, summarize
 from longattn.tasks.base import get_task, task_names
@@ -62,6 +63,7 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
                "metric": get_task(task).select_metric, "reference": reference,
                "runs": [{"attention": c.attention, "error": c.error, "test_summary": c.summary(),
                          "val_summary": c.summary(split="val"), "difference": difference_record(c, base),
+                         "not_converged": c.not_converged(),
                          "results": c.results} for c in cells]}
     write_results(out_dir / "results.json", summary, seeds=seeds, started=started)
     plot_compare(cells, out_dir / "compare.png", task)
@@ -80,7 +82,8 @@ def compare_table(task: str, cells: list[Cell], base: Cell, seeds: list[int]) ->
     headers = ["attention", "params", f"val {metric}", f"test {metric}", "s.e.",
                f"Δ test vs {base.attention}", "train time (s)", "steps/s", "peak mem (MB)"]
     table = (f"### {task}: test {task_obj.select_metric} of the best validation checkpoint, mean ± std over "
-             f"seeds {seeds}\n\n" + markdown_table(headers, [_row(cell, base) for cell in cells]) + "\n")
+             f"seeds {seeds}\n\n" + markdown_table(headers, [_row(cell, base) for cell in cells]) + "\n"
+             + convergence_legend(any(cell.not_converged() for cell in cells)))
     if len(cells) > 1:
         table += f"\n{legend(base.attention)}\n"
     return table
@@ -94,7 +97,8 @@ def _row(cell: Cell, base: Cell) -> list[Any]:
     rate = statistics.mean(r["steps"] / r["train_time_s"] for r in cell.results if r["train_time_s"] > 0)
     difference = ("reference" if cell is base else
                   format_difference(paired_against(cell, base)) if base.results else "-")
-    return [cell.attention, first["parameters"], mean_std(cell.values(split="val")), mean_std(cell.values()),
+    return [cell.attention, first["parameters"], mean_std(cell.values(split="val")),
+            mean_std(cell.values()) + cell.convergence_mark(),
             format_sem(cell.values()), difference, f"{statistics.mean(times):.1f}", f"{rate:.1f}",
             f"{max(r['peak_memory_mb'] for r in cell.results):.0f}"]
 

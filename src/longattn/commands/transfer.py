@@ -45,9 +45,11 @@ def _pretrained_attention(folder: str) -> str:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    spec = load_spec(args.config)
+    spec = load_spec(args.config or (DEFAULT_MINILM_SPEC if args.pretrained == [MINILM] else "table3_cpu"))
     if args.tasks:
         spec.setdefault("finetune", {})["tasks"] = list(args.tasks)
+    if args.seeds:
+        spec.setdefault("finetune", {})["seeds"] = list(args.seeds)
     if args.pretrained == [MINILM]:
         names = args.attentions or list(spec["mechanisms"])
         starts = {name: MINILM for name in names}
@@ -83,7 +85,9 @@ def _table3(args: argparse.Namespace) -> int:
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
-SPECS = "table3_cpu, table3_paper, minilm_cpu"
+SPECS = "table3_cpu, table3_paper, minilm"
+# The default recipe of `finetune --pretrained minilm` (configs/transfer/minilm.yaml, docs/transfer.md).
+DEFAULT_MINILM_SPEC = "minilm"
 # The two data folders of the Table 3 grid: --data-dir corpus=PATH glue=PATH.
 TABLE3_DATA = {"corpus": "the pretraining corpus, WikiText-2 layout", "glue": "the glue_data/ folder"}
 
@@ -130,8 +134,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--pretrained", nargs="+", required=True,
                    help="`longattn pretrain` --out folders, or `minilm` (the pretrained MiniLM-L6, converted)")
     add_attentions_argument(f, help="with --pretrained minilm: the mechanisms (default: the spec's)")
-    f.add_argument("--config", default="table3_cpu", help=f"transfer spec (a file, or shipped: {SPECS})")
+    f.add_argument("--config", help=f"transfer spec (a file, or shipped: {SPECS}); default: {DEFAULT_MINILM_SPEC} "
+                   "(the fine-tuning recipe) with --pretrained minilm, table3_cpu with pretraining folders")
     add_list_argument(f, "--tasks", names=GLUE_TASKS.names, kind="GLUE task", help="GLUE tasks (default: the spec's)")
+    add_list_argument(f, "--seeds", item=int, kind="seed", help="seeds of every run (default: the spec's)")
     add_data_dir_argument(f, "the glue_data/ folder", "--glue-dir", required=True)
     add_set_argument(f, help="override for every fine-tuning run (repeatable)")
     f.add_argument("--out", required=True, help="output folder")

@@ -231,6 +231,10 @@ class GlueDataset(Dataset):
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def lengths(self) -> np.ndarray:
+        """WordPieces per example (what ``train.group_by_length`` sorts by)."""
+        return self.input_ids.lengths()
+
     def __getitem__(self, index: int) -> dict:
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} examples")

@@ -28,12 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from longattn.config import ConfigError
-from longattn.experiment.grid import Cell, collect_finished, markdown_table, run_cells
+from longattn.experiment.grid import (Cell, collect_finished, convergence_legend, convergence_mark, markdown_table,
+                                      run_cells)
 from longattn.experiment.results import now, write_results
 from longattn.experiment.stats import summarize as summarize_values
 from longattn.models.doc_classifier import TABLE4_MODELS
 from longattn.models.registry import model_names
 from longattn.tasks.base import get_task
+from longattn.train.loop import run_convergence
 
 __all__ = ["PAPER_TABLE4", "TABLE4_DATASETS", "run_crossval", "table4_markdown"]
 
@@ -80,8 +82,9 @@ def run_crossval(datasets: list[str], models: list[str], out_dir: str | Path, *,
     """Cross-validate every model on every dataset (layout in the module docstring); returns the summary.
 
     ``only_folds`` trains a subset of the ``folds`` folds (e.g. to spread them over machines or commands).
-    ``report_only`` trains nothing: the table and summary are made from the folds already finished in
-    ``out_dir`` (a missing fold is counted as not done, "k/5 folds"). ``workers`` folds train at once.
+    ``report_only`` trains nothing. Either way the table and summary count every fold finished in ``out_dir``,
+    whichever invocation trained it (a missing fold is counted as not done, "k/5 folds"). ``workers`` folds
+    train at once.
     """
     started = now()
     out_dir = Path(out_dir)
@@ -94,20 +97,23 @@ def run_crossval(datasets: list[str], models: list[str], out_dir: str | Path, *,
     chosen = sorted(set(only_folds)) if only_folds is not None else list(range(folds))
     if not chosen or chosen[0] < 0 or chosen[-1] >= folds:
         raise ConfigError(f"folds to train must lie in [0, {folds}), got {only_folds}")
-    cells, folders = [], {}
+    cells, folders, to_train = [], {}, []
     for dataset in datasets:
-        for fold in chosen:  # fold-major: the models of one fold share its built data
+        for fold in range(folds):  # fold-major: the models of one fold share its built data
             for model in models:
                 cell = Cell(model, dataset, dataset, preset, config_file,
                             [*overrides, f"data.fold={fold}", f"data.num_folds={folds}"], {"model_name": model})
                 cells.append(cell)
                 folders[id(cell)] = fold_dir(out_dir, dataset, model, fold)
-    if report_only:
-        for cell in cells:
-            collect_finished(cell, folders[id(cell)])
-    else:
-        run_cells(cells, [seed], out_dir, run_dir=lambda cell, _seed: folders[id(cell)], resume=resume,
+                if fold in chosen and not report_only:
+                    to_train.append(cell)
+    if to_train:
+        run_cells(to_train, [seed], out_dir, run_dir=lambda cell, _seed: folders[id(cell)], resume=resume,
                   overwrite=overwrite, plots=False, workers=workers)
+    trained = {id(cell) for cell in to_train}
+    for cell in cells:  # the folds this invocation did not train: those finished earlier count too
+        if id(cell) not in trained:
+            collect_finished(cell, folders[id(cell)])
     summary = summarize(cells, folders, datasets, models, folds, seed)
     summary.update(preset=str(preset) if preset else None, overrides=list(overrides))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -141,8 +147,12 @@ def summarize(cells: list[Cell], folders: dict[int, Path], datasets: list[str], 
                 "best_step": result.get("best_step"), "steps": result.get("steps"),
                 "train_time_s": result.get("train_time_s"), "parameters": result.get("parameters"),
                 "peak_memory_mb": result.get("peak_memory_mb"),
+                "convergence": run_convergence(result, metric),
             })
     for entry in entries.values():
+        entry["folds"].sort(key=lambda f: f["fold"])
+        entry["not_converged"] = [f["fold"] for f in entry["folds"]
+                                  if f["convergence"] is not None and not f["convergence"]["converged"]]
         spread = summarize_values([f["test"] for f in entry["folds"] if f["test"] is not None])
         entry["test_mean"] = None if math.isnan(spread.mean) else spread.mean
         entry["test_std"] = None if math.isnan(spread.std) else spread.std
@@ -154,11 +164,11 @@ def summarize(cells: list[Cell], folders: dict[int, Path], datasets: list[str], 
             "entries": list(entries.values())}
 
 
-def _format(mean: float | None, std: float | None, count: int, folds: int) -> str:
+def _format(mean: float | None, std: float | None, count: int, folds: int, not_converged: int = 0) -> str:
     if mean is None:
         return "-"
     text = f"{mean:.4f}" + (f" ± {std:.4f}" if std is not None else "")
-    return text + (f" ({count}/{folds} folds)" if count != folds else "")
+    return text + (f" ({count}/{folds} folds)" if count != folds else "") + convergence_mark(not_converged, count)
 
 
 def table4_markdown(summary: dict[str, Any]) -> str:
@@ -181,14 +191,16 @@ def table4_markdown(summary: dict[str, Any]) -> str:
                 if entry is None or (entry["test_mean"] is None and entry["errors"]):
                     ours.append("failed" if entry else "-")
                 else:
-                    ours.append(_format(entry["test_mean"], entry["test_std"], len(entry["folds"]), folds))
+                    ours.append(_format(entry["test_mean"], entry["test_std"], len(entry["folds"]), folds,
+                                        len(entry["not_converged"])))
                 reference = PAPER_TABLE4.get(model, {}).get(dataset)
                 paper.append(f"{reference[0]:.5f} ± {reference[1]:.3f}" if reference else "-")
             rows.append([LABELS.get(model, model), *ours, *paper])
     notes = sorted({f"{TABLE4_DATASETS.get(e['dataset'], e['dataset'])}: test {e['metric']}" for e in summary["entries"]
                     if e["metric"] != "accuracy"})
+    legend = convergence_legend(any(e["not_converged"] for e in summary["entries"]), "folds")
     return (f"### Test accuracy, mean ± std over {folds}-fold cross-validation (Singularformer Table 4 layout)\n\n"
-            + markdown_table(headers, rows) + "\n" + "".join(f"\n{note} (not accuracy)\n" for note in notes))
+            + markdown_table(headers, rows) + "\n" + legend + "".join(f"\n{note} (not accuracy)\n" for note in notes))
 
 
 def plot_table4(summary: dict[str, Any], path: Path) -> None:

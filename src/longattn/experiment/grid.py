@@ -33,9 +33,11 @@ from longattn.experiment.curves import curve_groups, write_learning_curves
 from longattn.experiment.stats import (PairedDifference, format_difference, legend, mean_with_sem, paired_difference,
                                        summarize)
 from longattn.tasks.base import get_task, task_names
+from longattn.train.loop import run_convergence
 
-__all__ = ["Cell", "default_seeds", "difference_record", "load_sweep", "markdown_table", "paired_against", "plan_runs",
-           "run_cells", "shipped_sweeps", "sweep_cells", "write_sweep_table"]
+__all__ = ["Cell", "convergence_legend", "convergence_mark", "default_seeds", "difference_record", "load_sweep",
+           "markdown_table", "paired_against", "plan_runs", "run_cells", "shipped_sweeps", "sweep_cells",
+           "write_sweep_table"]
 
 
 @dataclass
@@ -67,9 +69,24 @@ class Cell:
         return {r["seed"]: task.table_scale * r[split][metric] for r in self.results
                 if r.get(split) and r[split].get(metric) is not None}
 
+    def not_converged(self) -> list[int]:
+        """The seeds whose run ended still improving: best point at its last validation, validation loss still
+        falling (:func:`longattn.train.loop.convergence`)."""
+        metric = get_task(self.task).select_metric
+        return [r["seed"] for r in self.results if not (run_convergence(r, metric) or {"converged": True})["converged"]]
+
+    def convergence_mark(self) -> str:
+        """`` (2/3 not converged)`` after a table cell whose runs did not all converge, else nothing."""
+        return convergence_mark(len(self.not_converged()), len(self.results))
+
     def summary(self, metric: str | None = None, split: str = "test") -> dict[str, Any]:
         """Mean, std and standard error of ``metric`` on ``split`` over the seeds (for results files)."""
         return summarize(self.values(metric, split)).as_dict()
+
+
+def convergence_mark(not_converged: int, runs: int) -> str:
+    """What a table adds to a cell of ``runs`` runs of which ``not_converged`` ended still improving."""
+    return f" ({not_converged}/{runs} not converged)" if not_converged else ""
 
 
 def paired_against(cell: Cell, reference: Cell, metric: str | None = None,
@@ -408,7 +425,8 @@ def write_sweep_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path, se
             cell = by_key.get((row, column))
             values = cell.values() if cell else []
             means.append(summarize(values).mean)
-            line.append("failed" if cell and cell.error else mean_with_sem(values))
+            mark = cell.convergence_mark() if cell else ""
+            line.append("failed" if cell and cell.error else mean_with_sem(values) + mark)
             base = by_key.get((reference, column))
             differences.append("reference" if row == reference else
                                format_difference(paired_against(cell, base)) if cell and base else "-")
@@ -419,7 +437,8 @@ def write_sweep_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path, se
     title = spec.get("title", "sweep")
     metric = _metric_label(cells)
     text = (f"### {title} — {metric}, mean ± std (standard error) over seeds {seeds}\n\n"
-            + markdown_table(headers, table_rows) + "\n")
+            + markdown_table(headers, table_rows) + "\n"
+            + convergence_legend(any(cell.not_converged() for cell in cells)))
     if len(rows) > 1:
         text += (f"\nPaired difference from {reference}:\n\n" + markdown_table(["", *columns], difference_rows)
                  + f"\n\n{legend(reference)}\n")
@@ -436,12 +455,21 @@ def write_sweep_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path, se
         "cells": [{"row": c.row, "column": c.column, "task": c.task, "attention": c.attention,
                    "overrides": c.overrides, "test": c.values(), "val": c.values(split="val"),
                    "test_summary": c.summary(), "difference": difference_record(c, by_key.get((reference, c.column))),
-                   "error": c.error} for c in cells],
+                   "not_converged": c.not_converged(), "error": c.error} for c in cells],
         "paper": paper,
     }
     write_results(out_dir / "results.json", summary, seeds=seeds, started=started)
     print(text)
     return summary
+
+
+def convergence_legend(marked: bool, runs: str = "runs") -> str:
+    """The note under a table where some cell is marked "not converged" (``marked``); nothing otherwise."""
+    if not marked:
+        return ""
+    return (f"\n(k/n not converged): k of the cell's n {runs} had their best point at their last validation with "
+            "the validation loss still falling; a longer run would probably change the figure (each run's "
+            "results.json, `convergence`, has the numbers).\n")
 
 
 def sweep_reference(spec: dict[str, Any], rows: list[str], reference: str | None = None) -> str | None:

@@ -13,28 +13,23 @@ import time
 from typing import Any, Callable
 
 from longattn.tasks.base import get_task
+from longattn.train.loop import run_convergence
+from longattn.utils import duration
 
 __all__ = ["GridProgress", "duration", "score"]
 
 
-def duration(seconds: float) -> str:
-    """``42 s``, ``3 min 5 s``, ``2 h 14 min``."""
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
-
-
 def score(task: str, results: dict[str, Any] | None) -> str:
-    """``test <metric> <value>`` of a finished run (the task's selection metric; validation if no test), or ``""``."""
+    """``test <metric> <value>`` of a finished run (the task's selection metric; validation if no test), with
+    ``; not converged`` when it ended still improving, or ``""``."""
     metric = get_task(task).select_metric
+    convergence = run_convergence(results or {}, metric)
+    mark = "; not converged" if convergence is not None and not convergence["converged"] else ""
     for split in ("test", "val"):
         value = (results or {}).get(split) or {}
         if isinstance(value.get(metric), (int, float)):
-            return f"{split} {metric} {value[metric]:.4g}"
-    return ""
+            return f"{split} {metric} {value[metric]:.4g}{mark}"
+    return mark.removeprefix("; ")
 
 
 class GridProgress:

@@ -2,7 +2,7 @@
 hyper-parameter search, report the best configuration per task (mean ± std over seeds) beside the papers.
 
 A transfer spec (YAML; shipped: ``configs/transfer/table3_cpu.yaml``, ``table3_paper.yaml``,
-``minilm_cpu.yaml``) holds::
+``minilm.yaml``) holds::
 
     title: ...
     mechanisms: [softmax, skeleton, fnet, ponet]
@@ -12,7 +12,8 @@ A transfer spec (YAML; shipped: ``configs/transfer/table3_cpu.yaml``, ``table3_p
       tasks: [sst2, cola, mrpc, stsb]
       search: {optim.lr: [5.0e-5, 1.0e-4], train.batch_size: [16, 32], train.epochs: [4, 20]}
       seeds: [0, 1]
-      set: [...]
+      set: [...]                                 # every run
+      task_set: {sst2: [train.epochs=1]}         # the runs of one task
 
 Every (mechanism, task, search point, seed) is an ordinary run in its own folder
 (``finetune/<mechanism>/<task>/<point>/seed<k>``), so any of them can be inspected or resumed. Per
@@ -31,7 +32,8 @@ from typing import Any
 
 from longattn.config import ConfigError, read_yaml
 from longattn.data.glue import get_glue_task
-from longattn.experiment.grid import Cell, markdown_table, registered_or_note, run_cells
+from longattn.experiment.grid import (Cell, convergence_legend, convergence_mark, markdown_table, registered_or_note,
+                                      run_cells)
 from longattn.experiment.results import now, write_results
 from longattn.tasks.transfer import TRANSFER_CONFIGS
 
@@ -53,7 +55,7 @@ PAPER_AVERAGES = {"softmax": 80.37, "fnet": 73.48, "ponet": 76.80, "skeleton": 7
 
 SPEC_KEYS = {"title", "description", "mechanisms", "pretrain", "finetune"}
 PRETRAIN_KEYS = {"preset", "set"}
-FINETUNE_KEYS = {"preset", "tasks", "search", "seeds", "set"}
+FINETUNE_KEYS = {"preset", "tasks", "search", "seeds", "set", "task_set"}
 
 
 def _check(node: Any, valid: set[str], where: str) -> dict[str, Any]:
@@ -77,8 +79,11 @@ def load_spec(path_or_name: str | Path) -> dict[str, Any]:
     spec = _check(read_yaml(path), SPEC_KEYS, f"transfer spec {path}")
     _check(spec.get("pretrain", {}), PRETRAIN_KEYS, f"`pretrain` of {path}")
     finetune = _check(spec.get("finetune", {}), FINETUNE_KEYS, f"`finetune` of {path}")
-    for task in finetune.get("tasks", ()):
+    task_set = finetune.get("task_set", {})
+    for task in [*finetune.get("tasks", ()), *(task_set if isinstance(task_set, dict) else ())]:
         get_glue_task(task)  # unknown names fail before anything runs
+    if not isinstance(task_set, dict) or not all(isinstance(v, list) for v in task_set.values()):
+        raise ConfigError(f"`finetune.task_set` of {path} must map GLUE task names to lists of KEY=VALUE overrides")
     if not isinstance(finetune.get("search", {}), dict) or not all(
             isinstance(v, list) and v for v in finetune.get("search", {}).values()):
         raise ConfigError(f"`finetune.search` of {path} must map config keys to non-empty lists of values")
@@ -127,7 +132,8 @@ def finetune_grid(spec: dict[str, Any], out_dir: Path, starts: dict[str, str], d
         for name, start in starts.items():
             for label, overrides in search_points(part.get("search", {})):
                 cells.append(Cell(name, f"{task}/{label}", f"glue_{task}", part.get("preset"),
-                                  overrides=[*part.get("set", []), *overrides, f"model.pretrained={start}",
+                                  overrides=[*part.get("set", []), *part.get("task_set", {}).get(task, []),
+                                             *overrides, f"model.pretrained={start}",
                                              *data_overrides, *extra_overrides],
                                   explicit={"attention": name}))
     folder = lambda cell, seed: out_dir / "finetune" / cell.row / _slug(cell.column) / f"seed{seed}"  # noqa: E731
@@ -147,14 +153,16 @@ def select_best(cells: list[Cell]) -> dict[tuple[str, str], dict[str, Any]]:
         mean = statistics.mean(values)
         if key not in best or mean > best[key]["mean"]:
             best[key] = {"mean": mean, "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-                         "values": values, "point": point, "metric": get_glue_task(task).paper_metric}
+                         "values": values, "point": point, "metric": get_glue_task(task).paper_metric,
+                         "not_converged": cell.not_converged()}
     return best
 
 
 def _cell_text(entry: dict[str, Any] | None) -> str:
     if entry is None:
         return "-"
-    return f"{entry['mean']:.2f} ± {entry['std']:.2f}" if len(entry["values"]) > 1 else f"{entry['mean']:.2f}"
+    text = f"{entry['mean']:.2f} ± {entry['std']:.2f}" if len(entry["values"]) > 1 else f"{entry['mean']:.2f}"
+    return text + convergence_mark(len(entry["not_converged"]), len(entry["values"]))
 
 
 def write_transfer_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path, *, label: str,
@@ -182,7 +190,8 @@ def write_transfer_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path,
     title = spec.get("title", "GLUE fine-tuning")
     text = (f"### {title}\n\nGLUE dev: mean of accuracy and F1 for QQP and MRPC, Matthews correlation for CoLA, "
             "Spearman correlation for STS-B, accuracy elsewhere (MNLI matched); ours: the best search point per "
-            "task, mean ± std over seeds.\n\n" + markdown_table(headers, rows) + "\n")
+            "task, mean ± std over seeds.\n\n" + markdown_table(headers, rows) + "\n"
+            + convergence_legend(any(entry["not_converged"] for entry in best.values())))
     kept: dict[str, dict[str, float]] = {}
     if reference is not None:
         kept = {name: {t: 100 * best[(name, t)]["mean"] / best[(reference, t)]["mean"] for t in measured

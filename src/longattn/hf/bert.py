@@ -239,10 +239,18 @@ class BertGlue(nn.Module):
         if pooling == "mean":
             self.bert.pooler = None
         self.pooling = pooling
+        # Parameters with no pretrained value (optim.new_lr): a converted mechanism's (under ``.longattn.``) or a
+        # token mixer's, when the encoder comes from MiniLM; a pretraining run trained its own, a scratch model all.
+        self._new_marks = (".longattn.", ".mixer.") if pretrained == MINILM else ()
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(self.bert.config.hidden_size, num_labels)
         nn.init.normal_(self.head.weight, std=self.bert.config.initializer_range)  # as BERT's classifier
         nn.init.zeros_(self.head.bias)
+
+    def new_parameters(self) -> list[nn.Parameter]:
+        """The encoder's parameters that start from random in a pretrained model (the Trainer gives them
+        ``optim.new_lr``); the head is new in every model and trains at ``optim.lr``, as in BERT's fine-tuning."""
+        return [t for name, t in self.named_parameters() if any(mark in f".{name}" for mark in self._new_marks)]
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None, attention_mask: Tensor | None) -> Tensor:
         out = self.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)

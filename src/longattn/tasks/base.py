@@ -124,6 +124,11 @@ class Task:
         for split in ("val", "test"):
             if results.get(split):
                 out[f"{split}_{self.select_metric}"] = results[split].get(self.select_metric)
+        convergence = results.get("convergence")
+        if convergence is not None:
+            out["converged"] = convergence["converged"]
+            if not convergence["converged"]:
+                out["convergence"] = convergence["text"]  # "not converged: ..." with the figures
         return out
 
 

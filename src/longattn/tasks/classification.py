@@ -22,8 +22,9 @@ from longattn.config import option
 from longattn.data.lra import collate as pad_collate
 from longattn.tasks.base import Task, TaskData
 from longattn.train.loop import MetricFn, StepFn, StepOutput, accuracy
+from longattn.utils import warn
 
-__all__ = ["ClassificationDataConfig", "ClassificationTask", "classification_step"]
+__all__ = ["ClassificationDataConfig", "ClassificationTask", "classification_step", "subset_indices"]
 
 SPLITS = ("train", "val", "test")
 
@@ -35,6 +36,21 @@ class SubsetConfig:
     train: int | None = option(None, ge=1)
     val: int | None = option(None, ge=1)
     test: int | None = option(None, ge=1)
+
+
+def subset_indices(count: int, size: int | None, seed: int, split: str, what: str) -> list[int] | None:
+    """The ``data.subset.<split>`` subset of a split of ``count`` examples: ``size`` of them drawn at random with a
+    seeded generator (not the first rows: files are often sorted by label), sorted; None for all of them. A size
+    larger than the split is a warning naming both numbers (the whole split is used)."""
+    if size is None:
+        return None
+    if size > count:
+        warn(f"data.subset.{split}={size:,} is larger than the {split} split of {what} ({count:,} examples); "
+             f"using all {count:,}")
+    if size >= count:
+        return None
+    generator = torch.Generator().manual_seed(seed * 7919 + SPLITS.index(split))
+    return torch.randperm(count, generator=generator)[:size].sort().values.tolist()
 
 
 @dataclass
@@ -108,13 +124,8 @@ class ClassificationTask(Task):
         data = config.data
         options = {**data.options, **getattr(data, split), **extra_options}
         dataset = self.build_split(config, split, **options)
-        size = getattr(data.subset, split)
-        if size is not None and size < len(dataset):
-            # A seeded random subset (not the first rows: files are often sorted by label).
-            generator = torch.Generator().manual_seed(config.seed * 7919 + SPLITS.index(split))
-            indices = torch.randperm(len(dataset), generator=generator)[:size].sort().values.tolist()
-            dataset = Subset(dataset, indices)
-        return dataset
+        indices = subset_indices(len(dataset), getattr(data.subset, split), config.seed, split, config.task)
+        return dataset if indices is None else Subset(dataset, indices)
 
     def model_max_len(self, config: Any) -> int:
         return int(config.data.max_len or self.max_len)

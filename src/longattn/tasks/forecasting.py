@@ -149,8 +149,9 @@ class ForecastTask(Task):
     select_mode = "min"
     preset_dir = FORECAST_CONFIGS
     overlay = {
+        # min_evals 1: the papers' protocol validates once per epoch (early stopping counts epochs), however few
         "train": {"epochs": 10, "batch_size": 32, "eval_batch_size": 256, "patience": 3, "drop_last": True,
-                  "eval_every_epoch": True, "device": "cpu"},
+                  "eval_every_epoch": True, "min_evals": 1, "device": "cpu"},
         "optim": {"lr": 1e-4, "optimizer": "adam", "schedule": "step", "step_decay": 0.5},
         "models": {"skt": {"attention_options": {"skeleton": SKT_SKELETON_OPTIONS}},
                    "dlinear": {"optim": {"lr": 1e-3}}},

@@ -30,30 +30,21 @@ from longattn.config import ConfigError, option
 from longattn.data import glue, mlm, wordpiece
 from longattn.hf import bert  # noqa: F401  (registers the bert_mlm and bert_glue models)
 from longattn.tasks.base import Task, TaskData, register_task
-from longattn.tasks.classification import SubsetConfig
+from longattn.tasks.classification import SubsetConfig, subset_indices
 from longattn.train.loop import MetricFn, StepFn, StepOutput
 
 TRANSFER_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "transfer"
 SPLITS = ("train", "val", "test")
 
 
-def _subset_indices(count: int, size: int | None, seed: int, split: str) -> list[int] | None:
-    """A seeded random subset of ``size`` of ``count`` examples (not the first rows: files are often
-    ordered), or None for all of them."""
-    if size is None or size >= count:
-        return None
-    generator = torch.Generator().manual_seed(seed * 7919 + SPLITS.index(split))
-    return torch.randperm(count, generator=generator)[:size].sort().values.tolist()
-
-
-def _subset(dataset: Dataset, size: int | None, seed: int, split: str) -> Dataset:
-    keep = _subset_indices(len(dataset), size, seed, split)
+def _subset(dataset: Dataset, size: int | None, seed: int, split: str, what: str) -> Dataset:
+    keep = subset_indices(len(dataset), size, seed, split, what)
     return dataset if keep is None else Subset(dataset, keep)
 
 
-def _example_subset(examples: glue.GlueSplit, size: int | None, seed: int, split: str) -> glue.GlueSplit:
+def _example_subset(examples: glue.GlueSplit, size: int | None, seed: int, split: str, what: str) -> glue.GlueSplit:
     """The same subset of raw GLUE examples, taken before tokenising (SST-2 has 67k examples)."""
-    keep = _subset_indices(len(examples), size, seed, split)
+    keep = subset_indices(len(examples), size, seed, split, what)
     if keep is None:
         return examples
     pick = lambda texts: [texts[i] for i in keep]  # noqa: E731
@@ -143,7 +134,7 @@ class MLMTask(Task):
             blocks = mlm.token_blocks(mlm.read_lines(folder / name), tokenizer, data.max_len)
             dataset = (mlm.MLMBlocks(blocks) if split == "train" else
                        mlm.masked_split(blocks, tokenizer, data.mask_probability, data.eval_mask_seed))
-            splits[split] = _subset(dataset, getattr(data.subset, split), config.seed, split)
+            splits[split] = _subset(dataset, getattr(data.subset, split), config.seed, split, f"{name} (in blocks)")
         info = {"vocab_size": tokenizer.get_vocab_size(), "masker": mlm.Masker(tokenizer, data.mask_probability)}
         return TaskData(splits["train"], splits["val"], splits["test"], mlm.collate_blocks, info)
 
@@ -220,7 +211,8 @@ class GlueFinetuneTask(Task):
         folder = _data_dir(config, "GLUE (glue_data/, e.g. ../shared/data/glue)")
         tokenizer = wordpiece.load_wordpiece(data.tokenizer)
         train, dev = (glue.GlueDataset(_example_subset(glue.read_glue(self.glue_name, name, folder),
-                                                       getattr(data.subset, split), config.seed, split),
+                                                       getattr(data.subset, split), config.seed, split,
+                                                       f"{self.glue.folder}/{name}.tsv"),
                                        tokenizer, data.max_len)
                       for name, split in (("train", "train"), ("dev", "val")))
         collate = functools.partial(glue.collate_glue, pad_id=train.pad_id)

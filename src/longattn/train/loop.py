@@ -67,7 +67,8 @@ from longattn.train.distributed import (
     resolve_device,
     timeout_seconds,
 )
-from longattn.utils import dumps_strict, optional_import, rng_state, seed_everything, set_rng_state
+from longattn.utils import (dumps_strict, duration, note, optional_import, rng_state, seed_everything, set_rng_state,
+                            warn)
 
 
 class StepOutput(NamedTuple):
@@ -119,7 +120,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_st
         if total <= rise:
             raise ValueError(f"schedule 'onecycle' needs max_steps > max(warmup_steps, 2) = {rise}, got {total}")
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=optim.lr, total_steps=total, pct_start=rise / total, anneal_strategy="linear",
+            optimizer, max_lr=[group["lr"] for group in optimizer.param_groups], total_steps=total,
+            pct_start=rise / total, anneal_strategy="linear",
         )
     floor = optim.min_lr_ratio
 
@@ -136,6 +138,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_st
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def parameter_groups(model: nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:
+    """The optimiser's parameter groups: one, or with ``optim.new_lr`` the parameters ``model.new_parameters()``
+    names (e.g. a converted mechanism's, which start from random) at that learning rate and the others at ``lr``."""
+    parameters = list(model.parameters())
+    if optim.new_lr is None:
+        return [{"params": parameters}]
+    marked = getattr(model, "new_parameters", None)
+    if not callable(marked):
+        raise ValueError(f"optim.new_lr is set but {type(model).__name__} marks no new parameters (it has no "
+                         "new_parameters()); unset it")
+    new = {id(t) for t in marked()}
+    groups = [{"params": [t for t in parameters if id(t) not in new]},
+              {"params": [t for t in parameters if id(t) in new], "lr": optim.new_lr}]
+    return [group for group in groups if group["params"]]
 
 
 def example_lengths(dataset: Dataset) -> Sequence[int] | None:
@@ -237,6 +255,86 @@ def evaluate(
     return result
 
 
+def convergence(history: Sequence[dict[str, Any]], metric: str, *,
+                target_reached: bool = False) -> dict[str, Any] | None:
+    """Did a run train to convergence? Judged from its validation records (``results["history"]``): not when
+    its best point is its last validation and the validation loss was still falling there (lower than at the
+    validation before), or when it validated only once, unless it stopped because its selection metric reached
+    its target (``target_reached``, ``train.stop_at``); None without validation.
+
+    The record holds the figures: the selection ``metric`` and the validation loss at the last two validations.
+    """
+    if not history:
+        return None
+    last, previous = history[-1], history[-2] if len(history) > 1 else None
+    best_at_last = bool(last.get("best"))
+    loss_falling = (previous is not None and last.get("loss") is not None and previous.get("loss") is not None
+                    and last["loss"] < previous["loss"])
+    converged = target_reached or not best_at_last or (previous is not None and not loss_falling)
+    record: dict[str, Any] = {
+        "converged": converged, "validations": len(history), "best_at_last_validation": best_at_last,
+        "val_loss_falling": loss_falling, "target_reached": target_reached, "metric": metric,
+        "steps": [r.get("step") for r in (previous, last) if r is not None],
+        "metric_values": [r.get(metric) for r in (previous, last) if r is not None],
+        "val_losses": [r.get("loss") for r in (previous, last) if r is not None],
+    }
+    if not converged:
+        def figure(value: Any) -> str:
+            return f"{value:.4g}" if isinstance(value, (int, float)) else "-"
+
+        if previous is None:
+            record["text"] = (f"not converged: validated once (step {last.get('step')}, {metric} "
+                              f"{figure(last.get(metric))}), so nothing shows that training had stopped improving")
+        else:
+            record["text"] = (f"not converged: the best {metric} is at the last validation (step {last.get('step')}: "
+                              f"{figure(last.get(metric))}; step {previous.get('step')}: {figure(previous.get(metric))}) "
+                              f"and the validation loss is still falling ({figure(previous.get('loss'))} -> "
+                              f"{figure(last.get('loss'))}): a longer run would probably score higher")
+    return record
+
+
+def run_convergence(results: dict[str, Any], metric: str) -> dict[str, Any] | None:
+    """:func:`convergence` of a finished run's results: as recorded, or from its validation history (results
+    written before runs recorded it)."""
+    return results.get("convergence") or convergence(results.get("history") or [], metric)
+
+
+class ProgressLines:
+    """What the progress bar shows, as lines on stdout for output that goes to a file (nohup, a batch
+    scheduler, CI): a line at a log step when ``every_s`` seconds have passed since the last one, and at the
+    last step: step, mean training loss since the previous line, throughput, elapsed time and time left."""
+
+    def __init__(self, total: int, start: int, examples_per_step: int, every_s: float,
+                 write: Callable[[str], Any] | None = None) -> None:
+        self.total, self.start, self.examples_per_step, self.every_s = total, start, examples_per_step, every_s
+        self.write = write or (lambda line: print(line, flush=True))
+        self.started = self.last_time = time.perf_counter()
+        self.last_step = start
+        self.loss_sum, self.loss_count = 0.0, 0
+
+    def add(self, loss: float) -> None:
+        self.loss_sum, self.loss_count = self.loss_sum + loss, self.loss_count + 1
+
+    def maybe_write(self, step: int, validation: dict[str, Any] | None, metric: str, last: bool = False) -> None:
+        """A line if ``every_s`` has passed since the previous one, or if this is the ``last`` step of the run."""
+        now = time.perf_counter()
+        if not last and now - self.last_time < self.every_s:
+            return
+        rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
+        elapsed, done = now - self.started, step - self.start
+        left = ("done" if step >= self.total else "stopped early" if last
+                else f"about {duration(elapsed / done * (self.total - step))} left" if done else "")
+        loss = f"{self.loss_sum / self.loss_count:.4g}" if self.loss_count else "-"
+        line = (f"train step {step}/{self.total} ({100 * step / self.total:.0f}%): loss {loss}, {rate:.3g} steps/s "
+                f"({rate * self.examples_per_step:.3g} examples/s), elapsed {duration(elapsed)}, {left}")
+        if validation is not None and isinstance(validation.get(metric), (int, float)):
+            line += (f"; validation at step {validation['step']}: {metric} {validation[metric]:.4g}"
+                     f"{' (best so far)' if validation.get('best') else ''}")
+        self.write(line)
+        self.last_time, self.last_step = now, step
+        self.loss_sum, self.loss_count = 0.0, 0
+
+
 @dataclass
 class _Progress:
     """Loop position saved in checkpoints: with the RNG states it makes resume exact."""
@@ -248,6 +346,7 @@ class _Progress:
     best_step: int | None = None
     evals_without_improvement: int = 0
     train_time_s: float = 0.0
+    cpu_time_s: float = 0.0  # process CPU time (all threads) of training and validation
     stopped_early: bool = False
     window: list[float] = field(default_factory=lambda: [0.0, 0.0, 0])  # task loss, aux loss, steps since last log
     since_eval: list[float] = field(default_factory=lambda: [0.0, 0])  # task loss, steps since last validation
@@ -306,14 +405,29 @@ class Trainer:
         self._lengths = example_lengths(train_data) if train.group_by_length else None
         # Optimiser steps per epoch (a step straddles two epochs when grad_accum does not divide the batches).
         self.steps_per_epoch = max(1, math.ceil(len(self._epoch_batches(0)) / train.grad_accum))
+        self._announce = self.dist.is_main  # notes and warnings: once, from the main process
         if train.epochs is not None:
             max_steps = max(1, math.ceil(train.epochs * self.steps_per_epoch))
+            if train.min_steps is not None and max_steps < train.min_steps:
+                self._say(note, f"{train.epochs:g} epoch(s) of {self.steps_per_epoch} steps is {max_steps} steps; "
+                          f"training {train.min_steps} steps instead (train.min_steps)")
+                max_steps = train.min_steps
             train = dataclasses.replace(train, max_steps=max_steps, epochs=None)
-        if train.eval_every_epoch:
+        if train.evals is not None:
+            every = math.ceil(train.max_steps / train.evals)
+            train = dataclasses.replace(train, eval_every=every, eval_every_epoch=False, evals=None)
+        elif train.eval_every_epoch:
             train = dataclasses.replace(train, eval_every=self.steps_per_epoch)
+        if val_data is not None:
+            train = self._at_least_min_evals(train)
+        if optim.warmup_epochs is not None and optim.warmup_ratio is not None:
+            raise ValueError("set one of optim.warmup_epochs and optim.warmup_ratio, not both")
         if optim.warmup_epochs is not None:
             warmup = min(train.max_steps, math.ceil(optim.warmup_epochs * self.steps_per_epoch))
             optim = dataclasses.replace(optim, warmup_steps=warmup, warmup_epochs=None)
+        if optim.warmup_ratio is not None:
+            optim = dataclasses.replace(optim, warmup_steps=math.ceil(optim.warmup_ratio * train.max_steps),
+                                        warmup_ratio=None)
         self.settings = train
         self.optim_settings = optim
         self.collate_fn = collate_fn
@@ -334,7 +448,7 @@ class Trainer:
             )
         optimizer_class = torch.optim.AdamW if optim.optimizer == "adamw" else torch.optim.Adam
         self.optimizer = optimizer_class(
-            self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+            parameter_groups(self.model, optim), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
             weight_decay=optim.weight_decay,
         )
         self.scheduler = build_scheduler(self.optimizer, optim, train.max_steps, self.steps_per_epoch)
@@ -389,6 +503,30 @@ class Trainer:
             self._lock = None
 
     # ------------------------------------------------------------------ helpers
+    def _say(self, how: Callable[[str], None], text: str) -> None:
+        if self._announce:
+            how(text)
+
+    def _at_least_min_evals(self, train: TrainConfig) -> TrainConfig:
+        """``train`` with an interval that validates at least ``min_evals`` times in ``max_steps`` (or at every
+        step of a shorter run): the best point is then chosen among several, whatever the data's size."""
+        total, every = train.max_steps, train.eval_every
+        planned = total // every + (1 if total % every else 0)  # the last step always validates
+        wanted = min(train.min_evals, total)
+        if planned >= wanted:
+            return train
+        shorter = max(1, total // wanted)
+        was = (f"every epoch ({every} steps)" if train.eval_every_epoch else f"train.eval_every={every} steps")
+        count = total // shorter + (1 if total % shorter else 0)
+        instead = f"validating every {shorter} steps instead ({count} times; train.min_evals={train.min_evals})"
+        if every > total:
+            self._say(warn, f"the validation interval, {was}, is longer than this run ({total} steps, "
+                      f"{total / self.steps_per_epoch:.3g} epochs): it would validate only at the end; {instead}")
+        else:
+            self._say(note, f"validating {was} would validate {planned} times in this run of {total} steps; "
+                      f"{instead}")
+        return dataclasses.replace(train, eval_every=shorter, eval_every_epoch=False)
+
     def _autocast(self) -> Any:
         return _autocast(self.device, self.settings.precision)
 
@@ -636,13 +774,16 @@ class Trainer:
         self.model.train()
         stream = self._train_batches()
         bar = optional_import("tqdm.auto").tqdm(total=s.max_steps, initial=p.step, desc="train", disable=not self._show_progress())
+        lines = self._progress_lines()
         while p.step < s.max_steps and not p.stopped_early:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             loss_value, aux_value = self._optimizer_step(stream)
             p.step += 1
             p.window = [p.window[0] + loss_value, p.window[1] + aux_value, p.window[2] + 1]
             p.since_eval = [p.since_eval[0] + loss_value, p.since_eval[1] + 1]
             bar.update(1)
+            if lines is not None:
+                lines.add(loss_value)
             if p.step % s.log_every == 0 or p.step == s.max_steps:
                 record = {"split": "train", "step": p.step, "epoch": p.epoch, "loss": p.window[0] / p.window[2],
                           "aux_loss": p.window[1] / p.window[2], "lr": self.scheduler.get_last_lr()[0]}
@@ -654,12 +795,32 @@ class Trainer:
             if self.val_data is not None and (p.step % s.eval_every == 0 or p.step == s.max_steps):
                 self._validate()
                 evaluated = True
+            p.cpu_time_s += time.process_time() - cpu_started
             every = s.checkpoint_every
             if (evaluated and every is None) or (every is not None and p.step % every == 0) or p.step == s.max_steps:
                 self.save_checkpoint()
+            last = p.step == s.max_steps or p.stopped_early
+            if lines is not None and (p.step % s.log_every == 0 or last):
+                lines.maybe_write(p.step, p.history[-1] if p.history else None, self.select_metric, last)
             if self.on_step_end is not None:
                 self.on_step_end(self, p.step)
         bar.close()
+
+    def _progress_lines(self) -> ProgressLines | None:
+        """Off a terminal (stdout is a file or a pipe): progress lines on stdout, with a first line that says what
+        the run will do."""
+        s, p = self.settings, self.progress
+        if not (s.progress and self.dist.is_main) or sys.stdout.isatty() or p.step >= s.max_steps:
+            return None
+        examples = s.batch_size * s.grad_accum * self.dist.world_size
+        validation = (f"validation every {s.eval_every} steps" + (f", early stopping after {s.patience} without "
+                      "improvement" if s.patience else "") if self.val_data is not None else "no validation")
+        epochs = s.max_steps / self.steps_per_epoch
+        print(f"train: {s.max_steps} optimiser steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'} of "
+              f"{self.steps_per_epoch}), {examples} examples per step, {validation}"
+              + (f"; resuming at step {p.step}" if p.step else "")
+              + (f"; a progress line every {s.progress_every_s:g} s" if s.progress_every_s else ""), flush=True)
+        return ProgressLines(s.max_steps, p.step, examples, s.progress_every_s)
 
     def _optimizer_step(self, stream: Iterator[Any]) -> tuple[float, float]:
         """One optimiser step over ``grad_accum`` micro-batches; returns mean task and aux loss."""
@@ -719,7 +880,9 @@ class Trainer:
             self._on_main(lambda: save_atomic(weights, best), "checkpoints/best.pt")
         else:
             p.evals_without_improvement += 1
-            if s.patience is not None and p.evals_without_improvement >= s.patience:
+            # never before min_evals validations: a run stopped at its third validation has seen too little
+            if (s.patience is not None and p.evals_without_improvement >= s.patience
+                    and len(p.history) + 1 >= s.min_evals):
                 p.stopped_early = True
         if s.stop_at is not None and (value >= s.stop_at if self.select_mode == "max" else value <= s.stop_at):
             p.stopped_early = True  # the target is reached (Zoology stops MQAR runs at 99% validation accuracy)
@@ -758,14 +921,21 @@ class Trainer:
             "val": val_result,
             "test": test_result,
             "train_time_s": round(p.train_time_s, 3),
+            "cpu_time_s": round(p.cpu_time_s, 3),
             "peak_memory_mb": round(memory, 1),
             "peak_memory_kind": memory_kind,
             "device": str(self.device),
             "world_size": self.dist.world_size,
             "precision": self.settings.precision,
             "history": p.history,
+            # a run stopped at train.stop_at reached its target: converged, however its loss was moving
+            "convergence": convergence(p.history, self.select_metric,
+                                       target_reached=self.settings.stop_at is not None and p.stopped_early),
             "data_order": self.data_order(),
         }
+        if self.dist.is_main and results["convergence"] is not None and not results["convergence"]["converged"]:
+            warn(f"{self.out_dir}: {results['convergence']['text']}")
+
         def write() -> None:
             if self.write_results is not None:
                 self.write_results(results)

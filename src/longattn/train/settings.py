@@ -30,8 +30,12 @@ class OptimConfig:
     warmup_steps: int = option(0, ge=0, help="linear warmup steps (OneCycle: its rising phase)")
     warmup_epochs: float | None = option(None, ge=0, help="if set: warmup_steps = this many passes over the "
                                          "training data (Singularformer's 4 warm-up epochs)")
+    warmup_ratio: float | None = option(None, ge=0, le=1, help="if set: warmup_steps = this fraction of the run's "
+                                        "optimiser steps (transformers' warmup_ratio; 0.06 = RoBERTa's GLUE runs)")
     min_lr_ratio: float = option(0.0, ge=0, le=1, help="floor of the linear/cosine decay, as a fraction of lr")
     step_decay: float = option(0.5, gt=0, help="schedule step: lr * step_decay ** epoch (0.5 = FEDformer's type1)")
+    new_lr: float | None = option(None, gt=0, help="peak learning rate of the parameters the model marks as new "
+                                  "(its new_parameters(): e.g. a converted mechanism's); null: lr for all")
 
 
 @dataclass
@@ -42,11 +46,17 @@ class TrainConfig:
     eval_batch_size: int | None = option(None, ge=1, help="null: batch_size")
     max_steps: int = option(1000, ge=1, help="optimiser steps")
     epochs: float | None = option(None, ge=1, help="if set: max_steps = this many passes over the training data")
+    min_steps: int | None = option(None, ge=1, help="with epochs: at least this many optimiser steps (a small "
+                                   "training set still gets a real run); null: the epochs alone")
     grad_accum: int = option(1, ge=1)
     clip_norm: float | None = option(None, gt=0, help="gradient-norm clipping; null: none")
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", help="fp16 on CUDA only")
     eval_every: int = option(100, ge=1, help="optimiser steps between validations")
     eval_every_epoch: bool = option(False, help="validate after every epoch instead (eval_every is then ignored)")
+    evals: int | None = option(None, ge=1, help="if set: validate this many times, evenly spaced over the run, "
+                               "whatever its length (eval_every and eval_every_epoch are then ignored)")
+    min_evals: int = option(5, ge=1, help="validate at least this many times per run: an interval that leaves "
+                            "fewer is shortened (with a note; a warning when it exceeds the whole run)")
     drop_last: bool = option(False, help="drop each epoch's incomplete last training batch")
     group_by_length: bool = option(False, help="batch examples of similar length (less padding): each window of "
                                    "length_window shuffled batches is sorted by length, then the batches are "
@@ -55,11 +65,15 @@ class TrainConfig:
                                 "windows pad less, smaller ones keep each batch closer to a random sample")
     max_steps_per_epoch: int | None = option(None, ge=1, help="cap each epoch (quick runs); null: full epochs")
     checkpoint_every: int | None = option(None, ge=1, help="null: at every validation")
-    patience: int | None = option(None, ge=1, help="validations without improvement before stopping; null: never")
+    patience: int | None = option(None, ge=1, help="early stopping: validations without improvement of the "
+                                  "selection metric before stopping (never before min_evals validations); null: never")
     stop_at: float | None = option(None, help="stop once the validation selection metric reaches this value "
                                    "(at least it when higher is better, at most it otherwise); null: never")
     log_every: int = option(10, ge=1)
-    progress: bool = option(True, help="tqdm bar (only on a TTY)")
+    progress: bool = option(True, help="a tqdm bar on a terminal; off a terminal (nohup, a batch job, CI) a "
+                            "line on stdout every progress_every_s seconds")
+    progress_every_s: float = option(60.0, ge=0, help="off a terminal: seconds between progress lines (0: one at "
+                                     "every log_every steps)")
     device: str = option("auto", help="auto, cpu, cuda, cuda:1, ...")
     num_workers: int = option(0, ge=0)
     find_unused_parameters: bool = option(False, help="DDP: for models whose forward skips some parameters")

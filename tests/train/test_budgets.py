@@ -1,0 +1,178 @@
+"""Budgets that hold on any data: epochs with a step floor, at least min_evals validations (an interval longer
+than the run is corrected with a warning), a subset larger than its split warns, warm-up as a fraction of the
+run, a learning rate of their own for new parameters, the convergence flag, and progress lines off a terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from longattn.cli import main
+from longattn.experiment.config import resolve_config
+from longattn.experiment.grid import Cell, write_sweep_table
+from longattn.experiment.run import run
+from longattn.tasks.base import get_task
+from longattn.train.loop import StepOutput, Trainer, convergence, parameter_groups
+from longattn.train.settings import OptimConfig, TrainConfig
+
+
+@pytest.fixture(autouse=True)
+def _stub(lra_stub_data):
+    """LRA runs below use the in-memory stand-in for the LRA data."""
+
+
+def tiny(*overrides: str):
+    base = ["train.batch_size=8", "data.options.num_examples=40", "optim.lr=3e-3", "optim.warmup_steps=0",
+            "model.dim=16", "model.hidden=32", "train.progress=false"]
+    return resolve_config("listops", attention="softmax", overrides=[*base, *overrides])
+
+
+def validated_steps(results) -> list[int]:
+    return [record["step"] for record in results["history"]]
+
+
+def test_an_interval_longer_than_the_run_is_corrected_with_a_warning(tmp_path, capsys):
+    results = run(tiny("train.max_steps=10", "train.eval_every=250"), tmp_path)
+    err = capsys.readouterr().err
+    assert "warning: the validation interval, train.eval_every=250 steps, is longer than this run (10 steps" in err
+    assert "validating every 2 steps instead (5 times; train.min_evals=5)" in err
+    assert validated_steps(results) == [2, 4, 6, 8, 10]
+
+
+def test_too_few_validations_are_made_at_least_min_evals_with_a_note(tmp_path, capsys):
+    # 40 examples / batch 8 = 5 steps per epoch; 2 epochs validated per epoch would be 2 validations
+    results = run(tiny("train.epochs=2", "train.eval_every_epoch=true", "train.min_evals=4"), tmp_path)
+    err = capsys.readouterr().err
+    assert "note: validating every epoch (5 steps) would validate 2 times in this run of 10 steps" in err
+    assert "warning" not in err and validated_steps(results) == [2, 4, 6, 8, 10]
+
+
+def test_epochs_with_a_step_floor_and_evals_spread_over_the_run(tmp_path, capsys):
+    results = run(tiny("train.epochs=1", "train.min_steps=18", "train.evals=6"), tmp_path)
+    assert "1 epoch(s) of 5 steps is 5 steps; training 18 steps instead (train.min_steps)" in capsys.readouterr().err
+    assert results["steps"] == 18 and validated_steps(results) == [3, 6, 9, 12, 15, 18]
+
+
+def test_early_stopping_waits_for_min_evals_validations(tmp_path):
+    # nothing changes (lr 1e-12): patience 2 alone would stop at the third validation (step 6)
+    results = run(tiny("train.max_steps=40", "train.eval_every=2", "train.patience=2", "optim.lr=1e-12",
+                       "optim.schedule=constant"), tmp_path)
+    assert results["stopped_early"] and validated_steps(results) == [2, 4, 6, 8, 10]
+    assert results["convergence"]["converged"]  # it stopped after its best point
+
+
+def test_a_subset_larger_than_its_split_warns_with_both_numbers(capsys):
+    config = tiny("data.subset.train=100", "data.subset.val=10")
+    data = get_task("listops").build_data(config)
+    err = capsys.readouterr().err
+    assert "warning: data.subset.train=100 is larger than the train split of listops (40 examples); using all 40" in err
+    assert "subset.val" not in err  # a subset smaller than its split is what was asked for
+    assert (len(data.train), len(data.val)) == (40, 10)
+
+
+class Line(nn.Module):
+    """y = w x + b, with ``b`` marked as a new parameter (as a converted mechanism's are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(()))
+        self.b = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return self.w * x + self.b
+
+    def new_parameters(self):
+        return [self.b]
+
+
+def line_step(model, batch):
+    prediction = model(batch[:, 0])
+    return StepOutput(nn.functional.mse_loss(prediction, batch[:, 1]), prediction.detach(), batch[:, 1])
+
+
+def line_data(count: int = 32) -> list[torch.Tensor]:
+    x = torch.linspace(-1, 1, count)
+    return list(torch.stack([x, 2 * x + 1], dim=1))
+
+
+def line_trainer(tmp_path, **train) -> Trainer:
+    settings = {"batch_size": 8, "max_steps": 12, "eval_every": 3, "progress": False, **train}
+    mae = lambda p, t: float((p - t).abs().mean())  # noqa: E731
+    return Trainer(Line(), line_data(), line_data(8), None, torch.stack, line_step, {"mae": mae},
+                   train=TrainConfig(**settings), optim=OptimConfig(lr=0.01, new_lr=0.05, schedule="constant"),
+                   out_dir=tmp_path, select_metric="mae", select_mode="min")
+
+
+def test_new_parameters_get_their_own_learning_rate_and_warmup_is_a_fraction_of_the_run(tmp_path):
+    trainer = line_trainer(tmp_path)
+    assert [group["lr"] for group in trainer.optimizer.param_groups] == [0.01, 0.05]
+    assert trainer.optimizer.param_groups[1]["params"] == [trainer.model.b]
+    trainer.release()
+    with pytest.raises(ValueError, match="marks no new parameters"):
+        parameter_groups(nn.Linear(2, 2), OptimConfig(new_lr=1e-3))
+    assert len(parameter_groups(nn.Linear(2, 2), OptimConfig())) == 1
+    ratio = Trainer(Line(), line_data(), None, None, torch.stack, line_step, {}, train=TrainConfig(max_steps=50),
+                    optim=OptimConfig(warmup_ratio=0.06), out_dir=tmp_path / "w", select_metric="loss",
+                    select_mode="min")
+    assert ratio.optim_settings.warmup_steps == 3  # ceil(0.06 * 50), as transformers' warmup_ratio
+    ratio.release()
+
+
+def record(step, loss, value, best):
+    return {"split": "val", "step": step, "loss": loss, "mae": value, "best": best}
+
+
+def test_convergence_is_judged_from_the_last_two_validations():
+    still_improving = [record(3, 1.0, 0.9, True), record(6, 0.8, 0.7, True)]
+    flag = convergence(still_improving, "mae")
+    assert not flag["converged"] and flag["val_losses"] == [1.0, 0.8] and flag["metric_values"] == [0.9, 0.7]
+    assert flag["text"].startswith("not converged: the best mae is at the last validation (step 6: 0.7; step 3: 0.9)")
+    assert "validation loss is still falling (1 -> 0.8)" in flag["text"]
+    assert convergence([record(3, 1.0, 0.9, True), record(6, 1.1, 0.7, True)], "mae")["converged"]  # loss rising
+    assert convergence([record(3, 1.0, 0.7, True), record(6, 0.9, 0.8, False)], "mae")["converged"]  # best earlier
+    assert not convergence([record(3, 1.0, 0.7, True)], "mae")["converged"]  # once: nothing shows it had stopped
+    reached = convergence(still_improving, "mae", target_reached=True)  # stopped at train.stop_at: its target
+    assert reached["converged"] and reached["target_reached"] and "text" not in reached
+    assert convergence([], "mae") is None
+
+
+def test_an_unconverged_run_says_so_in_results_summary_and_tables(tmp_path, capsys):
+    # a line fitted with a small learning rate improves at every validation: stopped while still improving
+    results = line_trainer(tmp_path, min_evals=1).fit()
+    assert not results["convergence"]["converged"] and results["convergence"]["validations"] == 4
+    assert "not converged: the best mae is at the last validation (step 12" in capsys.readouterr().err
+    summary = get_task("listops").summary(results)
+    assert summary["converged"] is False and summary["convergence"].startswith("not converged")
+    cells = [Cell("line", "listops", "listops", results=[{**results, "seed": 0, "test": {"accuracy": 0.5}},
+                                                           {**results, "seed": 1, "test": {"accuracy": 0.6},
+                                                            "convergence": None,
+                                                            "history": results["history"][:2] + [
+                                                                {**results["history"][2], "best": False}]}])]
+    assert cells[0].not_converged() == [0]  # seed 1: recomputed from a history whose best is not the last
+    table = write_sweep_table({"title": "t"}, cells, tmp_path / "table", [0, 1])
+    text = (tmp_path / "table" / "table.md").read_text()
+    assert "(1/2 not converged)" in text and "k of the cell's n runs" in text
+    assert table["cells"][0]["not_converged"] == [0]
+
+
+def test_train_with_stdout_in_a_file_prints_progress_lines(tmp_path, capsys):
+    log = tmp_path / "stdout.txt"
+    args = ["train", "--task", "listops", "--attention", "softmax", "--out", str(tmp_path / "run"),
+            *(a for s in ("train.max_steps=20", "train.eval_every=4", "train.batch_size=8", "train.log_every=5",
+                          "train.progress_every_s=0", "data.options.num_examples=40", "model.dim=16",
+                          "model.hidden=32") for a in ("--set", s))]
+    with open(log, "w") as handle, contextlib.redirect_stdout(handle):
+        assert not handle.isatty()
+        assert main(args) == 0
+    text = log.read_text()
+    assert text.startswith("train: 20 optimiser steps (4 epochs of 5), 8 examples per step, validation every 4 steps")
+    lines = re.findall(r"^train step (\d+)/20 \(\d+%\): loss [\d.]+, [\d.e+-]+ steps/s \([\d.e+-]+ examples/s\), "
+                       r"elapsed \d+ s, (?:about .+ left|done); validation at step \d+: accuracy [\d.]+", text, re.M)
+    assert lines == ["5", "10", "15", "20"]
+    assert '"converged"' in text  # the printed summary says whether the run converged
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["convergence"] is not None
