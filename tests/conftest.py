@@ -11,6 +11,19 @@ if not torch.cuda.is_available():
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: the reliability table counts every marked item
+def pytest_collection_modifyitems(config, items):
+    from reliability import item_marks
+
+    config.reliability_marks = [mark for item in items for mark in item_marks(item)]
+    config.reliability_files = {str(item.path) for item in items}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bad_input(family, outcome, cases=1): a reliability case "
+                            "(tests/reliability.py), counted in docs/reliability.md by tests/reliability_counts.py")
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_seed():
     torch.manual_seed(0)

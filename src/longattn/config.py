@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 from longattn.registry import nearest
-from longattn.utils import optional_import
+from longattn.utils import optional_import, write_text_atomic
 
 __all__ = [
     "ConfigError",
@@ -75,12 +75,39 @@ def option(default: Any = dataclasses.MISSING, *, gt: float | None = None, ge: f
 # ----------------------------------------------------------------------------- text -> values
 
 
+def _loader() -> Any:
+    """yaml's SafeLoader, except that a mapping naming a key twice is an error (SafeLoader keeps the last value
+    without a word: ``optim: {lr: 1e-3}`` written twice would silently train with the second)."""
+    yaml = optional_import("yaml")  # the experiments extra; the library itself needs only torch and numpy
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            self.flatten_mapping(node)
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice in one mapping (first on line {seen[key].line + 1})",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark
+            return super().construct_mapping(node, deep)
+
+    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                                    lambda loader, node: loader.construct_mapping(node))
+    return UniqueKeyLoader
+
+
+def _load_yaml(text: str) -> Any:
+    return optional_import("yaml").load(text, Loader=_loader())
+
+
 def parse_value(text: str) -> Any:
     """A ``--set`` value: YAML (``3``, ``true``, ``[1, 2]``, ``{a: 1}``, ``null``), ``1e-4`` read as a number."""
     yaml = optional_import("yaml")  # the experiments extra; the library itself needs only torch and numpy
 
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = _load_yaml(text) if text.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"cannot read value {text!r}: {_yaml_problem(err)}") from None
     return _fix_floats(value)
@@ -134,7 +161,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist" if not path.exists() else f"{path} is not a file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _load_yaml(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(err)}") from None
     except UnicodeDecodeError:
@@ -147,7 +174,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def write_yaml(tree: dict[str, Any], path: str | Path) -> None:
     yaml = optional_import("yaml")
 
-    Path(path).write_text(yaml.safe_dump(tree, sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(tree, sort_keys=False))  # never half a config (a kill, a full disk)
 
 
 # ----------------------------------------------------------------------------- trees

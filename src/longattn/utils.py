@@ -1,11 +1,14 @@
-"""Small shared helpers: seeding, RNG state capture for exact resume, strict JSON, optional imports."""
+"""Small shared helpers: seeding, RNG state capture for exact resume, strict JSON, atomic text files, optional imports."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import math
+import os
 import random
+import tempfile
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -73,3 +76,20 @@ def strict_json(obj: Any) -> Any:
 def dumps_strict(obj: Any, **kwargs: Any) -> str:
     """``json.dumps`` writing standard JSON: non-finite floats become null (see :func:`strict_json`)."""
     return json.dumps(strict_json(obj), allow_nan=False, **kwargs)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and one rename: a reader (or a
+    resume after a kill or a full disk) sees the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

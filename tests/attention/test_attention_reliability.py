@@ -11,6 +11,8 @@ import torch
 
 from longattn import attention
 from longattn.attention import AttentionError, check_finite
+from reliability import (ATTENTION_AUTOCAST, ATTENTION_DTYPE, ATTENTION_EMPTY, ATTENTION_FINITE, ATTENTION_FUNCTIONAL,
+                         ATTENTION_PADDING, CLEAR_ERROR, CORRECT_RESULT, bad_input)
 
 NAMES = attention.available()
 FUNCTIONAL_NAMES = [n for n in NAMES if attention.get_spec(n).functional is not None]
@@ -49,6 +51,7 @@ def forward_backward(layer, x, mask):
     return out.detach(), x.grad, grads
 
 
+@bad_input(ATTENTION_PADDING, CORRECT_RESULT)
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("poison", POISONS, ids=["nan", "inf", "1e30"])
 def test_module_padded_values_never_reach_real_outputs_or_gradients(name, poison):
@@ -118,6 +121,7 @@ def functional_arguments(name):
     return [detach(a) for a in args], {k: detach(v) for k, v in options.items()}, mask
 
 
+@bad_input(ATTENTION_FUNCTIONAL, CORRECT_RESULT)
 @pytest.mark.parametrize("name", FUNCTIONAL_NAMES)
 @pytest.mark.parametrize("poison", POISONS, ids=["nan", "inf", "1e30"])
 def test_functional_padded_values_never_reach_real_outputs_or_gradients(name, poison):
@@ -149,6 +153,7 @@ def test_functional_padded_values_never_reach_real_outputs_or_gradients(name, po
         assert torch.all(grad[~keep.expand_as(grad)] == 0)
 
 
+@bad_input(ATTENTION_FUNCTIONAL, CORRECT_RESULT)
 def test_functional_leaves_queries_of_another_length_alone():
     """The key mask applies to queries only in self-attention (queries of the keys' length)."""
     q = torch.randn(2, 2, 5, 8, dtype=torch.float64)
@@ -161,7 +166,15 @@ def test_functional_leaves_queries_of_another_length_alone():
     torch.testing.assert_close(out, attention.get_spec("softmax").reference(q, k, v, mask))
 
 
-@pytest.mark.parametrize("name", NAMES)
+def _dtype_case(name):
+    """A mechanism with parameters refuses bf16 and float64 input (2 errors); one without takes any (1 result)."""
+    has_parameters = any(p.is_floating_point() for p in attention.build(name, dim=DIM, heads=HEADS, max_len=64)
+                         .parameters())
+    mark = bad_input(ATTENTION_DTYPE, CLEAR_ERROR, 2) if has_parameters else bad_input(ATTENTION_DTYPE, CORRECT_RESULT)
+    return pytest.param(name, marks=mark)
+
+
+@pytest.mark.parametrize("name", [_dtype_case(name) for name in NAMES])
 def test_input_dtype_differing_from_the_layer_is_a_clear_error(name):
     layer = attention.build(name, dim=DIM, heads=HEADS, max_len=64)
     x = torch.randn(2, 64, DIM, dtype=torch.bfloat16)
@@ -174,6 +187,7 @@ def test_input_dtype_differing_from_the_layer_is_a_clear_error(name):
         layer(x.double())
 
 
+@bad_input(ATTENTION_AUTOCAST, CORRECT_RESULT, cases=2)
 @pytest.mark.parametrize("name", NAMES)
 def test_autocast_keeps_working_with_any_input_dtype(name):
     layer = attention.build(name, dim=DIM, heads=HEADS, max_len=64)
@@ -188,6 +202,7 @@ def test_autocast_keeps_working_with_any_input_dtype(name):
         assert torch.isfinite(x.grad).all()
 
 
+@bad_input(ATTENTION_EMPTY, CORRECT_RESULT)
 @pytest.mark.parametrize("name", NAMES)
 def test_empty_batch_gives_an_empty_result(name):
     layer = attention.build(name, dim=DIM, heads=HEADS, max_len=64)
@@ -198,6 +213,8 @@ def test_empty_batch_gives_an_empty_result(name):
     assert x.grad.shape == x.shape
 
 
+@bad_input(ATTENTION_FINITE, CORRECT_RESULT)  # NaN at a padded position: the same result
+@bad_input(ATTENTION_FINITE, CLEAR_ERROR, cases=2)  # inf at a real position, with a mask and without
 @pytest.mark.parametrize("name", NAMES)
 def test_check_finite_mode_raises_on_real_positions_only(name):
     layer = make(name)
@@ -218,6 +235,8 @@ def test_check_finite_mode_raises_on_real_positions_only(name):
         layer(x)
 
 
+@bad_input(ATTENTION_FINITE, CORRECT_RESULT)
+@bad_input(ATTENTION_FINITE, CLEAR_ERROR)
 def test_check_finite_mode_covers_the_functional_form():
     q = torch.randn(1, 2, 10, 8)
     mask = torch.ones(1, 10, dtype=torch.bool)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from longattn.data import DatasetError, build_dataset
+from reliability import ARCHIVES, CLEAR_ERROR, CORRECT_RESULT, bad_input
 from longattn.data import download as dl
 from longattn.data import image
 
@@ -47,8 +48,13 @@ def _damaged(path, how: str, where: float):
     return path
 
 
-@pytest.mark.parametrize("mode", ["w:gz", "w"], ids=["tar.gz", "tar"])
-@pytest.mark.parametrize("how", ["overwrite", "truncate"])
+def _damage_case(mode: str, how: str):
+    # bytes changed inside a member of an uncompressed tar read back as changed text: the documented result
+    outcome = CORRECT_RESULT if (mode, how) == ("w", "overwrite") else CLEAR_ERROR
+    return pytest.param(mode, how, id=f"{'tar' if mode == 'w' else 'tar.gz'}-{how}", marks=bad_input(ARCHIVES, outcome))
+
+
+@pytest.mark.parametrize("mode, how", [_damage_case(m, h) for m in ("w:gz", "w") for h in ("overwrite", "truncate")])
 @pytest.mark.parametrize("where", [0.1, 0.5, 0.9])
 def test_damaged_imdb_archive_is_an_error_naming_the_file(tmp_path, mode, how, where):
     archive = _tar(tmp_path / "aclImdb_copy.tar.gz", _reviews(20), mode)
@@ -69,6 +75,7 @@ def test_damaged_imdb_archive_is_an_error_naming_the_file(tmp_path, mode, how, w
             build_dataset("text", subset, data_dir=str(tmp_path), check_counts=False)
 
 
+@bad_input(ARCHIVES, CLEAR_ERROR)
 def test_archive_cut_after_its_last_member_is_truncated(tmp_path):
     archive = _tar(tmp_path / "aclImdb_copy.tar", _reviews(20), "w")
     archive.write_bytes(archive.read_bytes().rstrip(b"\0"))  # no end-of-archive blocks
@@ -76,6 +83,7 @@ def test_archive_cut_after_its_last_member_is_truncated(tmp_path):
         build_dataset("text", "test", data_dir=str(archive), check_counts=False)
 
 
+@bad_input(ARCHIVES, CLEAR_ERROR)
 def test_corrupted_header_in_the_middle_is_not_read_as_the_end(tmp_path):
     files = _reviews(20)
     archive = _tar(tmp_path / "aclImdb_copy.tar", files, "w")
@@ -87,6 +95,8 @@ def test_corrupted_header_in_the_middle_is_not_read_as_the_end(tmp_path):
         build_dataset("text", "test", data_dir=str(archive), check_counts=False)
 
 
+@bad_input(ARCHIVES, CLEAR_ERROR, cases=2)
+@bad_input(ARCHIVES, CORRECT_RESULT)  # a deliberate subset, check_counts=False
 def test_imdb_counts_are_checked_against_the_official_counts(tmp_path):
     _tar(tmp_path / "aclImdb_copy.tar.gz", _reviews(3))
     with pytest.raises(DatasetError, match=r"'train' has 6 examples .*25,000.*check_counts=False"):
@@ -100,12 +110,14 @@ def test_imdb_counts_are_checked_against_the_official_counts(tmp_path):
     assert len(build_dataset("text", "test", data_dir=str(folder), check_counts=False)) == 6
 
 
+@bad_input(ARCHIVES, CLEAR_ERROR)
 def test_official_imdb_archive_name_is_checked_against_its_checksum(tmp_path):
     _tar(tmp_path / "aclImdb_v1.tar.gz", _reviews(3))
     with pytest.raises(DatasetError, match="SHA256 .* does not match .*not the official aclImdb_v1.tar.gz"):
         build_dataset("text", "train", data_dir=str(tmp_path), check_counts=False)
 
 
+@bad_input(ARCHIVES, CLEAR_ERROR)
 def test_damaged_image_folder_archive_is_an_error(tmp_path):
     from PIL import Image
 
@@ -121,6 +133,7 @@ def test_damaged_image_folder_archive_is_an_error(tmp_path):
     assert archive.exists()
 
 
+@bad_input(ARCHIVES, CLEAR_ERROR)
 def test_damaged_download_is_not_extracted(tmp_path):
     archive = _damaged(_tar(tmp_path / "data.tar.gz", _reviews(5)), "overwrite", 0.9)
     with pytest.raises(dl.DownloadError, match="data.tar.gz: cannot extract"):
@@ -157,6 +170,7 @@ def _cifar_folder(tmp_path):
     return folder
 
 
+@bad_input(ARCHIVES, CLEAR_ERROR)
 @pytest.mark.parametrize("payload", ["system", "eval", "object_array"])
 def test_crafted_cifar_batch_does_not_execute(tmp_path, payload):
     folder = _cifar_folder(tmp_path)
@@ -187,6 +201,7 @@ def test_genuine_batches_of_every_pickle_protocol_load(tmp_path, protocol):
     assert len(ds) == image.BATCH_ROWS and ds[3]["label"] == labels[3]
 
 
+@bad_input(ARCHIVES, CLEAR_ERROR, cases=2)
 def test_cifar_batch_counts_and_truncation(tmp_path):
     folder = _cifar_folder(tmp_path)
     data = np.zeros((7, 3072), np.uint8)
@@ -198,3 +213,122 @@ def test_cifar_batch_counts_and_truncation(tmp_path):
     (folder / "test_batch").write_bytes(payload[: len(payload) // 2])
     with pytest.raises(DatasetError, match="test_batch: not a CIFAR-10 python batch"):
         build_dataset("image", "test", data_dir=str(tmp_path), check_counts=False)
+
+
+# ----------------------------------------------------------------------------- dangling links in class folders
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from reliability import CLEAR_ERROR, FOLDERS, cases  # noqa: E402
+
+from longattn.data import textcls  # noqa: E402
+
+TEXTCLS = Path(__file__).parent / "fixtures" / "textcls"
+
+
+def _copy_textcls(name: str, folder: str = ""):
+    def prepare(root: Path) -> Path:
+        shutil.copytree(TEXTCLS / name, root / name)
+        return root / name / folder
+
+    return prepare
+
+
+def _imdb_folder(root: Path) -> Path:
+    for name in ("train/pos/0_9.txt", "train/neg/0_2.txt", "test/pos/0_8.txt", "test/neg/0_1.txt"):
+        (root / "aclImdb" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "aclImdb" / name).write_text("a fine film", encoding="utf-8")
+    return root / "aclImdb" / "train" / "pos"
+
+
+def _image_folder(root: Path) -> Path:
+    from test_image import _png
+
+    for cls in ("cat", "airplane"):
+        (root / "train" / cls).mkdir(parents=True)
+        (root / "train" / cls / "0000.png").write_bytes(_png((0, 0, 0)))
+    return root / "train" / "cat"
+
+
+DANGLING = {
+    # (prepare a copy of the data: returns the folder that gets the dangling link, the link's name, read it)
+    "BBC document": (_copy_textcls("bbc", "business"), "999.txt", lambda root: textcls.read_bbc(root, "train")),
+    "BBC class folder": (_copy_textcls("bbc"), "weather", lambda root: textcls.read_bbc(root, "train")),
+    "20 Newsgroups document": (_copy_textcls("20news-bydate-train", "comp.graphics"), "61000",
+                               lambda root: textcls.read_20news(root, "train")),
+    "IMDb review": (_imdb_folder, "1_10.txt", lambda root: textcls.build_textcls("imdb", "train", root)),
+    "image file": (_image_folder, "0001.png",
+                   lambda root: build_dataset("image", "train", data_dir=str(root), check_counts=False)),
+}
+
+
+@pytest.mark.parametrize("prepare, name, read", cases(FOLDERS, CLEAR_ERROR, DANGLING))
+def test_dangling_link_in_a_class_folder_is_an_error_naming_it(tmp_path, prepare, name, read):
+    link = prepare(tmp_path) / name
+    read(tmp_path)  # the copy reads as it is
+    link.symlink_to(tmp_path / "moved-away" / name)
+    with pytest.raises(DatasetError, match=rf"{link}: a symbolic link to .*moved-away/{name}, which does not exist"):
+        read(tmp_path)
+
+
+# ----------------------------------------------------------------------------- the other readers of users' files
+
+from reliability import CORRECT_RESULT as _CORRECT, OTHER_READERS  # noqa: E402
+
+from longattn.data import listops  # noqa: E402
+
+MIMIC = TEXTCLS / "mimic3"
+
+
+def _mimic(tmp_path, text: str) -> Path:
+    folder = tmp_path / "mimic3"
+    shutil.copytree(MIMIC, folder)
+    (folder / "test_50.csv").write_text(text, encoding="utf-8")
+    return folder
+
+
+OTHER_FILES = {
+    # (write the file into tmp_path, read it, the error)
+    "MIMIC row of two lines after a note of three": (
+        lambda tmp: _mimic(tmp, 'SUBJECT_ID,HADM_ID,TEXT,LABELS,length\n1,2,"a note\nover three\nlines",401.9,5\n'
+                                '3,4,"a short\nrow"\n'),
+        lambda folder: textcls.build_textcls("mimic3_50", "test", folder),
+        r"mimic3/test_50.csv:5: expected 5 columns, found 3"),
+    "MIMIC header with a column twice": (
+        lambda tmp: _mimic(tmp, "SUBJECT_ID,HADM_ID,TEXT,TEXT,LABELS\n1,2,a,b,401.9\n"),
+        lambda folder: textcls.build_textcls("mimic3_50", "test", folder),
+        r"mimic3/test_50.csv:1: the header names column\(s\) \['TEXT'\] more than once"),
+    "MIMIC file not UTF-8": (
+        lambda tmp: (_mimic(tmp, "SUBJECT_ID,HADM_ID,TEXT,LABELS\n"), (tmp / "mimic3" / "test_50.csv").open("ab").write(
+            b'1,2,"caf\xe9",401.9\n'), tmp / "mimic3")[-1],
+        lambda folder: textcls.build_textcls("mimic3_50", "test", folder),
+        r"mimic3/test_50.csv:2: not UTF-8"),
+    "ListOps token after blank lines": (
+        lambda tmp: (tmp / "basic_val.tsv").write_text("Source\tTarget\n( [MAX 2 3 ] )\t3\n\n\n( [MAX 2 x ] )\t3\n")
+        and tmp,
+        lambda folder: listops.load_listops(folder, "val"),
+        r"basic_val.tsv:5: unknown ListOps token 'x'"),
+    "ListOps file not UTF-8": (
+        lambda tmp: (tmp / "basic_val.tsv").write_bytes(b"Source\tTarget\n( [MAX 2 \xff ] )\t3\n") and tmp,
+        lambda folder: listops.load_listops(folder, "val"),
+        r"basic_val.tsv:2: not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("write, read, message", cases(OTHER_READERS, CLEAR_ERROR, OTHER_FILES))
+def test_other_readers_name_the_file_and_the_line_where_the_row_starts(tmp_path, write, read, message):
+    folder = write(tmp_path)
+    with pytest.raises(DatasetError, match=message):
+        read(folder)
+
+
+@bad_input(OTHER_READERS, _CORRECT)
+def test_a_damaged_dataset_cache_is_built_again(tmp_path, capsys):
+    options = {"num_examples": 8, "seed": 0, "max_length": 60, "min_length": 10}
+    first = build_dataset("listops", "train", cache_dir=tmp_path, **options)
+    (cache,) = tmp_path.glob("*.pkl")
+    cache.write_bytes(cache.read_bytes()[:50])  # cut by a full disk or damaged since
+    again = build_dataset("listops", "train", cache_dir=tmp_path, **options)
+    assert f"warning: {cache} is damaged" in capsys.readouterr().err
+    assert [again[i]["tokens"].tolist() for i in range(8)] == [first[i]["tokens"].tolist() for i in range(8)]

@@ -237,3 +237,35 @@ def test_real_mrpc_rebuilt_from_sources(shared_data, tmp_path, tokenizer):
     ds = glue.build_glue("mrpc", "dev", shared_data / "glue", tokenizer=tokenizer)
     lengths = ds.input_ids.lengths()
     assert lengths.max() <= glue.MAX_LENGTH and int(ds.labels.sum()) == 279  # 68% paraphrases in dev
+
+
+from reliability import CLEAR_ERROR, GLUE, cases  # noqa: E402
+
+BAD_GLUE = {
+    # (task folder, file, its text, task, split, message)
+    "dev without its label column": ("RTE", "dev.tsv", "index\tsentence1\tsentence2\n0\ta\tb\n", "rte", "dev",
+                                     r"RTE/dev.tsv:1: header has no column 'label' .*a dev file needs its labels"),
+    "train without its label column": ("SST-2", "train.tsv", "sentence\nit is good\n", "sst2", "train",
+                                       r"SST-2/train.tsv:1: header has no column 'label'"),
+    "STS-B score above 5": ("STS-B", "dev.tsv", "index\tsentence1\tsentence2\tscore\n0\ta\tb\t5.2\n", "stsb", "dev",
+                            r"STS-B/dev.tsv:2: score '5.2' lies outside 0..5"),
+    "STS-B score below 0": ("STS-B", "train.tsv", "index\tsentence1\tsentence2\tscore\n0\ta\tb\t1\n1\tc\td\t-0.5\n",
+                            "stsb", "train", r"STS-B/train.tsv:3: score '-0.5' lies outside 0..5"),
+    "STS-B score inf": ("STS-B", "dev.tsv", "index\tsentence1\tsentence2\tscore\n0\ta\tb\tinf\n", "stsb", "dev",
+                        r"STS-B/dev.tsv:2: score 'inf' lies outside"),
+    "STS-B score nan": ("STS-B", "dev.tsv", "index\tsentence1\tsentence2\tscore\n0\ta\tb\tnan\n", "stsb", "dev",
+                        r"STS-B/dev.tsv:2: score 'nan' lies outside"),
+    "duplicated header column": ("QNLI", "dev.tsv", "index\tquestion\tsentence\tlabel\tlabel\n0\ta\tb\tentailment\t"
+                                 "not_entailment\n", "qnli", "dev", r"QNLI/dev.tsv:1: header names column\(s\) 'label' "
+                                 "more than once"),
+    "duplicated text column": ("MRPC", "test.tsv", "index\t#1 ID\t#2 ID\t#1 String\t#1 String\n0\t1\t2\ta\tb\n",
+                               "mrpc", "test", r"MRPC/test.tsv:1: header names column\(s\) '#1 String' more than once"),
+}
+
+
+@pytest.mark.parametrize("folder, name, text, task, split, message", cases(GLUE, CLEAR_ERROR, BAD_GLUE))
+def test_bad_glue_files_fail_at_load_time_naming_file_line_and_column(tmp_path, folder, name, text, task, split,
+                                                                      message):
+    (_copy_task(tmp_path, folder) / name).write_text(text, encoding="utf-8")
+    with pytest.raises(DatasetError, match=message):
+        glue.read_glue(task, split, tmp_path)

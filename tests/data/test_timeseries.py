@@ -267,3 +267,44 @@ def test_download_knows_every_table_dataset_and_checks_the_shape(local_server, t
     with pytest.raises(ts.TimeSeriesDataError, match="no 'date' column"):
         ts.download_series("traffic", tmp_path / "html")
     assert not (tmp_path / "html" / "traffic.csv").exists()
+
+
+# ----------------------------------------------------------------------------- order, gaps and line numbers
+
+from reliability import CLEAR_ERROR, CORRECT_RESULT, TIME_SERIES, bad_input, cases  # noqa: E402
+
+ORDER_AND_GAPS = {
+    # the reproduction: dates out of order, a repeated date, a row of empty cells
+    "out of order": (b"date,OT\n2020-01-01 02:00,1\n2020-01-01 00:00,2\n2020-01-01 00:00,3\n,\n2020-01-01 03:00,4\n",
+                     r"line 3: date '2020-01-01 00:00' goes back in time from the date on line 2"),
+    "repeated date": (b"date,OT\n2020-01-01 00:00,1\n2020-01-01 01:00,2\n2020-01-01 01:00,3\n",
+                      r"line 4: date '2020-01-01 01:00' repeats the date on line 3"),
+    "row of empty cells": (b"date,a,OT\n2020-01-01,1,2\n,,\n2020-01-03,1,2\n", r"line 3: a row of empty cells inside"),
+    "blank line": (b"date,a,OT\n2020-01-01,1,2\n\n2020-01-03,1,2\n", r"line 3: a blank line inside the table"),
+    "blank line (CRLF)": (b"date,a,OT\r\n2020-01-01,1,2\r\n\r\n2020-01-03,1,2\r\n", r"line 3: a blank line"),
+    "spaces only": (b"date,a,OT\n2020-01-01,1,2\n  ,  , \n2020-01-03,1,2\n", r"line 3: a row of empty cells"),
+    "blank line before the header": (b"\ndate,a,OT\n2020-01-01,1,2\n", r"line 1: blank line before the header"),
+    "duplicate column": (b"date,a,a,OT\n2020-01-01,1,2,3\n", r"line 1: duplicate column name\(s\) \['a'\]"),
+    # a quoted cell over two lines: the error after it names the line of the file, not the row's index
+    "line after a two-line cell": (b'date,a,OT\n2020-01-01,"1\n",2\n2020-01-02,x,3\n',
+                                   r"line 4, column 'a': not a number: 'x'"),
+    "unterminated quote": (b'date,a,OT\n2020-01-01,"1,2\n', r"line \d+: malformed CSV|fields"),
+}
+
+
+@pytest.mark.parametrize("content, message", cases(TIME_SERIES, CLEAR_ERROR, ORDER_AND_GAPS))
+def test_order_gaps_and_line_numbers_are_clear_errors(tmp_path, content, message):
+    path = tmp_path / "series.csv"
+    path.write_bytes(content)
+    with pytest.raises(ts.TimeSeriesDataError, match=rf"{path}.* {message}"):
+        ts.read_series_csv(path)
+
+
+@bad_input(TIME_SERIES, CORRECT_RESULT, cases=2)
+def test_blank_lines_after_the_last_row_are_allowed(tmp_path):
+    for newline in (b"\n", b"\r\n"):
+        path = tmp_path / "series.csv"
+        path.write_bytes(newline.join([b"date,a,OT", b"2020-01-01,1,2", b"2020-01-02,3,4", b"", b"", b""]))
+        table = ts.read_series_csv(path)
+        assert table.dates == [datetime(2020, 1, 1), datetime(2020, 1, 2)]
+        np.testing.assert_array_equal(table.values, [[1, 2], [3, 4]])

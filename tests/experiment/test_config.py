@@ -168,3 +168,54 @@ def test_sweeps_are_found_by_name_or_path(tmp_path):
         sweep_path("no_such_sweep")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         sweep_path(tmp_path / "skt_table7_r.yaml")  # an explicit path is never swapped for a shipped file
+
+
+# ----------------------------------------------------------------------------- config files with a key twice
+
+from reliability import CLEAR_ERROR, OTHER_READERS, bad_input, cases  # noqa: E402
+
+TWICE = {
+    "a key twice in a config file": ("config", "optim:\n  lr: 1.0e-3\n  warmup_steps: 2\n  lr: 3.0e-4\n",
+                                     r"c.yaml is not valid YAML: key 'lr' appears twice in one mapping \(first on line "
+                                     r"2\) at line 4"),
+    "a section twice in a config file": ("config", "train:\n  max_steps: 10\ntrain:\n  batch_size: 4\n",
+                                         r"key 'train' appears twice .*first on line 1\) at line 3"),
+    "a key twice in a --set value": ("set", "model={dim: 16, dim: 32}", r"key 'dim' appears twice"),
+    "a sweep file with a key twice": ("sweep", "attention: softmax\ngrid:\n  optim.lr: [1.0e-3]\nattention: linear\n",
+                                      r"c.yaml is not valid YAML: key 'attention' appears twice"),
+}
+
+
+@pytest.mark.parametrize("where, text, message", cases(OTHER_READERS, CLEAR_ERROR, TWICE))
+def test_a_key_given_twice_is_an_error_not_the_last_value(tmp_path, where, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        if where == "set":
+            parse_set(text)
+        elif where == "sweep":
+            load_sweep(path)
+        else:
+            resolve_config("listops", config_file=path)
+
+
+@bad_input(OTHER_READERS, CLEAR_ERROR, cases=2)
+def test_a_hand_edited_saved_config_names_its_file(tmp_path):
+    save_config(resolve_config("listops", "demo"), tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    (tmp_path / "config.yaml").write_text(text.replace("max_steps:", "max_stepz:"))
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'config.yaml'}: unknown config key 'train.max_stepz'"):
+        load_saved(tmp_path / "config.yaml")
+    (tmp_path / "config.yaml").write_text(text[: len(text) // 3])  # cut short
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'config.yaml'}"):
+        load_saved(tmp_path / "config.yaml")
+
+
+@bad_input(OTHER_READERS, CLEAR_ERROR, cases=2)
+def test_a_damaged_cross_validation_summary_names_its_file(tmp_path):
+    from longattn.experiment.singular_figures import run_accuracy_cost
+
+    for text in ('{"entries": [', '{"folds": []}'):  # cut short; another file's JSON
+        (tmp_path / "results.json").write_text(text)
+        with pytest.raises(ConfigError, match=rf"{tmp_path / 'results.json'} is not a cross-validation summary"):
+            run_accuracy_cost(tmp_path, tmp_path / "out")

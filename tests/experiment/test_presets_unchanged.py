@@ -22,7 +22,8 @@ BEFORE = json.loads(gzip.decompress((Path(__file__).parent / "fixtures" / "effec
 
 
 # Loop options added after the fixture was written, and the value every shipped preset leaves them at.
-NEW_OPTIONS = {"ema_decay": None, "warmup_epochs": None, "group_by_length": False, "length_window": 50}
+NEW_OPTIONS = {"ema_decay": None, "warmup_epochs": None, "group_by_length": False, "length_window": 50,
+               "stop_at": None}
 
 
 def trainer_settings(config) -> dict:

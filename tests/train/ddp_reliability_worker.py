@@ -1,7 +1,8 @@
-"""Run by test_train_reliability.py as one of two gloo processes (torch.distributed.run or by hand).
+"""Run by test_train_reliability.py as one of two gloo processes (torch.distributed.run or by hand), or
+alone (no RANK: one process).
 
     ddp_reliability_worker.py OUT run|resume [kill_at_step=K:RANK | kill_in_write=N | single_batch |
-                                              stop_rank1_at_step=K]
+                                              stop_rank1_at_step=K | full_disk_in_write=N | rank1_wider]
 """
 
 import io
@@ -14,13 +15,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the stub data API
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/train/: the faults
 from lra_stub import API  # noqa: E402
 
 from longattn.experiment.config import resolve_config  # noqa: E402
 from longattn.experiment.run import run  # noqa: E402
 from longattn.tasks.lra import LRATask  # noqa: E402
 
-RANK = int(os.environ["RANK"])
+RANK = int(os.environ.get("RANK", "0"))
 # dropout and gradient accumulation make the ranks' random streams and the step layout matter
 BASE = ["train.max_steps=12", "train.eval_every=4", "train.checkpoint_every=2", "train.batch_size=4",
         "train.grad_accum=2", "data.options.num_examples=40", "data.val.num_examples=11", "optim.lr=3e-3",
@@ -38,7 +40,7 @@ def kill_in_write(nth: int) -> None:
     original, writes = torch.save, []
 
     def save(obj, f, *args, **kwargs):
-        name = getattr(f, "name", "")
+        name = getattr(getattr(f, "file", f), "name", "")  # through longattn's write recorder
         if isinstance(name, int):  # a file opened from a descriptor (os.fdopen): its path from /proc
             name = os.readlink(f"/proc/self/fd/{name}")
         if RANK == 0 and not isinstance(f, io.BytesIO) and ".last.pt." in str(name):
@@ -47,7 +49,7 @@ def kill_in_write(nth: int) -> None:
                 buffer = io.BytesIO()
                 original(obj, buffer, *args, **kwargs)
                 f.write(buffer.getvalue()[: buffer.tell() // 2])
-                f.flush()
+                getattr(f, "file", f).flush()
                 print(f"killed while writing {name}", file=sys.stderr, flush=True)
                 die()
         return original(obj, f, *args, **kwargs)
@@ -87,6 +89,14 @@ def main(out_dir: str, mode: str, option: str = "") -> None:
         def hook(trainer, done):
             if done == int(value) and RANK == 1:
                 os.kill(os.getpid(), signal.SIGSTOP)
+    elif name == "full_disk_in_write":
+        if RANK == 0:  # the main process writes the checkpoints
+            from faults import full_disk_in_write
+
+            full_disk_in_write(int(value))
+    elif name == "rank1_wider":  # rank 1 is started with another model width than rank 0
+        if RANK == 1:
+            BASE.append("model.dim=24")
     elif name == "single_batch":
         record_losses(out_dir)
     LRATask.data_api = API

@@ -132,6 +132,23 @@ def test_early_stopping_when_validation_does_not_improve(tmp_path):
     assert results["steps"] == 6 and results["best_step"] == 2
 
 
+def test_stop_at_a_target_metric(tmp_path):
+    # accuracy >= 0 holds at the first validation; a loss target of 0 (mode min) is never met
+    results = run(tiny_config("train.stop_at=0.0", "train.eval_every=2"), tmp_path / "max")
+    assert results["stopped_early"] and results["steps"] == 2
+    results = run(tiny_config("train.stop_at=1.5"), tmp_path / "unreached")  # accuracy never exceeds 1
+    assert not results["stopped_early"] and results["steps"] == 12
+    # lower is better: a loss target far above the loss is met at once, a negative one never
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(3, 4, generator=g), torch.randn((), generator=g)) for _ in range(8)]
+    for target, steps in ((1e6, 2), (-1.0, 6)):
+        settings = loop_settings(max_steps=6, eval_every=2, batch_size=4, stop_at=target, select_metric="mse",
+                                 select_mode="min", progress=False)
+        results = Trainer(Regressor(), data, data[:4], None, collate_regression, regression_step, {"mse": mse},
+                          **settings, out_dir=tmp_path / f"min{steps}").fit()
+        assert results["steps"] == steps and results["stopped_early"] == (steps == 2)
+
+
 def _weights_after(tmp_path, *overrides: str) -> dict:
     run(tiny_config("model.dropout=0", "model.embedding_dropout=0", "optim.schedule=constant",
                         "optim.warmup_steps=0", "data.options.num_examples=16", "data.options.min_length=24",

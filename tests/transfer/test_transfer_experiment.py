@@ -184,3 +184,31 @@ def test_presets_resolve_to_table15(task, preset):
         assert (config.optim.schedule, config.train.clip_norm, config.model["dropout"]) == ("linear", 1.0, 0.1)
         assert config.data.max_len == 128 and config.train.eval_every_epoch
         assert 4 <= config.train.epochs <= 20 or preset == "cpu"
+
+
+from reliability import CLEAR_ERROR, OUTPUT_FOLDERS, bad_input  # noqa: E402
+
+
+@bad_input(OUTPUT_FOLDERS, CLEAR_ERROR, cases=2)  # pretrain and finetune into a folder holding their runs
+def test_pretrain_and_finetune_refuse_an_out_with_runs_unless_told(corpus, tmp_path, capsys):
+    from tests.commands.test_output_flags import stamps
+
+    pre = tmp_path / "pre"
+    pretrain = ["pretrain", "--attention", "fnet", "--preset", "cpu", "--data-dir", str(corpus),
+                *[a for s in [*TINY_MLM, "train.max_steps=2"] for a in ("--set", s)], "--out", str(pre)]
+    assert main(pretrain) == 0
+    spec = tmp_path / "spec.yaml"
+    write_yaml({"mechanisms": ["fnet"], "finetune": {"preset": "cpu", "tasks": ["sst2"], "seeds": [0],
+                                                     "set": ["train.epochs=1", "train.batch_size=2", "data.max_len=16",
+                                                             "train.progress=false"]}}, spec)
+    out = tmp_path / "finetune"
+    finetune = ["finetune", "--pretrained", str(pre), "--config", str(spec), "--glue-dir", str(GLUE_FIXTURES),
+                "--out", str(out)]
+    assert main(finetune) == 0
+    for argv, folder in ((pretrain, pre), (finetune, out)):
+        before = stamps(folder)
+        capsys.readouterr()
+        assert main(argv) == 2
+        assert "already hold" in capsys.readouterr().err and stamps(folder) == before
+    assert main([*finetune, "--overwrite"]) == 0
+    assert all(stamp != before[name] for name, stamp in stamps(out).items() if name in before)

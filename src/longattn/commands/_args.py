@@ -282,7 +282,17 @@ def add_workers_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_resume_argument(parser: argparse.ArgumentParser,
                         help: str = "reuse finished runs in --out and resume interrupted ones") -> None:
-    parser.add_argument("--resume", action="store_true", help=help)
+    """--resume and --overwrite (one or the other): what happens to runs already in --out. With neither, a
+    command refuses an --out that holds runs (longattn.train.outputs.check_output_folder)."""
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--resume", action="store_true", help=help)
+    add_overwrite_argument(choice)
+
+
+def add_overwrite_argument(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
+    """--overwrite alone: for the commands that always resume (the forecasting grids)."""
+    parser.add_argument("--overwrite", action="store_true",
+                        help="train again, replacing the runs already in --out (finished ones too)")
 
 
 def add_no_progress_argument(parser: argparse.ArgumentParser) -> None:

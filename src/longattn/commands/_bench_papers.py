@@ -22,9 +22,9 @@ from pathlib import Path
 from longattn.bench import speed as speed_defaults
 from longattn.bench.speed import MODEL_DEFAULTS
 from longattn.bench.targets import SDPA
-from longattn.commands._args import (add_attentions_argument, add_data_dir_argument, add_list_argument, add_resume_argument,
-                                    add_set_argument, attention_names, name_type, preset_help,
-                                    task_data_dirs)
+from longattn.commands._args import (add_attentions_argument, add_data_dir_argument, add_list_argument,
+                                    add_overwrite_argument, add_resume_argument, add_set_argument, attention_names,
+                                    name_type, preset_help, task_data_dirs)
 from longattn.commands.bench import _lengths, _options, _write
 from longattn.experiment.analyses import register_analysis, register_paper
 from longattn.experiment.grid import default_seeds
@@ -105,7 +105,7 @@ def _incoherence(args: argparse.Namespace) -> int:
     seeds = _seeds(args)
     out = Path(args.out)
     rows, examples = incoherence.run_incoherence(tasks, seeds, out, ranks=ranks, steps=args.steps, preset=args.preset,
-                                                 overrides=overrides, layer=args.layer)
+                                                 overrides=overrides, layer=args.layer, overwrite=args.overwrite)
     summary = incoherence.summarise(rows)
     _write(out, "incoherence", summary, incoherence.incoherence_table(summary),
            {"per_seed": rows, "steps": args.steps, "layer": args.layer, "preset": args.preset, "seeds": seeds})
@@ -134,6 +134,7 @@ def _incoherence_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data folder of each task that reads files, e.g. --data-dir text=DIR image=DIR2")
     add_set_argument(parser, help="config override for every run (repeatable)")
     parser.add_argument("--out", default="runs/bench-incoherence", help="output folder")
+    add_overwrite_argument(parser)
 
 
 def _batch_limit(args: argparse.Namespace) -> int:
@@ -177,7 +178,7 @@ def _lr_batch(args: argparse.Namespace) -> int:
     out = Path(args.out)
     overrides = [*([f"data.data_dir={args.data_dir}"] if args.data_dir else []), *args.overrides]
     rows = run_sensitivity(args.task, args.attention, learning_rates, batches, seeds, out / "runs", preset=args.preset,
-                           overrides=overrides, resume=args.resume)
+                           overrides=overrides, resume=args.resume, overwrite=args.overwrite)
     _write(out, "lr_batch", rows, sensitivity_table(rows),
            {"task": args.task, "attention": args.attention, "preset": args.preset, "seeds": seeds,
             "set": args.overrides})

@@ -147,7 +147,7 @@ def _rank_sweep(args: argparse.Namespace) -> int:
 
     report = run_rank_sweep(args.task, args.ranks, args.out, data_dir=args.data_dir, preset=args.preset,
                             overrides=args.overrides, folds=args.folds, only_folds=args.only_folds, seed=args.seed,
-                            resume=args.resume)
+                            resume=args.resume, overwrite=args.overwrite)
     print(f"wrote {args.out}/figure7.{{json,md,png}}")
     return 1 if any(row["errors"] for row in report["rows"]) else 0
 

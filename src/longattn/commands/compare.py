@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from longattn.commands._args import (add_attentions_argument, add_config_arguments, add_data_dir_argument,
-                                    add_list_argument, add_no_progress_argument, add_resume_argument, add_set_argument,
-                                    add_workers_argument, attention_names, name_type, no_progress, preset_help)
+                                    add_list_argument, add_no_progress_argument, add_overwrite_argument,
+                                    add_resume_argument, add_set_argument, add_workers_argument, attention_names,
+                                    name_type, no_progress, preset_help)
 from longattn.config import ConfigError
 from longattn.data.timeseries import SERIES
 from longattn.experiment.curves import CurveGroup, curve_groups, learning_curves, write_learning_curves
@@ -33,9 +34,11 @@ DEFAULT_REFERENCE = "softmax"
 
 def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: str | None = "demo",
                 config_file: str | None = None, overrides: list[str] = (), seeds: list[int] | None = None,
-                resume: bool = False, reference: str | None = None, workers: int = 1) -> dict[str, Any]:
+                resume: bool = False, reference: str | None = None, workers: int = 1,
+                overwrite: bool = False) -> dict[str, Any]:
     """Train every mechanism of ``attentions`` on ``task`` into ``out_dir/<mechanism>/seed<k>`` (seeds default to
-    :func:`default_seeds` of the preset; ``workers`` runs at once); table (mean, std, standard error, paired
+    :func:`default_seeds` of the preset; ``workers`` runs at once; runs already there: refused, or ``resume``d,
+    or trained again with ``overwrite``); table (mean, std, standard error, paired
     difference from ``reference``), plot with error bars, learning curves."""
     started = now()
     out_dir = Path(out_dir)
@@ -46,6 +49,7 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
         raise ConfigError(f"--reference {reference!r} is not among the compared mechanisms ({', '.join(attentions)})")
     cells = [Cell(name, task, task, preset, config_file, list(overrides), {"attention": name}) for name in attentions]
     run_cells(cells, seeds, out_dir, run_dir=lambda cell, seed: out_dir / cell.row / f"seed{seed}", resume=resume,
+              overwrite=overwrite,
               workers=workers)
     base = next(cell for cell in cells if cell.attention == reference)
     table = compare_table(task, cells, base, seeds)
@@ -139,7 +143,7 @@ def plot_compare(cells: list[Cell], path: Path, task: str) -> None:
 def _mechanisms(args: argparse.Namespace) -> int:
     summary = run_compare(args.task, args.attentions, args.out, preset=args.preset, config_file=args.config,
                           overrides=_data_dir(args) + no_progress(args), seeds=args.seeds, resume=args.resume,
-                          reference=args.reference, workers=args.workers)
+                          reference=args.reference, workers=args.workers, overwrite=args.overwrite)
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
@@ -152,7 +156,7 @@ def _sweep(args: argparse.Namespace) -> int:
     spec = load_sweep(args.config)
     summary = run_sweep(spec, args.out, preset=args.preset, tasks=args.tasks,
                         extra_overrides=_data_dir(args) + args.overrides, seeds=args.seeds, resume=args.resume,
-                        reference=args.reference, workers=args.workers)
+                        reference=args.reference, workers=args.workers, overwrite=args.overwrite)
     return 1 if any(cell["error"] for cell in summary["cells"]) else 0
 
 
@@ -182,7 +186,8 @@ def _settings(args: argparse.Namespace) -> int:
     from longattn.forecast.select import select_settings
 
     select_settings(args.dataset, args.data_dir, args.model, args.pred_len, args.grid, args.out,
-                    overrides=args.overrides, seeds=args.seeds, attention=args.attention, workers=args.workers)
+                    overrides=args.overrides, seeds=args.seeds, attention=args.attention, workers=args.workers,
+                    overwrite=args.overwrite)
     return 0
 
 
@@ -202,7 +207,9 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
                         "(every combination is tried)")
     add_set_argument(parser, help="fixed override for every candidate (repeatable)")
     add_list_argument(parser, "--seeds", item=int, kind="seed", default=[0], help="seeds of every candidate")
-    parser.add_argument("--out", required=True, help="folder for the candidates' runs and selection.md/json")
+    parser.add_argument("--out", required=True, help="folder for the candidates' runs and selection.md/json "
+                        "(finished candidates are reused, interrupted ones continued)")
+    add_overwrite_argument(parser)
     add_workers_argument(parser)
 
 

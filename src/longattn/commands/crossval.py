@@ -22,7 +22,8 @@ def _cmd(args: argparse.Namespace) -> int:
     summary = run_crossval(args.tasks, args.models, args.run if report else args.out, preset=args.preset,
                            config_file=args.config, overrides=overrides, folds=args.folds,
                            only_folds=args.only_folds, seed=args.seed, resume=getattr(args, "resume", False),
-                           report_only=report, workers=getattr(args, "workers", 1))
+                           report_only=report, workers=getattr(args, "workers", 1),
+                           overwrite=getattr(args, "overwrite", False))
     return 1 if any(entry["errors"] for entry in summary["entries"]) else 0
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from longattn.commands._args import (add_data_dir_argument, add_list_argument, add_set_argument, add_workers_argument,
-                                    deprecated_alias)
+from longattn.commands._args import (add_data_dir_argument, add_list_argument, add_overwrite_argument,
+                                    add_set_argument, add_workers_argument, deprecated_alias)
 from longattn.experiment.analyses import register_paper, register_report
 from longattn.experiment.grid import PAPER_SEEDS
 from longattn.experiment.results import write_results
@@ -23,7 +23,7 @@ def _table(args: argparse.Namespace) -> int:
     out = args.run if args.collect_only else args.out
     rows = run_table(args.data_dir, args.datasets, args.models, out, horizons=args.horizons,
                      overrides=args.overrides, seeds=args.seeds, device=args.device, collect_only=args.collect_only,
-                     workers=args.workers)
+                     workers=args.workers, overwrite=args.overwrite)
     table = format_table(rows, args.models)
     differences = difference_table(rows, args.models, args.reference)
     if differences:
@@ -68,7 +68,9 @@ def _table_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_dir_argument(parser, required=True, help="folder holding the benchmark CSV files")
     _cells(parser)
     parser.add_argument("--device", help="cpu (default), cuda, ...")
-    parser.add_argument("--out", required=True, help="folder for per-cell results and table.md/table.json")
+    parser.add_argument("--out", required=True, help="folder for per-cell results and table.md/table.json (finished "
+                        "cells are reused, interrupted ones continued)")
+    add_overwrite_argument(parser)
     deprecated_alias(parser, "--collect-only", "`longattn report forecast-table --run OUT`", "collect_only", nargs=0,
                      transform=lambda _: True)
     add_workers_argument(parser)
@@ -84,7 +86,7 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="DIR",
                         help="output folder of `longattn paper sktformer-table2` (read; the table is written there)")
     _cells(parser)
-    parser.set_defaults(data_dir=None, device=None, workers=1)
+    parser.set_defaults(data_dir=None, device=None, workers=1, overwrite=False)
 
 
 register_paper("sktformer-table2", "SKTformer", "Table 2 / 16", "long-term forecasting: MSE and MAE per dataset, "

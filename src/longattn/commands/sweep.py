@@ -44,7 +44,8 @@ def noise_spec(attentions: list[str], levels: list[float]) -> dict[str, Any]:
 def _noise(args: argparse.Namespace) -> int:
     spec = noise_spec(args.attentions, args.levels)
     summary = run_sweep(spec, args.out, preset=args.preset, extra_overrides=_data_dir(args) + args.overrides,
-                        seeds=args.seeds, resume=args.resume, reference=args.reference, workers=args.workers)
+                        seeds=args.seeds, resume=args.resume, reference=args.reference, workers=args.workers,
+                        overwrite=args.overwrite)
     return 1 if any(cell["error"] for cell in summary["cells"]) else 0
 
 

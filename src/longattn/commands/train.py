@@ -25,7 +25,7 @@ def _train(args: argparse.Namespace) -> int:
     data = {"dataset": args.dataset, "data_dir": args.data_dir, "pred_len": args.pred_len}
     config = resolve_config(args.task, preset, args.config, no_progress(args), attention=args.attention,
                             model_name=args.model_name, seed=args.seed, data=data, train={"device": args.device})
-    results = run(config, args.out, resume=args.resume, log=print, plots=not args.no_plot)
+    results = run(config, args.out, resume=args.resume, overwrite=args.overwrite, log=print, plots=not args.no_plot)
     if results.get("world_size", 1) == 1 or os.environ.get("RANK", "0") == "0":
         print(json.dumps(get_task(config.task).summary(results), indent=2, default=str))
     return 0

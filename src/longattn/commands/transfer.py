@@ -16,8 +16,8 @@ from longattn.commands._args import (add_attentions_argument, add_config_argumen
                                     add_list_argument, add_no_progress_argument, add_resume_argument, add_set_argument,
                                     add_workers_argument, attention_names, deprecated_alias, name_type, no_progress,
                                     task_data_dirs)
-from longattn.config import ConfigError, read_yaml
-from longattn.experiment.config import resolve_config
+from longattn.config import ConfigError
+from longattn.experiment.config import load_saved, resolve_config
 from longattn.experiment.analyses import register_paper
 from longattn.experiment.results import now
 from longattn.experiment.run import run
@@ -29,7 +29,7 @@ from longattn.hf.bert import MINILM
 def _pretrain(args: argparse.Namespace) -> int:
     overrides = [*no_progress(args), *([f"data.data_dir={args.data_dir}"] if args.data_dir else [])]
     config = resolve_config("mlm", args.preset, args.config, overrides, attention=args.attention)
-    results = run(config, args.out, resume=args.resume)
+    results = run(config, args.out, resume=args.resume, overwrite=args.overwrite)
     print(json.dumps({k: results.get(k) for k in ("attention", "parameters", "steps", "train_time_s")}
                      | {"val_perplexity": (results.get("val") or {}).get("perplexity"),
                         "test_perplexity": (results.get("test") or {}).get("perplexity")}, indent=2))
@@ -41,7 +41,7 @@ def _pretrained_attention(folder: str) -> str:
     if not saved.is_file():
         raise ConfigError(f"--pretrained {folder}: no config.yaml there; give `longattn pretrain` --out folders "
                           f"or {MINILM!r}")
-    return str(read_yaml(saved)["attention"])
+    return str(load_saved(saved).attention)
 
 
 def _finetune(args: argparse.Namespace) -> int:
@@ -63,7 +63,7 @@ def _finetune(args: argparse.Namespace) -> int:
     started = now()
     out = Path(args.out)
     cells = finetune_grid(spec, out, starts, [f"data.data_dir={args.data_dir}"], args.resume,
-                          extra_overrides=args.overrides, workers=args.workers)
+                          extra_overrides=args.overrides, workers=args.workers, overwrite=args.overwrite)
     reference = "softmax" if args.pretrained == [MINILM] and "softmax" in starts else None
     label = "MiniLM" if args.pretrained == [MINILM] else out.name
     summary = write_transfer_table(spec, cells, out, label=label, reference=reference, started=started)
@@ -79,7 +79,7 @@ def _table3(args: argparse.Namespace) -> int:
                          f"({'; '.join(TABLE3_DATA[key] for key in missing)})")
     corpus = [f"data.data_dir={folders['corpus']}", *args.corpus_set]
     summary = run_table3(spec, args.out, corpus, [f"data.data_dir={folders['glue']}"], resume=args.resume,
-                         workers=args.workers)
+                         workers=args.workers, overwrite=args.overwrite)
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import tarfile
 import zlib
 from collections import Counter
@@ -61,6 +62,39 @@ def once_per_block(reader: Reader) -> Reader:
         return reads[key]
 
     return read  # type: ignore[return-value]
+
+
+def _check_link(entry: Path) -> None:
+    if entry.is_symlink() and not entry.exists():
+        raise DatasetError(f"{entry}: a symbolic link to {os.readlink(entry)}, which does not exist (a damaged or "
+                           "partly moved copy?); restore its target or remove the link")
+
+
+def class_folder_files(root: Path, suffixes: tuple[str, ...] | None = None) -> list[tuple[str, str, Path]]:
+    """(class, file name, path) of every ``<root>/<class>/<file>`` (with one of ``suffixes``, if given), sorted.
+    A dangling symbolic link among them (a class folder or a file) is a :class:`DatasetError` naming it: a
+    document silently left out would shrink the dataset without a word."""
+    entries = []
+    for folder in sorted(root.iterdir()):
+        _check_link(folder)
+        if not folder.is_dir():
+            continue
+        for file in sorted(folder.iterdir()):
+            if suffixes is not None and file.suffix.lower() not in suffixes:
+                continue
+            _check_link(file)
+            if file.is_file():
+                entries.append((folder.name, file.name, file))
+    return entries
+
+
+def read_bytes(path: Path) -> bytes:
+    """The bytes of a dataset file; a dangling link or an unreadable file is a :class:`DatasetError` naming it."""
+    _check_link(path)
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise DatasetError(f"{path}: cannot read ({error.strerror or error})") from None
 
 
 def check_tar_complete(tar: tarfile.TarFile, path: str | Path) -> None:

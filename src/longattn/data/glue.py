@@ -12,7 +12,8 @@ The eight tasks the papers use (WNLI is excluded, as BERT and the papers do):
 Files are read by their header names (column orders differ between train/dev and test files); CoLA's
 train/dev files have no header and four columns (source, label, original judgement, sentence). Every row
 must have as many tab-separated fields as the header (no quoting: quotes are text); a short or long row,
-an unknown label or a non-number score raises ``DatasetError`` naming the file and line. MRPC's files
+an unknown label, a score that is not a number in 0..5, a header that names a column twice, or a train/dev
+file without its label column raises ``DatasetError`` naming the file, line and column. MRPC's files
 start with a UTF-8 byte-order mark (skipped); its train/dev split is made from ``msr_paraphrase_*.txt``
 and ``dev_ids.tsv`` exactly as GLUE's download script does (``write_mrpc_splits``).
 
@@ -147,14 +148,19 @@ def _rows(path: Path):
             yield number, line.rstrip("\n").removesuffix("\r").split("\t")
 
 
+STSB_RANGE = (0.0, 5.0)  # STS-B similarity scores (Cer et al. 2017): 0 (unrelated) to 5 (equivalent)
+
+
 def _parse_label(task: GlueTask, value: str, where: str) -> float | int:
     if task.label_names is None:
         try:
             score = float(value)
         except ValueError:
             raise DatasetError(f"{where}: score {value!r} is not a number") from None
-        if not np.isfinite(score):
-            raise DatasetError(f"{where}: score {value!r} is not finite")
+        low, high = STSB_RANGE
+        if not low <= score <= high:  # NaN and inf fail this too
+            raise DatasetError(f"{where}: score {value!r} lies outside {low:g}..{high:g}, the range of "
+                               f"{task.name} similarity scores")
         return score
     try:
         return task.label_names.index(value.strip())
@@ -175,10 +181,18 @@ def read_glue(task: str | GlueTask, split: str, data_dir: str | Path) -> GlueSpl
         if first_row is None:
             raise DatasetError(f"{path}: empty file (expected a header line)")
         header = first_row[1]
+    repeated = sorted({c for c in header if header.count(c) > 1})
+    if repeated:
+        raise DatasetError(f"{path}:1: header names column(s) {', '.join(map(repr, repeated))} more than once "
+                           f"({', '.join(header)}); which one holds the data is ambiguous")
     missing = [c for c in task.text_columns if c not in header]
+    labelled = not path.name.startswith("test")  # train and dev files carry labels, test files do not
+    if labelled and task.label_column not in header:
+        missing.append(task.label_column)
     if missing:
         raise DatasetError(f"{path}:1: header has no column {', '.join(map(repr, missing))} "
-                           f"(found {', '.join(header)}); is this the {task.name} file?")
+                           f"(found {', '.join(header)}); is this the {task.name} file"
+                           f"{' (a ' + path.stem + ' file needs its labels)' if task.label_column in missing else ''}?")
     text_index = [header.index(c) for c in task.text_columns]
     label_index = header.index(task.label_column) if task.label_column in header else None
     first, second, labels = [], [], []

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .common import (DatasetError, check_count, check_split, find_first, holdout_split, iter_tar_files,
-                     stratified_folds)
+from .common import (DatasetError, check_count, check_split, class_folder_files, find_first, holdout_split,
+                     iter_tar_files, stratified_folds)
 
 VOCAB_SIZE = 256
 PAD_ID = 0  # pixels use every id 0..255; padding is told apart by the attention mask only
@@ -226,8 +226,7 @@ def _collect(entries: list[tuple[str, str, object]], where: str, image_size: int
 
 
 def _folder_entries(folder: Path) -> list[tuple[str, str, object]]:
-    return [(file.parent.name, file.name, file) for file in folder.glob("*/*")
-            if file.suffix.lower() in IMAGE_SUFFIXES and file.is_file()]
+    return class_folder_files(folder, IMAGE_SUFFIXES)
 
 
 def _archive_entries(archive: Path, subset: str) -> list[tuple[str, str, object]]:

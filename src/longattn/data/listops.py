@@ -14,6 +14,7 @@ application is written as nested pairs, so parentheses make up about half of the
 from __future__ import annotations
 
 import csv
+import io
 import random
 from pathlib import Path
 from typing import Callable, Sequence
@@ -186,27 +187,44 @@ def write_tsv(examples: Sequence[tuple[str, int]], path: str | Path) -> None:
 
 def read_tsv(path: str | Path) -> list[tuple[str, int]]:
     """(Source, label) rows of an LRA ListOps tsv file, validated."""
+    return [(source, label) for _, source, label in _read_rows(path)]
+
+
+def _read_rows(path: str | Path) -> list[tuple[int, str, int]]:
+    """(line number in the file, Source, label) of every example of a ListOps tsv file (blank lines skipped)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"ListOps file not found: {path}")
     rows = []
-    with open(path, newline="", encoding="utf-8") as handle:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise DatasetError(f"{path}:{line}: not UTF-8 ({error.reason} at byte {error.start})") from None
+    with io.StringIO(text, newline="") as handle:
         reader = csv.reader(handle, delimiter="\t")
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header[:2]] != ["Source", "Target"]:
-            raise DatasetError(f"{path}: expected the header 'Source<TAB>Target', got {header!r}")
-        for line_number, row in enumerate(reader, start=2):
-            if not row:
-                continue
-            if len(row) != 2:
-                raise DatasetError(f"{path}:{line_number}: expected 2 tab-separated columns, got {len(row)}")
-            try:
-                label = int(float(row[1]))
-            except ValueError:
-                raise DatasetError(f"{path}:{line_number}: Target {row[1]!r} is not a number") from None
-            if not 0 <= label < NUM_CLASSES or float(row[1]) != label:
-                raise DatasetError(f"{path}:{line_number}: Target {row[1]!r} is not a digit 0..9")
-            rows.append((row[0], label))
+        start = 1  # the line the next row starts on
+        try:
+            header = next(reader, None)
+            if header is None or [h.strip() for h in header[:2]] != ["Source", "Target"]:
+                raise DatasetError(f"{path}: expected the header 'Source<TAB>Target', got {header!r}")
+            start = reader.line_num + 1
+            for row in reader:
+                line, start = start, reader.line_num + 1
+                if not row:
+                    continue
+                if len(row) != 2:
+                    raise DatasetError(f"{path}:{line}: expected 2 tab-separated columns, got {len(row)}")
+                try:
+                    label = int(float(row[1]))
+                except ValueError:
+                    raise DatasetError(f"{path}:{line}: Target {row[1]!r} is not a number") from None
+                if not 0 <= label < NUM_CLASSES or float(row[1]) != label:
+                    raise DatasetError(f"{path}:{line}: Target {row[1]!r} is not a digit 0..9")
+                rows.append((line, row[0], label))
+        except csv.Error as error:
+            raise DatasetError(f"{path}:{start}: malformed tsv ({error})") from None
     return rows
 
 
@@ -225,10 +243,10 @@ def load_listops(data_dir: str | Path, split: str, *, keep_parens: bool = False)
     path = tsv_path(data_dir, split)
     if path is None:
         raise DatasetError(f"ListOps: no basic_{split}.tsv in {data_dir} (nor in its listops-1000/ folder)")
-    rows = read_tsv(path)
-    sequences = [tokenize(source, keep_parens=keep_parens, where=f"{path}:{i + 2}: ")
-                 for i, (source, _) in enumerate(rows)]
-    return SequenceDataset(sequences, [label for _, label in rows], pad_id=PAD_ID, vocab_size=VOCAB_SIZE)
+    rows = _read_rows(path)
+    # the line of the file, blank lines counted: an error names the line an editor shows
+    sequences = [tokenize(source, keep_parens=keep_parens, where=f"{path}:{line}: ") for line, source, _ in rows]
+    return SequenceDataset(sequences, [label for _, _, label in rows], pad_id=PAD_ID, vocab_size=VOCAB_SIZE)
 
 
 def build_listops(split: str, data_dir: str | Path | None = None, *, num_examples: int | None = None,

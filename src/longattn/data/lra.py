@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -84,8 +85,12 @@ def build_dataset(name: str, split: str = "train", data_dir: str | Path | None =
     get_task(name)
     cache = _cache_path(cache_dir, name, split, data_dir, options) if cache_dir is not None else None
     if cache is not None and cache.is_file():
-        with open(cache, "rb") as handle:
-            return pickle.load(handle)
+        try:
+            with open(cache, "rb") as handle:
+                return pickle.load(handle)
+        except Exception as error:  # a cache file damaged since it was written: build the data again
+            print(f"warning: {cache} is damaged ({type(error).__name__}: {error}); building the dataset again",
+                  file=sys.stderr)
     builder = _BUILDERS[name]
     try:
         dataset = builder(split, data_dir, **options)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .common import (DatasetError, SequenceDataset, check_count, check_split, encode_bytes, holdout_split, iter_tar_files,
-                     once_per_block)
+                     once_per_block, read_bytes)
 from .download import ARCHIVES, verify_known_archive
 
 VOCAB_SIZE = 257
@@ -58,11 +58,11 @@ def _read_folder(root: Path, subset: str) -> list[tuple[int, int, bytes]]:
         folder = root / subset / name
         if not folder.is_dir():
             raise DatasetError(f"IMDb: missing folder {folder} (expected aclImdb/{{train,test}}/{{pos,neg}}/)")
-        for file in folder.glob("*.txt"):
+        for file in sorted(folder.glob("*.txt")):
             match = re.fullmatch(r"(\d+)_(\d+)\.txt", file.name)
             if match is None:
                 raise DatasetError(f"IMDb: unexpected file name {file} (expected <id>_<rating>.txt)")
-            rows.append((label, int(match.group(1)), file.read_bytes()))
+            rows.append((label, int(match.group(1)), read_bytes(file)))
     return rows
 
 

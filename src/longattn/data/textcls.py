@@ -28,6 +28,7 @@ document that the training set does not have raises an error naming where it is.
 from __future__ import annotations
 
 import csv
+import io
 import re
 import zipfile
 from collections import Counter
@@ -46,10 +47,12 @@ from .common import (
     DatasetError,
     Packed,
     check_split,
+    class_folder_files,
     holdout_test,
     iter_tar_files,
     once_per_block,
     pad_sequences,
+    read_bytes,
     stratified_folds,
 )
 
@@ -138,8 +141,7 @@ def _folder_documents(root: Path, where: str) -> list[tuple[str, str, bytes]]:
     """(class, file name, bytes) of every `<root>/<class>/<file>`, sorted."""
     if not root.is_dir():
         raise DatasetError(f"{where}: missing folder {root}")
-    entries = [(file.parent.name, file.name, file.read_bytes()) for file in root.glob("*/*") if file.is_file()]
-    return sorted(entries)
+    return [(label, name, read_bytes(file)) for label, name, file in class_folder_files(root)]
 
 
 def _archive_documents(archive: Path, top: str) -> list[tuple[str, str, bytes]]:
@@ -219,22 +221,30 @@ def read_mimic3(data_dir: Path, subset: str) -> Corpus:
     a header with `TEXT` and `LABELS` (or `ICD9_CODE`), codes separated by ';'."""
     path = _find(data_dir, [f"{subset}_50.csv", f"mimic3/{subset}_50.csv"], f"MIMIC-III 50 {subset}")
     corpus = Corpus()
-    with open(path, encoding="utf-8", newline="") as handle:
+    text = decode(read_bytes(path), str(path), latin1_fallback=False)[0]  # not UTF-8: an error naming its line
+    with io.StringIO(text, newline="") as handle:
         reader = csv.reader(handle)
-        header = next(reader, None) or []
-        label_column = next((c for c in ("LABELS", "ICD9_CODE") if c in header), None)
-        if "TEXT" not in header or label_column is None:
-            raise DatasetError(f"{path}:1: expected a header with TEXT and LABELS columns, found {header}")
-        text_index, label_index = header.index("TEXT"), header.index(label_column)
+        start = 1  # the line a row starts on (a note's text spans many lines; reader.line_num is where it ends)
         try:
+            header = next(reader, None) or []
+            repeated = sorted({c for c in header if header.count(c) > 1})
+            if repeated:
+                raise DatasetError(f"{path}:1: the header names column(s) {repeated} more than once: which one holds "
+                                   "the data is ambiguous")
+            label_column = next((c for c in ("LABELS", "ICD9_CODE") if c in header), None)
+            if "TEXT" not in header or label_column is None:
+                raise DatasetError(f"{path}:1: expected a header with TEXT and LABELS columns, found {header}")
+            text_index, label_index = header.index("TEXT"), header.index(label_column)
+            start = reader.line_num + 1
             for row in reader:
-                source = f"{path}:{reader.line_num}"
+                source = f"{path}:{start}"
                 if len(row) != len(header):
                     raise DatasetError(f"{source}: expected {len(header)} columns, found {len(row)}")
                 codes = tuple(sorted({c.strip() for c in row[label_index].split(";") if c.strip()}))
                 corpus.add(row[text_index], codes, source)
-        except (csv.Error, UnicodeDecodeError) as error:
-            raise DatasetError(f"{path}:{reader.line_num}: malformed CSV ({error})") from None
+                start = reader.line_num + 1
+        except csv.Error as error:
+            raise DatasetError(f"{path}:{start}: malformed CSV ({error})") from None
     return corpus
 
 

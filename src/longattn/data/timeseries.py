@@ -156,8 +156,11 @@ class SeriesTable:
 def read_series_csv(path: str | os.PathLike, date_column: str = "date") -> SeriesTable:
     """Read a header + rows CSV (LF or CRLF) with a date column and numeric value columns.
 
-    Raises :class:`TimeSeriesDataError` naming the line for ragged rows, non-numeric cells,
-    empty cells and NaNs, so bad data never reaches a model silently.
+    Raises :class:`TimeSeriesDataError` naming the file and line (the line of the file, counting the header
+    and any blank line) for ragged rows, non-numeric or empty cells, NaNs, blank lines and rows of empty
+    cells inside the table, and dates that repeat or go back in time, so bad data never reaches a model
+    silently (windows cut across a gap or a reordering would be wrong without a word). Blank lines after
+    the last row are allowed.
     """
     path = Path(path)
     if not path.is_file():
@@ -165,28 +168,51 @@ def read_series_csv(path: str | os.PathLike, date_column: str = "date") -> Serie
     # errors="replace": the Weather file's header writes the units W/m^2 and umol/m^2/s in a legacy encoding
     # (not UTF-8); only column names can hold such bytes, since dates and values must parse as ASCII numbers.
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
-        rows = [row for row in csv.reader(f) if row and any(cell.strip() for cell in row)]
+        reader = csv.reader(f)
+        try:
+            # (line where the row starts, fields): csv.reader's line_num is the line a row ends on
+            rows, start = [], 1
+            for row in reader:
+                rows.append((start, row))
+                start = reader.line_num + 1
+        except csv.Error as err:
+            raise TimeSeriesDataError(f"{path} line {reader.line_num}: malformed CSV ({err})") from None
+    while rows and not any(cell.strip() for cell in rows[-1][1]):
+        rows.pop()  # blank lines at the end of the file
     if not rows:
         raise TimeSeriesDataError(f"{path} is empty")
-    header = [h.strip() for h in rows[0]]
+    header = [h.strip() for h in rows[0][1]]
+    if not any(header):
+        raise TimeSeriesDataError(f"{path} line 1: blank line before the header")
     if date_column not in header:
         raise TimeSeriesDataError(f"{path} has no {date_column!r} column; columns: {header}")
     if len(set(header)) != len(header):
-        raise TimeSeriesDataError(f"{path} has duplicate column names: {header}")
+        repeated = sorted({h for h in header if header.count(h) > 1})
+        raise TimeSeriesDataError(f"{path} line 1: duplicate column name(s) {repeated}; columns: {header}")
     date_idx = header.index(date_column)
     value_idx = [i for i in range(len(header)) if i != date_idx]
     if not value_idx:
         raise TimeSeriesDataError(f"{path} has no value columns besides {date_column!r}")
     dates: list[datetime] = []
     values = np.empty((len(rows) - 1, len(value_idx)), dtype=np.float64)
-    for r, row in enumerate(rows[1:]):
-        line = r + 2  # 1-based, after the header
+    for r, (line, row) in enumerate(rows[1:]):
+        if not any(cell.strip() for cell in row):
+            what = "a blank line" if not row else "a row of empty cells"
+            raise TimeSeriesDataError(f"{path} line {line}: {what} inside the table (a gap in the series); "
+                                      "remove it, or fill the row")
         if len(row) != len(header):
             raise TimeSeriesDataError(f"{path} line {line}: {len(row)} fields, header has {len(header)}")
         try:
-            dates.append(parse_date(row[date_idx]))
+            date = parse_date(row[date_idx])
         except TimeSeriesDataError as err:
             raise TimeSeriesDataError(f"{path} line {line}: {err}") from None
+        if dates and date <= dates[-1]:
+            previous = rows[r][0]  # the line of the row before (rows[0] is the header)
+            relation = "repeats" if date == dates[-1] else "goes back in time from"
+            raise TimeSeriesDataError(
+                f"{path} line {line}: date {row[date_idx].strip()!r} {relation} the date on line {previous} "
+                f"({dates[-1]}); the rows must be in strictly increasing time order")
+        dates.append(date)
         for c, i in enumerate(value_idx):
             cell = row[i].strip()
             try:

@@ -29,7 +29,7 @@ from longattn.config import ConfigError
 from longattn.experiment.config import load_saved
 from longattn.experiment.run import build_run_model
 from longattn.tasks.base import TaskData, get_task
-from longattn.train.checkpoint import load_checkpoint
+from longattn.train.checkpoint import load_checkpoint, load_weights
 
 __all__ = ["MAP_MODELS", "FoldModels", "collect_correlations", "load_fold_models", "pooled_maps"]
 
@@ -71,7 +71,8 @@ def load_fold_models(runs: str | Path, task_name: str, models: list[str] | tuple
     built = {}
     for name, config in configs.items():
         model = build_run_model(config, task, data)
-        model.load_state_dict(load_checkpoint(dirs[name] / "checkpoints" / "best.pt", map_location="cpu")["model"])
+        best = dirs[name] / "checkpoints" / "best.pt"
+        load_weights(model, load_checkpoint(best, map_location="cpu")["model"], best)
         built[name] = model.eval()
     return FoldModels(task_name, fold, built, data, task.step_fn(first, data), dirs)
 

@@ -197,4 +197,9 @@ def load_saved(path: str | Path) -> RunConfig:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; is {path.parent} the --out folder of a run?")
-    return build_run_config(read_yaml(path))
+    try:
+        return build_run_config(read_yaml(path))
+    except ConfigError as err:
+        if str(path) in str(err):
+            raise
+        raise ConfigError(f"{path}: {err} (edited by hand, or written by another version?)") from None

@@ -15,20 +15,20 @@ others go on) into::
     <out>/table.md                                            Table 4's layout, ours beside the paper's
     <out>/table4.png                                          test accuracy per dataset, ours and the paper's
 
-With ``resume=True`` finished folds are reused and an interrupted fold continues from its last checkpoint.
+With ``resume=True`` finished folds are reused and an interrupted fold continues from its last checkpoint;
+``overwrite=True`` trains them again (without either, folds already in ``out`` are refused).
 Folds of one dataset run fold by fold, every model in turn, so each fold's data are built once.
 The spread is the sample standard deviation over folds (the paper does not say which).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from longattn.config import ConfigError
-from longattn.experiment.grid import Cell, markdown_table, run_cells
+from longattn.experiment.grid import Cell, collect_finished, markdown_table, run_cells
 from longattn.experiment.results import now, write_results
 from longattn.experiment.stats import summarize as summarize_values
 from longattn.models.doc_classifier import TABLE4_MODELS
@@ -75,7 +75,8 @@ def fold_dir(out_dir: Path, dataset: str, model: str, fold: int) -> Path:
 def run_crossval(datasets: list[str], models: list[str], out_dir: str | Path, *, preset: str | None = "cpu",
                  config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                  folds: int = 5, only_folds: list[int] | None = None, seed: int = 0,
-                 resume: bool = False, report_only: bool = False, workers: int = 1) -> dict[str, Any]:
+                 resume: bool = False, report_only: bool = False, workers: int = 1,
+                 overwrite: bool = False) -> dict[str, Any]:
     """Cross-validate every model on every dataset (layout in the module docstring); returns the summary.
 
     ``only_folds`` trains a subset of the ``folds`` folds (e.g. to spread them over machines or commands).
@@ -103,12 +104,10 @@ def run_crossval(datasets: list[str], models: list[str], out_dir: str | Path, *,
                 folders[id(cell)] = fold_dir(out_dir, dataset, model, fold)
     if report_only:
         for cell in cells:
-            finished = folders[id(cell)] / "results.json"
-            if finished.is_file():
-                cell.results.append(json.loads(finished.read_text()))
+            collect_finished(cell, folders[id(cell)])
     else:
-        run_cells(cells, [seed], out_dir, run_dir=lambda cell, _seed: folders[id(cell)], resume=resume, plots=False,
-                  workers=workers)
+        run_cells(cells, [seed], out_dir, run_dir=lambda cell, _seed: folders[id(cell)], resume=resume,
+                  overwrite=overwrite, plots=False, workers=workers)
     summary = summarize(cells, folders, datasets, models, folds, seed)
     summary.update(preset=str(preset) if preset else None, overrides=list(overrides))
     out_dir.mkdir(parents=True, exist_ok=True)

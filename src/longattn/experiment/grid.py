@@ -3,8 +3,10 @@
 ``compare`` (rows = mechanisms), ``sweep`` / ``noise`` (rows = variants or grid points, columns = tasks or
 the values of one key) and ``forecast-table`` (rows = dataset x horizon, columns = models) are specs of
 it. Each (cell, seed) trains in its own folder through :func:`longattn.experiment.run.run`, so any cell of
-a table can be inspected, re-evaluated or resumed; a finished run (one with a ``results.json``) is reused
-when a grid is started again with ``resume=True``. A failing cell is recorded, and the grid goes on.
+a table can be inspected, re-evaluated or resumed. A grid started on folders that already hold runs is
+refused unless told what to do with them (:func:`plan_runs`): ``resume=True`` reuses every finished run
+(its finished marker, with a saved config equal to the cell's) and continues the interrupted ones,
+``overwrite=True`` trains them again. A failing cell is recorded, and the grid goes on.
 """
 
 from __future__ import annotations
@@ -23,16 +25,17 @@ from longattn.config import ConfigError, read_yaml
 from longattn.registry import nearest
 from longattn.experiment.config import RunConfig, resolve_config
 from longattn.experiment.results import markdown_table, now, write_results
-from longattn.experiment.run import run
 from longattn.experiment.progress import GridProgress, score
+from longattn.experiment.run import RunStatus, run, run_status
 from longattn.experiment.workers import RUN_ERRORS, Job, Outcome, run_jobs
+from longattn.train.outputs import OutputFolderError, check_not_in_use
 from longattn.experiment.curves import curve_groups, write_learning_curves
 from longattn.experiment.stats import (PairedDifference, format_difference, legend, mean_with_sem, paired_difference,
                                        summarize)
 from longattn.tasks.base import get_task, task_names
 
-__all__ = ["Cell", "default_seeds", "difference_record", "load_sweep", "markdown_table", "paired_against", "run_cells",
-           "shipped_sweeps", "sweep_cells", "write_sweep_table"]
+__all__ = ["Cell", "default_seeds", "difference_record", "load_sweep", "markdown_table", "paired_against", "plan_runs",
+           "run_cells", "shipped_sweeps", "sweep_cells", "write_sweep_table"]
 
 
 @dataclass
@@ -95,78 +98,167 @@ def default_seeds(preset: str | Path | None) -> list[int]:
     return list(range(DEMO_SEEDS if preset is None or str(preset) == "demo" else PAPER_SEEDS))
 
 
+@dataclass
+class _PlannedRun:
+    """One (cell, seed) of a grid: its folder and config (or the error that resolving it gave) and what to do
+    with the folder: reuse its finished run, or train (``resume`` / ``overwrite`` passed to the run)."""
+
+    cell_index: int
+    seed: int
+    folder: Path
+    config: RunConfig | None = None
+    error: str | None = None
+    reuse: dict[str, Any] | None = None
+    resume: bool = False
+    overwrite: bool = False
+
+
+def plan_runs(cells: list[Cell], seeds: list[int], run_dir: Callable[[Cell, int], Path], *, resume: bool = False,
+              overwrite: bool = False) -> list[_PlannedRun]:
+    """Each (cell, seed) with what to do with its folder, decided before anything trains, for the whole grid
+    at once (:func:`longattn.experiment.run.run_status`): a finished run is reused with ``resume``, an
+    interrupted one continued; ``overwrite`` trains every run again. Without either, a grid whose folders
+    already hold runs is refused (:class:`OutputFolderError`); so is a folder that holds a run of another
+    configuration unless ``overwrite``, or one another run is using."""
+    if resume and overwrite:
+        raise OutputFolderError("--resume and --overwrite exclude each other: continue the grid's runs, or "
+                                "replace them")
+    planned, held = [], {"finished": [], "interrupted": [], "another": []}
+    for index, cell in enumerate(cells):
+        for seed in seeds:
+            entry = _PlannedRun(index, seed, run_dir(cell, seed))
+            planned.append(entry)
+            try:
+                entry.config = _cell_config(cell, seed)
+            except RUN_ERRORS as err:  # a bad option fails before anything trains; the cell is recorded as failed
+                entry.error = f"{type(err).__name__}: {err}"
+                continue
+            check_not_in_use(entry.folder)
+            status = run_status(entry.folder, entry.config)
+            if status.state == "empty":
+                continue
+            held[status.state].append((entry.folder, status))
+            if overwrite:
+                entry.overwrite = True
+            elif status.state == "finished" and resume:
+                entry.reuse = status.results
+            elif status.state == "interrupted" and resume:
+                entry.resume = True
+    _refuse_held_runs(held, resume, overwrite)
+    return planned
+
+
+def _refuse_held_runs(held: dict[str, list[tuple[Path, RunStatus]]], resume: bool, overwrite: bool) -> None:
+    def some(entries: list[tuple[Path, RunStatus]], with_sections: bool = False) -> str:
+        shown = [f"{folder}" + (f" (sections {list(status.differences)})" if with_sections else "")
+                 for folder, status in entries[:3]]
+        return ", ".join(shown) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+
+    if overwrite:
+        return
+    if held["another"]:
+        raise OutputFolderError(
+            f"{len(held['another'])} run folder(s) of this grid hold a run of another configuration: "
+            f"{some(held['another'], True)}; pass --overwrite to train them again with these settings, or choose "
+            "another --out")
+    if resume or not (held["finished"] or held["interrupted"]):
+        return
+    counts = ", ".join(f"{len(held[state])} {state}" for state in ("finished", "interrupted") if held[state])
+    raise OutputFolderError(
+        f"the output folders of this grid already hold runs ({counts}: {some(held['finished'] + held['interrupted'])}); "
+        "pass --resume to reuse the finished runs and continue the interrupted ones, --overwrite to train them "
+        "all again, or choose another --out")
+
+
 def run_cells(cells: list[Cell], seeds: list[int], out_dir: str | Path, *,
-              run_dir: Callable[[Cell, int], Path] | None = None, resume: bool = False,
+              run_dir: Callable[[Cell, int], Path] | None = None, resume: bool = False, overwrite: bool = False,
               log: Callable[[str], Any] | None = None, plots: bool = True, workers: int = 1) -> list[Cell]:
     """Train every cell for every seed; runs that share data (same task, seed and data settings) build it once.
 
+    What happens to runs already in the folders is decided first, for the whole grid (:func:`plan_runs`):
+    ``resume`` reuses finished runs and continues interrupted ones, ``overwrite`` trains them again, and
+    without either a grid whose folders hold runs is refused before anything trains.
     ``workers`` > 1 trains that many runs at once, each in its own process with an even share of the threads
     (:mod:`longattn.experiment.workers`); the runs and their results are the same as with one worker.
     """
     out_dir = Path(out_dir)
     run_dir = run_dir or (lambda cell, seed: out_dir / _slug(cell.row) / _slug(cell.column) / f"seed{seed}")
+    planned = plan_runs(cells, seeds, run_dir, resume=resume, overwrite=overwrite)
     if workers > 1:
-        return _run_cells_in_workers(cells, seeds, run_dir, resume, log, plots, workers)
+        return _run_cells_in_workers(cells, planned, log, plots, workers)
     cache: dict[Any, Any] = {}
-    finished = {(index, seed): run_dir(cell, seed) / "results.json" for index, cell in enumerate(cells)
-                for seed in seeds if resume and (run_dir(cell, seed) / "results.json").is_file()}
-    progress = GridProgress(len(cells) * len(seeds) - len(finished))
+    by_cell: dict[int, list[_PlannedRun]] = {}
+    for entry in planned:
+        by_cell.setdefault(entry.cell_index, []).append(entry)
+    progress = GridProgress(sum(1 for entry in planned if entry.reuse is None))
     for index, cell in enumerate(cells):
         print(f"== {cell.row} / {cell.column}", flush=True)
-        for position, seed in enumerate(seeds):
-            if (index, seed) in finished:
-                cell.results.append(json.loads(finished[(index, seed)].read_text()))
+        entries = by_cell.get(index, [])
+        for position, entry in enumerate(entries):
+            if entry.reuse is not None:
+                cell.results.append(entry.reuse)
                 continue
-            label, started = f"{cell.row} / {cell.column} seed {seed}", time.perf_counter()
+            label, started = f"{cell.row} / {cell.column} seed {entry.seed}", time.perf_counter()
             try:
-                config = _cell_config(cell, seed)
-                cell.results.append(run(config, run_dir(cell, seed), resume=resume, data_cache=cache, log=log,
-                                        plots=plots))
-            except RUN_ERRORS as err:
+                if entry.error is not None:
+                    raise _PlannedFailure(entry.error)
+                cell.results.append(run(entry.config, entry.folder, resume=entry.resume, overwrite=entry.overwrite,
+                                        data_cache=cache, log=log, plots=plots))
+            except (*RUN_ERRORS, _PlannedFailure) as err:
                 # One broken mechanism or option must not lose the other cells of the table.
-                cell.error = f"{type(err).__name__}: {err}"
+                cell.error = str(err) if isinstance(err, _PlannedFailure) else f"{type(err).__name__}: {err}"
                 progress.failed(label, cell.error)
-                for later in seeds[position + 1:]:  # a cell stops at its first failed seed
-                    if (index, later) not in finished:
-                        progress.skipped(f"{cell.row} / {cell.column} seed {later}", "an earlier seed of its cell "
-                                         "failed")
+                for later in entries[position + 1:]:  # a cell stops at its first failed seed
+                    if later.reuse is None:
+                        progress.skipped(f"{cell.row} / {cell.column} seed {later.seed}", "an earlier seed of its "
+                                         "cell failed")
                 break
             progress.done(label, time.perf_counter() - started, score(cell.task, cell.results[-1]))
     return cells
+
+
+class _PlannedFailure(Exception):
+    """A (cell, seed) whose config could not be resolved: recorded as the cell's error."""
+
+
+def collect_finished(cell: Cell, folder: Path) -> bool:
+    """Add the results of the run in ``folder`` to ``cell`` if that run finished (whatever its settings):
+    what a report of the finished runs in a folder (crossval --report, forecast-table --collect-only) reads."""
+    status = run_status(folder, None)
+    if status.state == "finished":
+        cell.results.append(status.results)
+    return status.state == "finished"
 
 
 def _cell_config(cell: Cell, seed: int) -> RunConfig:
     return resolve_config(cell.task, cell.preset, cell.config_file, cell.overrides, **{**cell.explicit, "seed": seed})
 
 
-def _run_cells_in_workers(cells: list[Cell], seeds: list[int], run_dir: Callable[[Cell, int], Path], resume: bool,
-                          log: Callable[[str], Any] | None, plots: bool, workers: int) -> list[Cell]:
+def _run_cells_in_workers(cells: list[Cell], planned: list[_PlannedRun], log: Callable[[str], Any] | None,
+                          plots: bool, workers: int) -> list[Cell]:
     """:func:`run_cells` with the runs spread over worker processes; each cell's results in seed order, up to
     its first failed seed (as the sequential runner, which stops a cell there: its seeds not started by then
     are skipped; those already training finish)."""
     outcomes: dict[tuple[int, int], Outcome] = {}
     jobs = []
-    for index, cell in enumerate(cells):
-        for seed in seeds:
-            folder = run_dir(cell, seed)
-            finished = folder / "results.json"
-            if resume and finished.is_file():
-                outcomes[(index, seed)] = Outcome(results=json.loads(finished.read_text()))
-                continue
-            try:
-                config = _cell_config(cell, seed)
-            except RUN_ERRORS as err:  # a bad option fails before anything trains
-                outcomes[(index, seed)] = Outcome(error=f"{type(err).__name__}: {err}")
-                print(f"  failed: {cell.row} / {cell.column}: {outcomes[(index, seed)].error}", flush=True)
-                continue
-            jobs.append(Job((index, seed), f"{cell.row} / {cell.column} seed {seed}", config, folder, group=index))
-    outcomes.update(run_jobs(jobs, workers, resume=resume, log=log is not None, plots=plots))
-    for index, cell in enumerate(cells):
-        for seed in seeds:
-            outcome = outcomes[(index, seed)]
-            if outcome.error is not None:
-                cell.error = outcome.error
-                break
+    for entry in planned:
+        key, cell = (entry.cell_index, entry.seed), cells[entry.cell_index]
+        if entry.reuse is not None:
+            outcomes[key] = Outcome(results=entry.reuse)
+        elif entry.error is not None:
+            outcomes[key] = Outcome(error=entry.error)
+            print(f"  failed: {cell.row} / {cell.column}: {entry.error}", flush=True)
+        else:
+            jobs.append(Job(key, f"{cell.row} / {cell.column} seed {entry.seed}", entry.config, entry.folder,
+                            group=entry.cell_index, resume=entry.resume, overwrite=entry.overwrite))
+    outcomes.update(run_jobs(jobs, workers, log=log is not None, plots=plots))
+    for entry in planned:
+        cell, outcome = cells[entry.cell_index], outcomes[(entry.cell_index, entry.seed)]
+        if cell.error is not None:
+            continue  # the cell stopped at an earlier seed
+        if outcome.error is not None:
+            cell.error = outcome.error
+        else:
             cell.results.append(outcome.results)
     return cells
 
@@ -378,14 +470,14 @@ def _metric_label(cells: list[Cell]) -> str:
 
 def run_sweep(spec: dict[str, Any], out_dir: str | Path, preset: str | None = None, tasks: list[str] | None = None,
               extra_overrides: list[str] = (), seeds: list[int] | None = None, resume: bool = False,
-              reference: str | None = None, workers: int = 1) -> dict[str, Any]:
+              reference: str | None = None, workers: int = 1, overwrite: bool = False) -> dict[str, Any]:
     """Train every (row, column) cell of a sweep spec (``workers`` runs at once); write ``table.md``,
     ``results.json`` and learning curves."""
     started = now()
     seeds = seeds or list(spec.get("seeds") or default_seeds(preset or spec.get("preset", "standard")))
     cells = sweep_cells(spec, preset, tasks, extra_overrides)
     sweep_reference(spec, list(dict.fromkeys(c.row for c in cells)), reference)  # a bad name fails before training
-    run_cells(cells, seeds, out_dir, resume=resume, workers=workers)
+    run_cells(cells, seeds, out_dir, resume=resume, overwrite=overwrite, workers=workers)
     summary = write_sweep_table(spec, cells, Path(out_dir), seeds, started, reference)
     write_learning_curves(curve_groups(cells), Path(out_dir))
     return summary

@@ -106,10 +106,12 @@ def _mean_se(values: list[float]) -> tuple[float | None, float | None]:
 
 def run_incoherence(tasks: list[str], seeds: list[int], out_dir: str | Path, *, ranks: tuple[int, ...] = PAPER_RANKS,
                     steps: int = PAPER_STEPS, preset: str | None = None, overrides: dict[str, list[str]] | None = None,
-                    layer: int = 0) -> tuple[list[dict[str, Any]], dict[str, tuple[Tensor, Tensor]]]:
+                    layer: int = 0, overwrite: bool = False
+                    ) -> tuple[list[dict[str, Any]], dict[str, tuple[Tensor, Tensor]]]:
     """Train skeleton attention ``steps`` steps per (task, seed) and measure the incoherence of the
     validation set's token matrices (one row per task, seed and rank), and keep Figure 2's matrices
-    (the first validation example of each task's first seed)."""
+    (the first validation example of each task's first seed). The measures need the trained models in
+    memory, so runs already in ``out_dir`` are trained again only with ``overwrite`` (refused otherwise)."""
     rows: list[dict[str, Any]] = []
     examples: dict[str, tuple[Tensor, Tensor]] = {}
     options = [f"attention_options.skeleton.{k}={v}" for k, v in PAPER_ATTENTION_OPTIONS.items()]
@@ -121,7 +123,7 @@ def run_incoherence(tasks: list[str], seeds: list[int], out_dir: str | Path, *, 
             trained: dict[str, nn.Module] = {}
             cache: dict[Any, Any] = {}
             folder = Path(out_dir) / "runs" / task / f"seed{seed}"
-            results = run(config, folder, data_cache=cache, plots=False,
+            results = run(config, folder, overwrite=overwrite, data_cache=cache, plots=False,
                           on_step_end=lambda trainer, step: trained.setdefault("model", trainer.model))
             data = next(iter(cache.values()))
             step_fn = get_task(task).step_fn(config, data)

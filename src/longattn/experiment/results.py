@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from longattn.config import config_hash
-from longattn.utils import dumps_strict
+from longattn.train.outputs import writing
+from longattn.utils import dumps_strict, write_text_atomic
 
 __all__ = ["markdown_table", "now", "provenance", "write_results"]
 
@@ -87,10 +88,8 @@ def write_results(path: str | Path, payload: dict[str, Any], *, config: Any = No
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {**payload, "provenance": provenance(config, seeds, started)}
-    text = dumps_strict(document, indent=2, default=str)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(path)
+    with writing(path.parent, path.name):  # a full disk: one line naming the folder; the old file stays whole
+        write_text_atomic(path, dumps_strict(document, indent=2, default=str) + "\n")
     return path
 
 

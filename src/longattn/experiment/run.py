@@ -8,22 +8,25 @@ and ``results.json`` (with provenance).
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from torch import nn
 
 from longattn.config import ConfigError, to_dict
-from longattn.experiment.config import RunConfig, load_saved, save_config
+from longattn.experiment.config import RunConfig, build_run_config, load_saved, save_config
 from longattn.experiment.results import now, write_results
 from longattn.models.registry import build_model
 from longattn.tasks.base import Task, TaskData, get_task
-from longattn.train.checkpoint import load_checkpoint
+from longattn.train.checkpoint import load_checkpoint, load_weights
 from longattn.train.distributed import resolve_device
 from longattn.train.loop import Trainer, evaluate
+from longattn.train.outputs import RESULTS, RunFiles, check_output_folder, clear_run, inspect_output, read_finished, writing
 from longattn.utils import seed_everything
 
-__all__ = ["build_run_model", "evaluate_run", "run"]
+__all__ = ["RunStatus", "build_run_model", "config_differences", "evaluate_run", "run", "run_status"]
 
 
 def build_run_model(config: RunConfig, task: Task, data: TaskData) -> nn.Module:
@@ -50,17 +53,79 @@ def _data(task: Task, config: RunConfig, cache: dict[Any, Any] | None) -> TaskDa
     return data
 
 
-def check_resume(config: RunConfig, out_dir: Path) -> None:
-    """``--resume`` must continue the same settings: compare with the saved config, section by section."""
+def config_differences(config: RunConfig, out_dir: Path) -> list[str] | None:
+    """The sections in which ``config`` differs from the config saved in ``out_dir`` (None: none saved).
+    A saved config that no longer loads counts as differing everywhere (``["config.yaml"]``)."""
     saved = out_dir / "config.yaml"
     if not saved.is_file():
-        return
-    previous = to_dict(load_saved(saved))
-    current = to_dict(config)
-    changed = sorted(k for k in set(current) | set(previous) if current.get(k) != previous.get(k))
+        return None
+    try:
+        return _sections_differing(load_saved(saved), config)
+    except ConfigError:
+        return ["config.yaml"]
+
+
+def _sections_differing(saved: RunConfig, config: RunConfig) -> list[str]:
+    previous, current = to_dict(saved), to_dict(config)
+    for tree in (previous, current):  # a progress bar changes nothing a run computes
+        tree.get("train", {}).pop("progress", None)
+    return sorted(k for k in set(current) | set(previous) if current.get(k) != previous.get(k))
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """What a run folder holds for ``config``: nothing of a run (``empty``), its ``finished`` run (``results``),
+    an ``interrupted`` one, or a run of ``another`` configuration (``differences``: the sections)."""
+
+    state: Literal["empty", "finished", "interrupted", "another"]
+    files: RunFiles
+    results: dict[str, Any] | None = None
+    differences: tuple[str, ...] = ()
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def run_status(folder: str | Path, config: RunConfig | None) -> RunStatus:
+    """Whether ``folder`` holds the finished run of ``config``: its finished marker (written last, atomically)
+    and a saved config equal to ``config`` (``config=None``: any finished run). A folder with ``results.json``
+    and ``config.yaml`` only (an archived run: checkpoints and log left out) counts as finished too; a
+    ``results.json`` beside checkpoints or a log but without the marker is an interrupted run, whatever its age."""
+    folder = Path(folder)
+    files = inspect_output(folder)
+    if files.empty:
+        return RunStatus("empty", files)
+    results = _read_json(folder / RESULTS)
+    differences = [] if config is None else config_differences(config, folder)
+    if differences is None and results is not None and isinstance(results.get("config"), dict):
+        try:  # an archived run without its config.yaml: the config recorded in its results
+            differences = _sections_differing(build_run_config(results["config"]), config)
+        except ConfigError:
+            differences = ["config"]
+    if differences:
+        return RunStatus("another", files, differences=tuple(differences))
+    if differences is None:  # no saved config at all: nothing says whose run this is
+        return RunStatus("another", files, differences=("config.yaml missing",))
+    finished = read_finished(folder) if files.finished else None
+    if finished is not None:
+        return RunStatus("finished", files, results if results is not None else finished["results"])
+    if results is not None and not files.has_checkpoints and not files.finished:
+        return RunStatus("finished", files, results)
+    return RunStatus("interrupted", files)
+
+
+def check_resume(config: RunConfig, out_dir: Path) -> None:
+    """``--resume`` must continue the same settings: compare with the saved config, section by section."""
+    changed = config_differences(config, out_dir)
     if changed:
-        raise ConfigError(f"--resume: the config differs from the one saved in {saved} (sections {changed}); "
-                          "resume with the same options, or train into a new --out folder")
+        raise ConfigError(f"--resume: the config differs from the one saved in {out_dir / 'config.yaml'} (sections "
+                          f"{changed}); resume with the same options, replace the run with --overwrite, or train "
+                          "into a new --out folder")
 
 
 def run(
@@ -68,6 +133,7 @@ def run(
     out_dir: str | Path,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     data_cache: dict[Any, Any] | None = None,
     on_step_end: Callable[[Trainer, int], None] | None = None,
     log: Callable[[str], Any] | None = None,
@@ -75,8 +141,9 @@ def run(
 ) -> dict[str, Any]:
     """Train ``config`` into ``out_dir`` and return the results (also written to results.json).
 
-    ``resume`` continues exactly from ``checkpoints/last.pt`` (refused if the config differs from the
-    saved one). Runs sharing a ``data_cache`` dict reuse built data when the task's cache key matches.
+    A folder that holds a run is refused unless ``resume`` (continue exactly from ``checkpoints/last.pt``;
+    refused if the config differs from the saved one) or ``overwrite`` (replace it) says what to do
+    (:func:`longattn.train.outputs.check_output_folder`). Runs sharing a ``data_cache`` dict reuse built data when the task's cache key matches.
     ``log`` receives one line per validation (tasks that have something to say, e.g. forecasting's epochs).
     """
     started = now()
@@ -85,6 +152,7 @@ def run(
     for folder in (out_dir, *out_dir.parents):
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"--out {out_dir}: {folder} is a file, not a folder; choose another output folder")
+    check_output_folder(out_dir, resume=resume, overwrite=overwrite)  # before any data is built
     if resume:
         check_resume(config, out_dir)
     data = _data(task, config, data_cache)
@@ -119,8 +187,11 @@ def run(
     )
     if trainer.dist.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, out_dir / "config.yaml")
-    results = trainer.fit(resume=resume)
+        if overwrite:  # the old run goes before the new config is written: never its marker beside our config
+            clear_run(out_dir)
+        with writing(out_dir, "config.yaml", "nothing of this run was written yet"):
+            save_config(config, out_dir / "config.yaml")
+    results = trainer.fit(resume=resume, overwrite=overwrite)
     if not trainer.dist.is_main:  # the main process added these in finish()
         results.update(task.describe(config, data, results))
     if trainer.dist.is_main and plots:
@@ -151,7 +222,7 @@ def evaluate_run(out_dir: str | Path, split: str = "test", checkpoint: str = "be
     model = build_run_model(config, task, data)
     path = out_dir / "checkpoints" / f"{checkpoint}.pt" if checkpoint in ("best", "last") else Path(checkpoint)
     device = resolve_device(config.train.device)
-    model.load_state_dict(load_checkpoint(path, map_location="cpu")["model"])
+    load_weights(model, load_checkpoint(path, map_location="cpu")["model"], path)  # another run's weights: an error
     model.to(device)
     result = evaluate(
         model, dataset, data.collate, task.step_fn(config, data), task.metrics(config, data),

@@ -25,13 +25,13 @@ PAPER_BATCHES = (64, 128)
 
 def run_sensitivity(task: str, attention: str, learning_rates: list[float], batches: list[int], seeds: list[int],
                     out_dir: str | Path, *, preset: str | None = None, overrides: list[str] | None = None,
-                    resume: bool = False) -> list[dict[str, Any]]:
+                    resume: bool = False, overwrite: bool = False) -> list[dict[str, Any]]:
     """Train every (learning rate, batch) for every seed; one row per cell with its per-seed figures."""
     cells = [Cell(row=f"lr={lr:g}", column=f"batch={batch}", task=task, preset=preset,
                   overrides=[*(overrides or []), f"optim.lr={lr}", f"train.batch_size={batch}"],
                   explicit={"attention": attention})
              for lr in learning_rates for batch in batches]
-    run_cells(cells, seeds, out_dir, resume=resume, plots=False)
+    run_cells(cells, seeds, out_dir, resume=resume, overwrite=overwrite, plots=False)
     rows = []
     for cell, (lr, batch) in zip(cells, [(lr, b) for lr in learning_rates for b in batches]):
         rows.append({"learning_rate": lr, "batch": batch, "error": cell.error, "test_accuracy": cell.values(),

@@ -73,8 +73,13 @@ def run_accuracy_cost(runs: str | Path, out_dir: str | Path, datasets: list[str]
     summary_path = runs / "results.json"
     if not summary_path.is_file():
         raise ConfigError(f"no cross-validation summary {summary_path}; run longattn crossval --out {runs} first")
-    summary = json.loads(summary_path.read_text())
-    entries = {(e["dataset"], e["model"]): e for e in summary["entries"] if e.get("test_mean") is not None}
+    try:
+        summary = json.loads(summary_path.read_text())
+        entries = {(e["dataset"], e["model"]): e for e in summary["entries"] if e.get("test_mean") is not None}
+        summary["datasets"], summary["models"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{summary_path} is not a cross-validation summary ({type(err).__name__}: {err}); "
+                          f"run longattn crossval --out {runs} again to rewrite it") from None
     datasets = datasets or summary["datasets"]
     rows = []
     for dataset in datasets:
@@ -141,7 +146,8 @@ def plot_accuracy_cost(rows: list[dict[str, Any]], path: str | Path) -> None:
 
 def run_rank_sweep(dataset: str, ranks: list[int], out_dir: str | Path, *, data_dir: str | None = None,
                    preset: str | None = "cpu", overrides: list[str] | tuple[str, ...] = (), folds: int = 5,
-                   only_folds: list[int] | None = None, seed: int = 0, resume: bool = False) -> dict[str, Any]:
+                   only_folds: list[int] | None = None, seed: int = 0, resume: bool = False,
+                   overwrite: bool = False) -> dict[str, Any]:
     """Cross-validate Singularformer on ``dataset`` once per r in ``ranks`` (``<out>/r<r>/``, the crossval
     layout) and write ``figure7.{json,md,png}``: test accuracy (mean ± std over the folds run) against r."""
     if not ranks or any(r < 1 for r in ranks):
@@ -153,7 +159,7 @@ def run_rank_sweep(dataset: str, ranks: list[int], out_dir: str | Path, *, data_
         summary = run_crossval([dataset], [SINGULAR_MODEL], out / f"r{rank}", preset=preset,
                                overrides=[*overrides, *extra, "attention=singular",
                                           f"attention_options.singular.rank={rank}"], folds=folds,
-                               only_folds=only_folds, seed=seed, resume=resume)
+                               only_folds=only_folds, seed=seed, resume=resume, overwrite=overwrite)
         entry = summary["entries"][0]
         rows.append({"rank": rank, "folds": [f["fold"] for f in entry["folds"]],
                      "test_accuracy": [f["test"] for f in entry["folds"]], "test_mean": entry["test_mean"],

@@ -100,7 +100,7 @@ def _slug(text: str) -> str:
 
 
 def pretrain_grid(spec: dict[str, Any], out_dir: Path, data_overrides: list[str], resume: bool = False,
-                  workers: int = 1) -> dict[str, Path]:
+                  workers: int = 1, overwrite: bool = False) -> dict[str, Path]:
     """MLM-pretrain every mechanism of ``spec`` into ``out_dir/pretrain/<mechanism>`` (``workers`` at once);
     their folders."""
     part = spec.get("pretrain", {})
@@ -108,13 +108,15 @@ def pretrain_grid(spec: dict[str, Any], out_dir: Path, data_overrides: list[str]
     cells = [Cell(name, "pretrain", "mlm", part.get("preset"), overrides=[*part.get("set", []), *data_overrides],
                   explicit={"attention": name}) for name in mechanisms]
     folders = {name: out_dir / "pretrain" / name for name in mechanisms}
-    run_cells(cells, [0], out_dir, run_dir=lambda cell, seed: folders[cell.row], resume=resume, workers=workers)
+    run_cells(cells, [0], out_dir, run_dir=lambda cell, seed: folders[cell.row], resume=resume, overwrite=overwrite,
+              workers=workers)
     failed = {c.row: c.error for c in cells if c.error}
     return {name: folder for name, folder in folders.items() if name not in failed}
 
 
 def finetune_grid(spec: dict[str, Any], out_dir: Path, starts: dict[str, str], data_overrides: list[str],
-                  resume: bool = False, extra_overrides: list[str] = (), workers: int = 1) -> list[Cell]:
+                  resume: bool = False, extra_overrides: list[str] = (), workers: int = 1,
+                  overwrite: bool = False) -> list[Cell]:
     """Fine-tune each mechanism (from ``starts[mechanism]``: a pretraining folder or ``minilm``) on every
     task and search point of ``spec`` for every seed (``workers`` runs at once); one :class:`Cell` per
     (mechanism, task, point)."""
@@ -129,7 +131,8 @@ def finetune_grid(spec: dict[str, Any], out_dir: Path, starts: dict[str, str], d
                                              *data_overrides, *extra_overrides],
                                   explicit={"attention": name}))
     folder = lambda cell, seed: out_dir / "finetune" / cell.row / _slug(cell.column) / f"seed{seed}"  # noqa: E731
-    return run_cells(cells, seeds, out_dir, run_dir=folder, resume=resume, plots=False, workers=workers)
+    return run_cells(cells, seeds, out_dir, run_dir=folder, resume=resume, overwrite=overwrite, plots=False,
+                     workers=workers)
 
 
 def select_best(cells: list[Cell]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -239,12 +242,12 @@ def _plot(best: dict[tuple[str, str], dict[str, Any]], mechanisms: list[str], me
 
 
 def run_table3(spec: dict[str, Any], out_dir: str | Path, corpus_overrides: list[str], glue_overrides: list[str],
-               resume: bool = False, workers: int = 1) -> dict[str, Any]:
+               resume: bool = False, workers: int = 1, overwrite: bool = False) -> dict[str, Any]:
     """The whole Table 3 grid: pretrain every mechanism, fine-tune each with the search (``workers`` runs at
     once), write the table."""
     started = now()
     out_dir = Path(out_dir)
-    starts = pretrain_grid(spec, out_dir, corpus_overrides, resume, workers)
+    starts = pretrain_grid(spec, out_dir, corpus_overrides, resume, workers, overwrite=overwrite)
     cells = finetune_grid(spec, out_dir, {name: str(folder.resolve()) for name, folder in starts.items()},
-                          glue_overrides, resume, workers=workers)
+                          glue_overrides, resume, workers=workers, overwrite=overwrite)
     return write_transfer_table(spec, cells, out_dir, label=out_dir.name, started=started)

@@ -52,6 +52,8 @@ class Job:
     config: RunConfig
     folder: Path
     group: Any = None
+    resume: bool = False  # continue the interrupted run in ``folder``
+    overwrite: bool = False  # replace the run in ``folder``
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def _start_worker(threads: int) -> None:
     optional_import("tqdm").tqdm.set_lock(threading.RLock())
 
 
-def _train(config: RunConfig, folder: Path, resume: bool, log: bool, plots: bool) -> Outcome:
+def _train(config: RunConfig, folder: Path, resume: bool, overwrite: bool, log: bool, plots: bool) -> Outcome:
     """In a worker: one run, its output appended to ``folder/log.txt``; a run error comes back as text."""
     global _interrupted
     if _interrupted:  # a queued run that reached this worker after Ctrl-C: start nothing, write nothing
@@ -95,7 +97,7 @@ def _train(config: RunConfig, folder: Path, resume: bool, log: bool, plots: bool
     with (open(folder / LOG_NAME, "a", encoding="utf-8", buffering=1) as handle, redirect_stdout(handle),
           redirect_stderr(handle)):
         try:
-            results = run(config, folder, resume=resume, data_cache=_WORKER_DATA_CACHE,
+            results = run(config, folder, resume=resume, overwrite=overwrite, data_cache=_WORKER_DATA_CACHE,
                           log=print if log else None, plots=plots)
         except RUN_ERRORS as err:
             traceback.print_exc()
@@ -106,7 +108,7 @@ def _train(config: RunConfig, folder: Path, resume: bool, log: bool, plots: bool
     return Outcome(results=results, seconds=time.perf_counter() - started)
 
 
-def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: bool,
+def run_jobs(jobs: list[Job], workers: int, *, log: bool, plots: bool,
              threads: int | None = None) -> dict[Any, Outcome]:
     """Train ``jobs`` in ``workers`` processes of ``threads`` threads each (default: an even share), in the
     order given (each worker takes the next job when it is free); {job.key: outcome}.
@@ -141,7 +143,7 @@ def run_jobs(jobs: list[Job], workers: int, *, resume: bool, log: bool, plots: b
                 outcomes[job.key] = Outcome(error=f"not run: {reason}")
                 progress.skipped(job.label, reason)
                 continue
-            pending[pool.submit(_train, job.config, job.folder, resume, log, plots)] = job
+            pending[pool.submit(_train, job.config, job.folder, job.resume, job.overwrite, log, plots)] = job
             return
 
     try:

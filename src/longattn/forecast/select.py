@@ -36,7 +36,7 @@ def candidates(grid: list[str]) -> list[list[str]]:
 
 def select_settings(dataset: str, data_dir: str | None, model: str, pred_len: int, grid: list[str],
                     out: str | Path, overrides: list[str] = (), seeds: list[int] = (0,), attention: str | None = None,
-                    log: Any = print, workers: int = 1) -> dict[str, Any]:
+                    log: Any = print, workers: int = 1, overwrite: bool = False) -> dict[str, Any]:
     """Train every candidate without a test split (``workers`` runs at once); the one with the lowest mean
     validation MSE wins."""
     name = dataset_name(dataset)
@@ -48,7 +48,8 @@ def select_settings(dataset: str, data_dir: str | None, model: str, pred_len: in
                     "data": {"dataset": source, "data_dir": data_dir, "pred_len": pred_len, "use_test": False}}
         cells.append(Cell(label, model, "forecasting", find_preset(dataset), None, [*overrides, *combo], explicit))
     out = Path(out)
-    run_cells(cells, list(seeds), out, resume=True, log=log, plots=False, workers=workers)
+    run_cells(cells, list(seeds), out, resume=not overwrite, overwrite=overwrite, log=log, plots=False,
+              workers=workers)
     rows = []
     for cell, combo in zip(cells, candidates(grid)):
         values = cell.values("mse", split="val")

@@ -1,19 +1,18 @@
 """SKTformer Table 2 as a grid: datasets x horizons (rows) x models (columns) x seeds, each cell a run.
 
 ``run_table`` builds the cells and hands them to the one grid runner (:mod:`longattn.experiment.grid`);
-each (cell, seed) trains in ``<out>/<dataset>/<model>/h<horizon>_s<seed>`` and a finished cell (one with a
-``results.json``) is never trained again. ``format_table`` prints the layout of the papers' Table 2 with
+each (cell, seed) trains in ``<out>/<dataset>/<model>/h<horizon>_s<seed>`` and a finished cell (its run's
+finished marker, with the same config) is never trained again unless ``overwrite``. ``format_table`` prints the layout of the papers' Table 2 with
 the paper's numbers beside ours.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from longattn.experiment.config import resolve_config
-from longattn.experiment.grid import PAPER_SEEDS, Cell, run_cells
+from longattn.experiment.grid import PAPER_SEEDS, Cell, collect_finished, run_cells
 from longattn.experiment.results import markdown_table
 from longattn.experiment.stats import format_difference, legend, paired_difference, summarize
 from longattn.data.timeseries import resolve_series
@@ -78,11 +77,11 @@ def _rows(cells: list[Cell], seeds: list[int]) -> list[dict[str, Any]]:
 def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str], out: str | Path,
               horizons: list[int] | None = None, overrides: list[str] = (), seeds: list[int] | None = None,
               device: str | None = None, log: Any = print, collect_only: bool = False,
-              workers: int = 1) -> list[dict[str, Any]]:
-    """Run every (dataset, horizon, model, seed) cell not already done (results.json present), ``workers`` at
-    once; the rows.
+              workers: int = 1, overwrite: bool = False) -> list[dict[str, Any]]:
+    """Run every (dataset, horizon, model, seed) cell not already finished (its finished run is reused, an
+    interrupted one continued; ``overwrite`` trains them all again), ``workers`` at once; the rows.
 
-    ``collect_only`` trains nothing: a (cell, seed) without results gives a row marked ``missing``.
+    ``collect_only`` trains nothing: a (cell, seed) without a finished run gives a row marked ``missing``.
     """
     seeds = seeds or list(range(PAPER_SEEDS))  # the configs are the papers' settings
     cells = forecast_cells(data_dir, datasets, models, horizons, overrides, device)
@@ -95,16 +94,15 @@ def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str
         rows = []
         for cell in cells:
             for seed in seeds:
-                done = run_dir(cell, seed) / "results.json"
-                if done.is_file():
-                    cell.results = [json.loads(done.read_text())]
+                cell.results = []
+                if collect_finished(cell, run_dir(cell, seed)):
                     rows += _rows([cell], [seed])
                 else:
                     dataset, horizon = cell.row.rsplit("/", 1)
                     rows.append({"dataset": dataset, "horizon": int(horizon), "model": cell.column, "seed": seed,
                                  "missing": True})
         return rows
-    run_cells(cells, seeds, out, run_dir=run_dir, resume=True, log=log, workers=workers)
+    run_cells(cells, seeds, out, run_dir=run_dir, resume=not overwrite, overwrite=overwrite, log=log, workers=workers)
     return _rows(cells, seeds)
 
 

@@ -33,12 +33,12 @@ from torch import Tensor, nn
 
 from longattn.attention import build as build_mechanism
 from longattn.attention import capabilities
-from longattn.config import read_yaml
+from longattn.config import to_dict
 from longattn.hf.bridge import _transformers, register
 from longattn.hf.convert import NO_QKV_MAPPING, convert
 from longattn.hf.minilm import minilm_path
 from longattn.models.registry import register_model
-from longattn.train.checkpoint import load_checkpoint
+from longattn.train.checkpoint import CheckpointError, load_checkpoint, load_weights
 
 __all__ = ["BertGlue", "BertMLM", "BertShape", "MIXERS", "MixerSelfAttention", "bert_config", "use_mechanism"]
 
@@ -154,7 +154,9 @@ def _from_pretrain_run(folder: Path, attention: str, options: dict[str, Any], dr
     if not saved_path.is_file():
         raise FileNotFoundError(f"{saved_path} does not exist: pretrained= must be the --out folder of "
                                 "`longattn pretrain`, or 'minilm'")
-    saved = read_yaml(saved_path)
+    from longattn.experiment.config import load_saved  # the experiment layer, which imports this module's models
+
+    saved = to_dict(load_saved(saved_path))  # checked: a damaged or foreign config.yaml is an error naming it
     if saved.get("model_name") != "bert_mlm":
         raise ValueError(f"{folder} is a {saved.get('model_name')!r} run, not a bert_mlm pretraining")
     pretrained_options = (saved.get("attention_options") or {}).get(saved["attention"], {})
@@ -163,23 +165,26 @@ def _from_pretrain_run(folder: Path, attention: str, options: dict[str, Any], dr
                          f"fine-tune it with the same (got {attention!r} {options})")
     model = saved["model"]
     max_len = int(saved["data"]["max_len"])
-    state = load_checkpoint(_pretrain_checkpoint(folder))["model"]
+    checkpoint = _pretrain_checkpoint(folder)
+    state = load_checkpoint(checkpoint)["model"]
     prefix = "mlm.bert."
     transformers = _transformers()
     if model.get("pretrained") == MINILM:  # a re-warmed MiniLM: MiniLM's architecture
         config = transformers.BertConfig.from_pretrained(str(minilm_path()), **_minilm_settings(dropout))
     else:
         shape = BertShape(model["hidden_size"], model["layers"], model["heads"], model["intermediate_size"])
-        vocab_size = state[prefix + "embeddings.word_embeddings.weight"].shape[0]
+        embeddings = state.get(prefix + "embeddings.word_embeddings.weight")
+        if embeddings is None:
+            raise CheckpointError(f"{checkpoint} holds no BERT encoder ({prefix}...): is {folder} a `longattn "
+                                  "pretrain` run?")
+        vocab_size = embeddings.shape[0]
         config = bert_config(vocab_size, max_len, shape, dropout)
     bert = transformers.BertModel(config)
     use_mechanism(bert, attention, options, max_len, model["mechanism_seed"])
     encoder_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    missing, unexpected = bert.load_state_dict(encoder_state, strict=False)
-    missing = [k for k in missing if not k.startswith("pooler.")]  # BERT's pooler is trained by NSP, absent here
-    if missing or unexpected:
-        raise ValueError(f"{folder}: the checkpoint does not fit the encoder (missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]})")
+    # BERT's pooler is trained by NSP, absent here; anything else that does not fit (a config.yaml edited since
+    # the pretraining) is an error naming the checkpoint
+    load_weights(bert, encoder_state, checkpoint, ignore=lambda name: name.startswith("pooler."))
     return bert
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from longattn.attention.base import AttentionBase, AttentionError, build, get_spec
+from longattn.train.checkpoint import CheckpointError, first_line, load_weights
 from longattn.hf.bridge import (
     CONVERTED_KEY,
     ModelProjections,
@@ -250,7 +251,10 @@ def convert(
 def _state_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CheckpointError(f"{index} is damaged: not a safetensors index ({first_line(error)})") from None
         return [folder / s for s in shards]
     single = folder / "model.safetensors"
     if not single.is_file():
@@ -281,12 +285,14 @@ def from_pretrained(path: str | Path, model_class: type | None = None, **config_
             seed=record.get("seed", 0), **record.get("options", {}))
     state: dict[str, Tensor] = {}
     for file in _state_files(folder):
-        state.update(load_file(str(file)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            state.update(load_file(str(file)))
+        except Exception as error:  # safetensors' SafetensorError (damaged header or data), OSError
+            raise CheckpointError(f"{file} is damaged or truncated ({first_line(error)})") from None
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise AttentionError(f"{folder}: weights do not match the converted model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
+    # a config.json edited since the save (sizes, or the mechanism's options) builds a model the weights
+    # do not fit: an error naming the folder, not torch's long one
+    load_weights(model, state, ", ".join(str(file) for file in _state_files(folder)), ignore=lambda name: name in tied,
+                 hint=f"{folder / 'config.json'} no longer describes the saved model (edited since save_pretrained?)")
     model.tie_weights()
     return model.eval()

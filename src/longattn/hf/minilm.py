@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from longattn.hf.bridge import _transformers
+from longattn.train.checkpoint import CheckpointError, first_line
 
 __all__ = ["load_bert", "load_tokenizer", "minilm_path"]
 
@@ -39,13 +40,35 @@ def load_bert(path: str | Path | None = None, pretrained: bool = True, seed: int
 
     ``pretrained=False`` gives the same architecture with transformers' own BERT initialisation
     (normal(0, initializer_range) weights) drawn from ``seed``: the "randomly initialised" setting.
+    A damaged ``model.safetensors``, or a ``config.json`` whose model has weights the file lacks (or of other
+    shapes), is a :class:`~longattn.train.checkpoint.CheckpointError` naming the file: transformers itself
+    would initialise the missing weights at random with a warning.
     """
     transformers = _transformers()
     folder = _folder(path)
     if pretrained:
-        model = transformers.BertModel.from_pretrained(
-            str(folder), local_files_only=True, attn_implementation=attn_implementation
-        )
+        weights = folder / "model.safetensors"
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # its load report: the error below says it in one line
+        try:
+            model, info = transformers.BertModel.from_pretrained(
+                str(folder), local_files_only=True, attn_implementation=attn_implementation, output_loading_info=True
+            )
+        except Exception as error:  # SafetensorError, or transformers' RuntimeError for weights of other shapes
+            if type(error).__name__ == "SafetensorError":
+                raise CheckpointError(f"{weights} is damaged or truncated ({first_line(error)})") from None
+            if isinstance(error, RuntimeError) and "mismatched" in str(error):
+                raise CheckpointError(f"{folder / 'config.json'} no longer matches {weights}: weights of other "
+                                      "shapes (edit the config back, or use the folder the weights were saved with)"
+                                      ) from None
+            raise
+        finally:
+            transformers.logging.set_verbosity(verbosity)
+        unfit = {kind: sorted(info[kind])[:3] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                 if info.get(kind)}
+        if unfit:
+            raise CheckpointError(f"{folder / 'config.json'} no longer matches {weights}: "
+                                  + "; ".join(f"{kind.replace('_keys', '')} {names}" for kind, names in unfit.items()))
     else:
         config = transformers.BertConfig.from_pretrained(str(folder), local_files_only=True)
         config._attn_implementation = attn_implementation
@@ -63,4 +86,7 @@ def load_tokenizer(path: str | Path | None = None):
     file = folder / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"tokenizer file {file} is missing")
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise CheckpointError(f"{file} is damaged: not a tokenizers file ({first_line(error)})") from None

@@ -29,13 +29,14 @@ class EncoderBlock(nn.Module):
     """One residual block: pre-LN ``x + f(LN(x))`` (default) or post-LN ``LN(x + f(x))``.
 
     A mechanism that declares ``replaces_ffn`` (FLASH's GAU) is attention and FFN in one: the
-    block is then its single residual sublayer, without a feed-forward network.
+    block is then its single residual sublayer, without a feed-forward network; ``hidden=0`` leaves
+    the feed-forward network out for any mechanism (attention-only blocks).
     """
 
     def __init__(self, attention: nn.Module, dim: int, hidden: int, dropout: float, norm: str) -> None:
         super().__init__()
         self.attention = attention
-        has_ffn = not getattr(attention, "capabilities", attention_registry.Capabilities()).replaces_ffn
+        has_ffn = hidden > 0 and not getattr(attention, "capabilities", attention_registry.Capabilities()).replaces_ffn
         self.ffn = FeedForward(dim, hidden, dropout) if has_ffn else None
         self.norm_attention = nn.LayerNorm(dim)
         self.norm_ffn = nn.LayerNorm(dim) if has_ffn else None

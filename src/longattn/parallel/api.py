@@ -17,6 +17,7 @@ sum over the ranks of the sequence-parallel group. Inside DistributedDataParalle
 
 from __future__ import annotations
 
+import zlib
 from typing import Callable
 
 import torch
@@ -24,7 +25,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from longattn.attention.base import AttentionBase, AttentionError, get_spec
-from longattn.parallel.comm import Shard, all_gather_sequence, locate_shard
+from longattn.parallel.comm import (CollectiveMismatch, Shard, all_gather_sequence, device_code, dtype_code,
+                                    locate_shard)
 
 __all__ = [
     "SequenceParallelAttention",
@@ -81,18 +83,55 @@ class SequenceParallelAttention(nn.Module):
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None, layer_state: dict | None = None) -> Tensor:
         layer = self.layer
-        layer.check_input(x, attention_mask)  # before the first collective: a bad input fails here
-        shard = locate_shard(x.shape[1], self.group, x.device)
+        empty = isinstance(x, Tensor) and x.dim() == 3 and x.shape[1] == 0
+        if empty:
+            # A rank that holds no token (a sequence shorter than the group) still takes part in every
+            # collective: it runs the form on one padding token of its own, after the sequence's end.
+            if attention_mask is None:
+                attention_mask = torch.ones(x.shape[0], 0, dtype=torch.bool, device=x.device)
+            x = torch.cat((x, x.new_zeros(x.shape[0], 1, x.shape[2])), dim=1)
+            attention_mask = torch.cat((attention_mask, attention_mask.new_zeros(x.shape[0], 1)), dim=1)
+        if not isinstance(x, Tensor):
+            raise AttentionError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        try:  # a bad input fails here, before the first collective, on every rank (see below)
+            layer.check_input(x, attention_mask)
+            problem = None
+        except AttentionError as error:
+            problem = error
+        # the one small all-gather that gives the shard lengths also checks that every rank runs the same
+        # layer (name, options, parameter shapes) on an input of the same batch, width, dtype and device, and
+        # that no rank's input failed its checks (that rank raises its own error, the others name it)
+        describe = {"input check": int(problem is None), **_describe(layer, x, attention_mask)}
+        try:
+            shard = locate_shard(x.shape[1] if x.dim() == 3 else 0, self.group, x.device, describe=describe,
+                                 virtual=int(empty))
+        except CollectiveMismatch:
+            if problem is not None:
+                raise problem from None
+            raise
+        if problem is not None:  # every rank's input failed alike
+            raise problem
         if layer.capabilities.needs_max_len and shard.total > layer.max_len:
             raise AttentionError(
                 f"sequence length {shard.total} (all shards) exceeds max_len={layer.max_len} of this "
                 f"{layer.name!r} layer"
             )
         form = _FORMS[layer.name]
-        return layer.forward_with(lambda *args: form(layer, *args, shard), x, attention_mask, layer_state)
+        out = layer.forward_with(lambda *args: form(layer, *args, shard), x, attention_mask, layer_state)
+        return out[:, :0] if empty else out
 
     def extra_repr(self) -> str:
         return f"group={'WORLD' if self.group is None else self.group}"
+
+
+def _describe(layer: AttentionBase, x: Tensor, attention_mask: Tensor | None) -> dict[str, int]:
+    """What must be equal on every rank of the group, as integers (one all-gather compares them)."""
+    signature = f"{layer.name} {layer.extra_repr()} " + " ".join(
+        f"{name}{list(t.shape)}{t.dtype}" for name, t in layer.state_dict().items())
+    batch, _, width = x.shape if x.dim() == 3 else (-1, -1, -1)  # not [B, N, dim]: check_input says so
+    return {"batch size": batch, "feature size": width, "dtype": dtype_code(x.dtype),
+            "device": device_code(x.device), "mask": int(attention_mask is not None),
+            "training mode": int(layer.training), "layer": zlib.crc32(signature.encode())}
 
 
 def sequence_parallel(layer: AttentionBase, group: dist.ProcessGroup | None = None) -> SequenceParallelAttention:
@@ -101,28 +140,35 @@ def sequence_parallel(layer: AttentionBase, group: dist.ProcessGroup | None = No
     return SequenceParallelAttention(layer, group)
 
 
+def shard_bounds(length: int, world: int, rank: int) -> tuple[int, int]:
+    """[start, end) of rank's part when ``length`` tokens are cut into ``world`` contiguous parts whose lengths
+    differ by at most one (the first ``length % world`` parts hold one token more; with fewer tokens than
+    ranks, the last ranks hold none)."""
+    part, extra = divmod(length, world)
+    start = rank * part + min(rank, extra)
+    return start, start + part + (rank < extra)
+
+
 def shard_sequence(
     x: Tensor, attention_mask: Tensor | None = None, group: dist.ProcessGroup | None = None
 ) -> tuple[Tensor, Tensor]:
-    """This rank's contiguous part of ``x`` [B, N, ...] and of its mask (True = real token).
-
-    The sequence is cut into equal parts of ceil(N / world) tokens; the last rank's part is
-    padded at the end (zeros, mask False), so a mask is always returned."""
+    """This rank's contiguous part of ``x`` [B, N, ...] and of its mask (True = real token; all True when
+    no mask is given). The parts' lengths differ by at most one token (:func:`shard_bounds`) and nothing is
+    padded, so every mechanism sees the sequence's own length N (cosFormer's M, for one); a rank may get no
+    token when N is smaller than the group."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     batch, length = x.shape[:2]
     mask = torch.ones(batch, length, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask
-    part = -(-length // world)
-    pad = part * world - length
-    if pad:
-        x = torch.cat((x, x.new_zeros((batch, pad) + tuple(x.shape[2:]))), dim=1)
-        mask = torch.cat((mask, mask.new_zeros(batch, pad)), dim=1)
-    return x[:, rank * part : (rank + 1) * part], mask[:, rank * part : (rank + 1) * part]
+    start, end = shard_bounds(length, world, rank)
+    return x[:, start:end], mask[:, start:end]
 
 
 def gather_sequence(y_local: Tensor, length: int | None = None, group: dist.ProcessGroup | None = None) -> Tensor:
     """The whole sequence from every rank's part [B, N_local, ...] (rank order), cut to ``length``
     tokens (dropping the padding :func:`shard_sequence` added). Differentiable."""
-    shard = locate_shard(y_local.shape[1], group, y_local.device)
+    shard = locate_shard(y_local.shape[1], group, y_local.device,
+                         describe={"dtype": dtype_code(y_local.dtype), "device": device_code(y_local.device),
+                                   "number of dimensions": y_local.dim()})
     whole = all_gather_sequence(y_local, shard, dim=1)
     return whole if length is None else whole[:, :length]
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import Tensor
 
 from longattn.attention.base import AttentionBase
@@ -22,7 +20,7 @@ from longattn.attention.cosformer import cosformer_features
 from longattn.attention.linear import CAUSAL_CHUNK, _mask_keys, causal_kernel_sums, elu_feature_map, kernel_sums
 from longattn.attention.performer import favor_features
 from longattn.parallel.api import register_form
-from longattn.parallel.comm import Shard, _nbytes, _record, all_reduce_max, all_reduce_sum
+from longattn.parallel.comm import Shard, _nbytes, _record, all_gather, all_reduce_max, all_reduce_sum, broadcast
 
 
 def _causal_sums_across_shards(phi_q: Tensor, phi_k: Tensor, value: Tensor, shard: Shard, chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
@@ -30,7 +28,7 @@ def _causal_sums_across_shards(phi_q: Tensor, phi_k: Tensor, value: Tensor, shar
     the states sum_j phi(K_j) V_j^T and sum_j phi(K_j) of all earlier ranks."""
     numerator, normaliser = causal_kernel_sums(phi_q, phi_k, value, chunk)
     state = torch.cat((phi_k.transpose(-1, -2) @ value, phi_k.sum(-2).unsqueeze(-1)), dim=-1)  # [B, H, F, Dv+1]
-    states = dist_fn.all_gather(state.contiguous(), group=shard.group)
+    states = all_gather(state, shard, "all_gather states")
     _record("all_gather states", _nbytes(state) * shard.world_size, state)
     # every rank reads every gathered state (weight 0 for later ranks), so that every rank runs the
     # all-gather's backward collective
@@ -65,9 +63,7 @@ def performer_form(layer: AttentionBase, x: Tensor, attention_mask: Tensor | Non
         if int(layer.calls_since_redraw) >= layer.redraw_interval:
             layer.redraw_features()
             # every rank must use the same features: the group's first rank draws them
-            source = 0 if shard.group is None else dist.get_global_rank(shard.group, 0)
-            dist.broadcast(layer.projection, src=source, group=shard.group)
-            _record("broadcast features", _nbytes(layer.projection))
+            broadcast(layer.projection, shard, "broadcast features")
         layer.calls_since_redraw += 1
     q, k, v = layer.proj.qkv(x)
     phi_q, phi_k = favor_features(q, k, layer.projection, attention_mask, partial(all_reduce_max, shard=shard))
@@ -80,10 +76,13 @@ def performer_form(layer: AttentionBase, x: Tensor, attention_mask: Tensor | Non
 @register_form("cosformer")
 def cosformer_form(layer: AttentionBase, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None, shard: Shard) -> Tensor:
     q, k, v = layer.proj.qkv(x)
-    # the cos re-weighting at the tokens' positions in the whole sequence; M = N by default
-    max_positions = shard.total if layer.max_positions is None else layer.max_positions
+    # the cos re-weighting at the tokens' positions in the whole sequence; M = N by default, the sequence's own
+    # length (not counting the padding token of a rank that holds none)
+    max_positions = shard.sequence_length if layer.max_positions is None else layer.max_positions
+    # the padding token of a rank without tokens is masked: any position inside the sequence will do
+    offset = min(shard.offset, shard.sequence_length - x.shape[1])
     features = partial(cosformer_features, max_positions=max_positions, reweight=layer.reweight,
-                       feature_map=layer.feature_map, offset=shard.offset)
+                       feature_map=layer.feature_map, offset=offset)
     phi_q, phi_k = features(q), features(k)
     if attention_mask is not None:
         phi_k = phi_k * attention_mask[:, None, :, None].to(phi_k.dtype)  # padded keys contribute 0

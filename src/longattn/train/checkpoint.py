@@ -20,7 +20,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -61,7 +61,7 @@ def save_atomic(obj: Any, path: str | os.PathLike, keep_previous: bool = False) 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(record, f)
+            _save_to(record, f)
             f.flush()
             os.fsync(f.fileno())
         if keep_previous and path.is_file():
@@ -70,6 +70,35 @@ def save_atomic(obj: Any, path: str | os.PathLike, keep_previous: bool = False) 
         _fsync_folder(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class _WriteRecorder:
+    """A file's ``write`` that remembers the OSError it raised: torch's zip writer sometimes swallows it and
+    raises its own ``RuntimeError: [enforce fail at inline_container.cc] . unexpected pos ...`` instead."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _save_to(obj: Any, file: Any) -> None:
+    """``torch.save(obj, file)`` where a failed write (a full disk) always comes out as the OSError it was."""
+    recorder = _WriteRecorder(file)
+    try:
+        torch.save(obj, recorder)
+    except (OSError, RuntimeError) as error:
+        if recorder.error is not None and recorder.error is not error:
+            raise recorder.error from None
         raise
 
 
@@ -90,11 +119,13 @@ def _keep_copy(path: Path, copy: Path) -> None:
         raise
 
 
-def remove_temporary_files(folder: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files a killed :func:`save_atomic` left in ``folder``; returns them.
-    Only call it while no other process writes there (the Trainer holds the output-folder lock)."""
+def remove_temporary_files(folder: str | os.PathLike, names: tuple[str, ...] | None = None) -> list[Path]:
+    """Delete the temporary files a killed atomic write (:func:`save_atomic`, ``write_text_atomic``) left in
+    ``folder`` (only those of the files ``names``, if given); returns them. Only call it while no other
+    process writes there (the Trainer holds the output-folder lock)."""
     folder = Path(folder)
-    stale = sorted(folder.glob(".*.tmp")) if folder.is_dir() else []
+    patterns = [".*.tmp"] if names is None else [f".{name}.*.tmp" for name in names]
+    stale = sorted({p for pattern in patterns for p in folder.glob(pattern)}) if folder.is_dir() else []
     for file in stale:
         file.unlink(missing_ok=True)
     return stale
@@ -112,7 +143,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     try:
         record = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises RuntimeError, pickle errors, EOFError, ... for damaged files
-        raise CheckpointError(f"checkpoint {path} is damaged or truncated ({_first_line(error)})") from None
+        raise CheckpointError(f"checkpoint {path} is damaged or truncated ({first_line(error)})") from None
     if not (isinstance(record, dict) and record.get("format") == FORMAT and isinstance(record.get("payload"), bytes)):
         raise CheckpointError(f"{path} is not a {FORMAT} file (written by another version, or not a checkpoint)")
     if hashlib.sha256(record["payload"]).hexdigest() != record.get("sha256"):
@@ -121,7 +152,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         return torch.load(io.BytesIO(record["payload"]), map_location=map_location, weights_only=True)
     except Exception as error:
         raise CheckpointError(f"checkpoint {path} holds data that does not load with weights_only=True "
-                              f"({_first_line(error)})") from None
+                              f"({first_line(error)})") from None
 
 
 def load_with_fallback(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[Any, Path]:
@@ -144,6 +175,44 @@ def load_with_fallback(path: str | os.PathLike, map_location: str | torch.device
                           + "; delete the folder (or use another output folder) to start afresh")
 
 
-def _first_line(error: BaseException) -> str:
+def model_layout(model: nn.Module) -> dict[str, list[Any]]:
+    """{name: [shape..., dtype]} of every parameter and buffer: what a checkpoint of ``model`` must hold."""
+    return {name: [*tensor.shape, str(tensor.dtype).removeprefix("torch.")] for name, tensor in model.state_dict().items()}
+
+
+def layout_difference(saved: dict[str, list[Any]], current: dict[str, list[Any]]) -> str:
+    """A short account of how two :func:`model_layout` differ (the first few names of each kind)."""
+    missing = [name for name in current if name not in saved]
+    unexpected = [name for name in saved if name not in current]
+    changed = [f"{name} {saved[name]} vs {current[name]}" for name in current
+               if name in saved and saved[name] != current[name]]
+    parts = [f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+             for label, names in (("missing", missing), ("unexpected", unexpected), ("shape", changed)) if names]
+    return "; ".join(parts)
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, Any], source: str | os.PathLike,
+                 ignore: Callable[[str], bool] = lambda name: False,
+                 hint: str = "use the checkpoint of a run with this model and settings") -> None:
+    """``model.load_state_dict(state)`` after checking that ``state`` (from ``source``) has the model's
+    parameters and buffers with their shapes: a checkpoint of another model is a :class:`CheckpointError`
+    naming the file and the first differences, not torch's long error. ``ignore``: names allowed to be
+    missing from ``state`` (they keep the model's values); ``hint``: what to do, in the error."""
+    current = {name: spec for name, spec in model_layout(model).items() if not (ignore(name) and name not in state)}
+    saved = {name: [*tensor.shape, str(tensor.dtype).removeprefix("torch.")] if isinstance(tensor, torch.Tensor) else []
+             for name, tensor in state.items()}
+    # dtypes may differ (a float32 checkpoint into a float64 model): load_state_dict copies across them
+    shapes = lambda layout: {name: spec[:-1] for name, spec in layout.items()}  # noqa: E731
+    if shapes(saved) != shapes(current):
+        raise CheckpointError(f"{source} holds the weights of another model ({layout_difference(saved, current)}); "
+                              f"{hint}")
+    try:
+        model.load_state_dict(state, strict=not any(ignore(name) for name in model.state_dict()))
+    except (RuntimeError, ValueError) as error:
+        raise CheckpointError(f"{source} does not load into this model ({first_line(error)})") from None
+
+
+def first_line(error: BaseException) -> str:
+    """The exception's type and the first line of its message."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"

@@ -107,6 +107,12 @@ def is_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def is_lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed because another rank's process went away."""
+    text = str(error).lower()
+    return any(words in text for words in ("connection closed", "connection reset", "broken pipe", "peer"))
+
+
 def shutdown(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()

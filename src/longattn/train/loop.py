@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
 import os
 import resource
-import socket
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -32,11 +30,30 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from longattn.attention import collect_aux_losses
 from longattn.train.checkpoint import (
+    first_line,
+    layout_difference,
     load_checkpoint,
+    load_weights,
+    model_layout,
     load_with_fallback,
     previous_path,
     remove_temporary_files,
     save_atomic,
+)
+from longattn.train.outputs import (
+    METRICS,
+    RESULTS,
+    NoSpaceError,
+    OutputFolderError,
+    TrainingError,
+    append_line,
+    check_output_folder,
+    clear_run,
+    lock_output_folder,
+    read_finished,
+    read_jsonl,
+    write_text_atomic,
+    writing,
 )
 from longattn.train.settings import OptimConfig, TrainConfig
 from longattn.train.distributed import (
@@ -45,15 +62,12 @@ from longattn.train.distributed import (
     all_reduce_mean,
     barrier,
     init_distributed,
+    is_lost_peer,
     is_timeout,
     resolve_device,
     timeout_seconds,
 )
 from longattn.utils import dumps_strict, optional_import, rng_state, seed_everything, set_rng_state
-
-
-class TrainingError(ValueError):
-    """A run cannot go on: a non-finite loss, an output folder in use, an incompatible checkpoint."""
 
 
 class StepOutput(NamedTuple):
@@ -312,6 +326,7 @@ class Trainer:
         self.write_results = write_results
         self.ddp_model: nn.Module = self.model
         if self.dist.enabled:
+            self._check_ranks_agree(train, optim)
             self.ddp_model = DistributedDataParallel(
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -338,30 +353,33 @@ class Trainer:
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
         self._lock = self._lock_out_dir()
 
+    def _check_ranks_agree(self, train: TrainConfig, optim: OptimConfig) -> None:
+        """Every rank must train the same model with the same settings on a training set of the same size:
+        one all-gather compares them, and a difference is one error naming the rank on every rank (instead of
+        DDP's error about parameter shapes, or ranks that take different numbers of steps and wait forever)."""
+        mine = {"the run's fingerprint": self.fingerprint, "the model's parameters": model_layout(self.model),
+                "the training set's size": len(self.train_data), "the loop settings": dataclasses.asdict(train),
+                "the optimiser settings": dataclasses.asdict(optim), "the seed": self.seed}
+        everyone = all_gather_objects(mine, self.dist)
+        for rank, theirs in enumerate(everyone[1:], 1):
+            differing = [what for what in mine if theirs[what] != everyone[0][what]]
+            if differing:
+                raise TrainingError(f"rank {rank} was started with other settings than rank 0 ({', '.join(differing)} "
+                                    f"differ; seen on rank {self.dist.rank}); start every rank with the same command")
+
     # ------------------------------------------------------------------ output folder lock
     def _lock_out_dir(self) -> Any:
-        """An exclusive lock on ``out_dir`` (flock: released by the kernel when the process dies,
-        so a killed run never leaves a stale lock); a second run into the folder gets a clear error."""
-        handle, holder = None, None
+        """The output folder's lock (:func:`longattn.train.outputs.lock_output_folder`) on the main process;
+        every rank learns whether it got it, and all refuse alike when another run holds the folder."""
+        handle, refusal = None, None
         if self.dist.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            handle = open(self.out_dir / ".lock", "a+")
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
-                handle.close()
-                handle = None
-            else:
-                handle.seek(0)
-                handle.truncate()
-                handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-                handle.flush()
-        holders = all_gather_objects(holder, self.dist)  # every rank learns whether rank 0 got the lock
-        if holders[0] is not None:
-            raise TrainingError(f"output folder {self.out_dir} is in use by another run ({holders[0]}); "
-                                "wait for it to finish or choose another output folder")
+                handle = lock_output_folder(self.out_dir)
+            except OutputFolderError as error:
+                refusal = str(error)
+        refusals = all_gather_objects(refusal, self.dist)
+        if refusals[0] is not None:
+            raise OutputFolderError(refusals[0])
         return handle
 
     def release(self) -> None:
@@ -376,8 +394,31 @@ class Trainer:
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.is_main:
-            with self.metrics_path.open("a") as f:
-                f.write(dumps_strict(record) + "\n")
+            with self._writing(METRICS):
+                append_line(self.metrics_path, dumps_strict(record))
+
+    def _writing(self, what: str) -> Any:
+        """:func:`longattn.train.outputs.writing` for this run: what a full disk leaves intact."""
+        kept = (f"the last checkpoint (step {self._saved_step}) is intact" if self._saved_step is not None
+                else "no checkpoint was written yet")
+        return writing(self.out_dir, what, kept)
+
+    def _on_main(self, write: Callable[[], None], what: str) -> None:
+        """``write`` on the main process; every rank then learns whether it failed (so that a full disk stops
+        every rank with the same error instead of leaving the others waiting at the next collective)."""
+        failure: BaseException | None = None
+        if self.dist.is_main:
+            try:
+                with self._writing(what):
+                    write()
+            except OSError as error:
+                failure = error
+        failures = all_gather_objects(None if failure is None else (type(failure).__name__, str(failure)), self.dist)
+        if failure is not None:
+            raise failure
+        if failures[0] is not None:
+            kind, text = failures[0]
+            raise (NoSpaceError if kind == NoSpaceError.__name__ else OSError)(f"rank 0: {text}")
 
     def _loader(self, dataset: Dataset, batches: Sequence[list[int]]) -> DataLoader:
         # A private generator: creating a loader must not draw from the global RNG, or a resumed
@@ -470,6 +511,7 @@ class Trainer:
             "rng": rng_states,  # one entry per rank: each rank resumes its own random stream
             "settings": dataclasses.asdict(self.settings),
             "fingerprint": self.fingerprint,
+            "model_layout": model_layout(self.model),
             "ema": self.ema.state_dict() if self.ema is not None else None,
         }
 
@@ -485,27 +527,35 @@ class Trainer:
             raise TrainingError(f"non-finite weights ({', '.join(broken[:3])}) after step {self.progress.step}; "
                                 f"not saved, {kept}. Lower the learning rate or set gradient clipping")
         rng_states = all_gather_objects(rng_state(), self.dist)
-        if self.dist.is_main:
-            save_atomic(self._state(rng_states), self.checkpoint_dir / "last.pt", keep_previous=True)
+        last = self.checkpoint_dir / "last.pt"
+        self._on_main(lambda: save_atomic(self._state(rng_states), last, keep_previous=True), "checkpoints/last.pt")
         self._saved_step = self.progress.step
-        barrier(self.dist)
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore the full state from ``path`` (or the previous checkpoint, if ``path`` is damaged)."""
         state, source = load_with_fallback(path, map_location="cpu")
+        another = (f"{source} belongs to a run with another configuration ({{}}); use another output folder, "
+                   "or replace the run there with --overwrite (overwrite=True)")
         if state.get("fingerprint") != self.fingerprint:
-            raise TrainingError(f"{source} belongs to a run with another configuration; use another output "
-                                "folder or delete it to start afresh")
+            raise TrainingError(another.format(f"fingerprint {state.get('fingerprint')!r}, this run's "
+                                               f"{self.fingerprint!r}"))
+        saved_layout = state.get("model_layout")
+        if saved_layout is not None and saved_layout != model_layout(self.model):
+            raise TrainingError(another.format("its model has other parameters: "
+                                               + layout_difference(saved_layout, model_layout(self.model))))
         ranks = len(state["rng"])
         if ranks != self.dist.world_size:
             raise TrainingError(f"{source} was written by {ranks} process(es), this run has {self.dist.world_size}; "
                                 f"resume with the same number of processes (--nproc_per_node={ranks})")
-        self.model.load_state_dict(state["model"])
-        if self.ema is not None:
-            self.ema.load_state_dict(state["ema"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        try:
+            self.model.load_state_dict(state["model"])
+            if self.ema is not None:
+                self.ema.load_state_dict(state["ema"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.scaler.load_state_dict(state["scaler"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:  # a checkpoint of another model or optimiser
+            raise TrainingError(another.format(first_line(error))) from None
         # Fields added to _Progress after a checkpoint was written take their defaults.
         known = {f.name for f in fields(_Progress)}
         self.progress = _Progress(**{k: v for k, v in state["progress"].items() if k in known})
@@ -513,42 +563,53 @@ class Trainer:
         set_rng_state(state["rng"][self.dist.rank])
 
     def _truncate_metrics_log(self, step: int) -> None:
-        """Drop log records written after the checkpoint we resume from (they will be redone)."""
+        """Drop log records written after the checkpoint we resume from (they will be redone), and a last
+        line torn by a kill or a full disk during its append (with a warning)."""
         if not self.dist.is_main or not self.metrics_path.is_file():
             return
-        kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        records = read_jsonl(self.metrics_path, torn_last_line="drop")
+        kept = [record for record in records if record.get("step", 0) <= step]
+        with self._writing(METRICS):
+            write_text_atomic(self.metrics_path, "".join(dumps_strict(record) + "\n" for record in kept))
 
     # ------------------------------------------------------------------ training
-    def fit(self, resume: bool = False) -> dict[str, Any]:
+    def fit(self, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
         """Train to ``max_steps`` (or early stop), test the best checkpoint, write results.json.
 
-        ``resume=True`` continues exactly from ``checkpoints/last.pt`` (or the previous checkpoint
-        when the newest is damaged); for a run that already finished it does nothing but say so
-        and returns the saved results.
+        An output folder that holds a run (finished or not) is refused unless ``resume`` or ``overwrite``
+        says what to do with it (:func:`longattn.train.outputs.check_output_folder`). ``resume=True``
+        continues exactly from ``checkpoints/last.pt`` (or the previous checkpoint when the newest is
+        damaged); for a run that already finished it does nothing but say so and returns the saved
+        results. ``overwrite=True`` replaces the run in the folder.
         """
         try:
-            return self._fit(resume)
+            return self._fit(resume, overwrite)
         except RuntimeError as error:
             if self.dist.enabled and is_timeout(error):
                 raise TrainingError(f"rank {self.dist.rank}: another rank did not answer within {timeout_seconds():g} s "
                                     "(hung or killed?); the last checkpoint is kept; set LONGATTN_DIST_TIMEOUT_S "
                                     "to wait longer") from error
+            if self.dist.enabled and is_lost_peer(error):
+                raise TrainingError(f"rank {self.dist.rank}: lost the connection to another rank (it stopped: its "
+                                    "own output says why); the last checkpoint is kept") from error
             raise
         finally:
             self.release()
 
-    def _fit(self, resume: bool) -> dict[str, Any]:
+    def _fit(self, resume: bool, overwrite: bool) -> dict[str, Any]:
+        # Every rank reads the folder alike (nothing is written yet), so every rank refuses alike.
+        check_output_folder(self.out_dir, resume=resume, overwrite=overwrite, locked=True)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         last = self.checkpoint_dir / "last.pt"
         if self.dist.is_main:
-            remove_temporary_files(self.checkpoint_dir)  # left by a run killed mid-write; we hold the lock
-        if resume and self.finished_path.is_file():
-            finished = json.loads(self.finished_path.read_text())
+            # left by a run killed mid-write; we hold the lock
+            remove_temporary_files(self.checkpoint_dir)
+            remove_temporary_files(self.out_dir, names=(METRICS, RESULTS, "config.yaml"))
+        finished = read_finished(self.out_dir) if resume else None
+        if finished is not None:
             if finished.get("fingerprint") != self.fingerprint:
                 raise TrainingError(f"{self.finished_path} belongs to a run with another configuration; use another "
-                                    "output folder or delete it to start afresh")
+                                    "output folder, or replace the run there with --overwrite (overwrite=True)")
             if self.dist.is_main:
                 print(f"the run in {self.out_dir} already finished at step {finished['results']['steps']}; "
                       "nothing to do", file=sys.stderr)
@@ -564,10 +625,7 @@ class Trainer:
                 print(f"no checkpoint at {last}; starting from scratch", file=sys.stderr)
             seed_everything(self.seed + self.dist.rank)
             if self.dist.is_main:
-                # a fresh run replaces what an earlier run left in this folder
-                for stale in (self.metrics_path, last, previous_path(last), self.checkpoint_dir / "best.pt",
-                              self.finished_path):
-                    stale.unlink(missing_ok=True)
+                clear_run(self.out_dir)  # a fresh run replaces what an earlier run left (allowed by check_output_folder)
         barrier(self.dist)
         reset_peak_memory(self.device)
         self._train()
@@ -656,13 +714,15 @@ class Trainer:
         improved = self._improved(value)
         if improved:
             p.best_value, p.best_step, p.evals_without_improvement = value, p.step, 0
-            if self.dist.is_main:
-                save_atomic({"model": self.evaluated_model().state_dict(), "step": p.step, "val": result},
-                            self.checkpoint_dir / "best.pt")
+            best = self.checkpoint_dir / "best.pt"
+            weights = {"model": self.evaluated_model().state_dict(), "step": p.step, "val": result}
+            self._on_main(lambda: save_atomic(weights, best), "checkpoints/best.pt")
         else:
             p.evals_without_improvement += 1
             if s.patience is not None and p.evals_without_improvement >= s.patience:
                 p.stopped_early = True
+        if s.stop_at is not None and (value >= s.stop_at if self.select_mode == "max" else value <= s.stop_at):
+            p.stopped_early = True  # the target is reached (Zoology stops MQAR runs at 99% validation accuracy)
         # "epoch" counts finished passes: a validation right after an epoch's last batch belongs to that epoch.
         # train_time_s: training time so far (validation excluded), the x axis of learning curves against time
         record = {"split": "val", "step": p.step, "epoch": p.epoch, **result, "best": improved,
@@ -679,7 +739,7 @@ class Trainer:
         val_result: dict[str, Any] | None = None
         if best.is_file():
             state = load_checkpoint(best, map_location=self.device)
-            self.model.load_state_dict(state["model"])  # with EMA: the averaged weights become the model's
+            load_weights(self.model, state["model"], best)  # with EMA: the averaged weights become the model's
             if self.ema is not None:
                 self.ema.module.load_state_dict(state["model"])
             val_result = state["val"]
@@ -706,13 +766,13 @@ class Trainer:
             "history": p.history,
             "data_order": self.data_order(),
         }
-        if self.dist.is_main:
+        def write() -> None:
             if self.write_results is not None:
                 self.write_results(results)
             # written last: its presence means the run (training, test, results) is complete
-            tmp = self.finished_path.with_name(f".{self.finished_path.name}.tmp")
-            tmp.write_text(dumps_strict({"fingerprint": self.fingerprint, "results": results}, indent=2, default=str))
-            os.replace(tmp, self.finished_path)
-        barrier(self.dist)
+            write_text_atomic(self.finished_path,
+                              dumps_strict({"fingerprint": self.fingerprint, "results": results}, indent=2, default=str))
+
+        self._on_main(write, "the results (results.json, checkpoints/finished.json)")
         return results
 

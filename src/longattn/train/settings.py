@@ -56,6 +56,8 @@ class TrainConfig:
     max_steps_per_epoch: int | None = option(None, ge=1, help="cap each epoch (quick runs); null: full epochs")
     checkpoint_every: int | None = option(None, ge=1, help="null: at every validation")
     patience: int | None = option(None, ge=1, help="validations without improvement before stopping; null: never")
+    stop_at: float | None = option(None, help="stop once the validation selection metric reaches this value "
+                                   "(at least it when higher is better, at most it otherwise); null: never")
     log_every: int = option(10, ge=1)
     progress: bool = option(True, help="tqdm bar (only on a TTY)")
     device: str = option("auto", help="auto, cpu, cuda, cuda:1, ...")

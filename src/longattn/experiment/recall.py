@@ -1,0 +1,532 @@
+"""Zoology's Figure 2 for every mechanism: MQAR accuracy against model width, one panel per sequence length.
+
+A sweep file (``configs/mqar/sweeps/zoology_fig2.yaml``; see docs/mqar.md) names the rows (mechanisms, or a
+mechanism with settings, e.g. softmax run bidirectionally), the (sequence length, pairs) of the main arm and of
+the long-context arm (with its own rows: the sub-quadratic mechanisms), the widths, the seeds, and per preset
+the learning rates to search and the batch per sequence length. The task preset (``configs/mqar/<preset>.yaml``)
+holds the rest: data sizes, epochs, optimiser.
+
+Every (row, length, width) is one grid cell of :mod:`longattn.experiment.grid`, trained in two phases, each
+resumable per cell and seed (a finished run has a ``results.json`` and is reused with ``resume``):
+
+1. the learning-rate search: the first seed at every candidate rate, in ``<row>/<length>/d<width>/lr<rate>/``;
+   the rate with the best *validation* accuracy wins (ties: the lower validation loss; test is never read);
+2. the other seeds at the chosen rate, beside the first seed's run, which is reused as it is (its rate was
+   chosen on its validation split only, and its test split was held out throughout).
+
+Tables and plots come from the finished runs: accuracy mean ± std (standard error) over seeds per cell, and the
+paired difference from the reference row over the same seeds with its t interval
+(:mod:`longattn.experiment.stats`); ``results.json``, ``table.md`` and ``zoology_fig2.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from longattn import attention as attention_registry
+from longattn.config import ConfigError, read_yaml
+from longattn.data.mqar import MQARDataset, collate, multiquery_ar
+from longattn.experiment.config import resolve_config
+from longattn.experiment.grid import Cell, _check_keys, _slug, difference_record, paired_against, run_cells
+from longattn.experiment.results import markdown_table, now, write_results
+from longattn.experiment.run import build_run_model
+from longattn.experiment.stats import format_difference, legend, mean_with_sem, summarize
+from longattn.tasks.base import TaskData, get_task
+from longattn.tasks.mqar import MQAR_CONFIGS, recall_step
+from longattn.utils import optional_import
+
+__all__ = ["RecallRow", "SweepPlan", "estimate_sweep_cost", "load_recall_sweep", "plan_sweep", "recall_sweep_path",
+           "run_recall_sweep", "write_cost_estimate", "write_recall_outputs"]
+
+SWEEPS = MQAR_CONFIGS / "sweeps"
+_SPEC_KEYS = {"title", "description", "reference", "rows", "lengths", "long_context", "length_settings", "widths",
+              "seeds", "presets"}
+_LONG_KEYS = {"lengths", "rows"}
+_PRESET_KEYS = {"lrs", "batch_size"}
+_ROW_KEYS = {"name", "attention", "set"}
+
+
+@dataclass(frozen=True)
+class RecallRow:
+    """A row of the figure: a label, a mechanism and its extra settings (``--set`` strings)."""
+
+    name: str
+    attention: str
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass
+class SweepPlan:
+    """What one invocation trains: rows per (sequence length, pairs), widths, seeds, candidate rates, batches."""
+
+    title: str
+    preset: str
+    reference: str
+    arms: list[tuple[tuple[int, int], list[RecallRow]]]  # ((seq_len, num_kv_pairs), rows) in figure order
+    widths: list[int]
+    seeds: list[int]
+    lrs: list[float]
+    batch_size: dict[int, int]
+    extra_overrides: list[str] = field(default_factory=list)
+    length_settings: dict[int, dict[str, Any]] = field(default_factory=dict)  # every row's {dotted key: value}
+
+    def runs(self) -> int:
+        """Runs this plan trains when nothing is finished yet."""
+        cells = sum(len(rows) for _, rows in self.arms) * len(self.widths)
+        return cells * (len(self.lrs) + len(self.seeds) - 1)
+
+    def cell(self, row: RecallRow, seq_len: int, pairs: int, width: int, lr: float, search: bool = False) -> Cell:
+        """The grid cell of one (row, length, width) at rate ``lr``; a search cell names its rate in its label."""
+        overrides = [f"data.seq_len={seq_len}", f"data.num_kv_pairs={pairs}", f"model.dim={width}",
+                     f"train.batch_size={self.batch_size[seq_len]}", f"optim.lr={lr!r}",
+                     *_length_overrides(self.length_settings.get(seq_len, {}), row.attention), *row.overrides,
+                     *self.extra_overrides]
+        column = _column(seq_len, pairs, width) + (f" lr={lr:.3g}" if search else "")
+        return Cell(row.name, column, "mqar", self.preset, overrides=overrides, explicit={"attention": row.attention})
+
+
+def recall_sweep_path(path_or_name: str | Path) -> Path:
+    """A sweep file, or the name of one shipped in ``configs/mqar/sweeps`` (e.g. ``zoology_fig2``); an explicit
+    path is never swapped for a shipped file."""
+    path = Path(path_or_name)
+    shipped = {p.stem: p for p in SWEEPS.glob("*.yaml")}
+    if not path.is_file() and path.parent == Path(".") and path.stem in shipped:
+        path = shipped[path.stem]
+    if not path.is_file():
+        raise FileNotFoundError(f"recall sweep file {path} does not exist (shipped: {', '.join(sorted(shipped))})")
+    return path
+
+
+def _rows(entries: Any, where: str) -> list[RecallRow]:
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{where} must be a non-empty list of mechanisms or {{name, attention, set}} mappings")
+    rows = []
+    for entry in entries:
+        if isinstance(entry, str):
+            rows.append(RecallRow(entry, entry))
+            continue
+        _check_keys(entry, _ROW_KEYS, f"a row of {where}")
+        if "name" not in entry or "attention" not in entry:
+            raise ConfigError(f"every mapping row of {where} needs a name and an attention")
+        settings = entry.get("set") or {}
+        if not isinstance(settings, dict):
+            raise ConfigError(f"`set` of row {entry['name']!r} in {where} must map config keys to values")
+        rows.append(RecallRow(str(entry["name"]), str(entry["attention"]),
+                              tuple(f"{k}={json.dumps(v)}" for k, v in settings.items())))
+    names = [row.name for row in rows]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where} names a row twice: {names}")
+    return rows
+
+
+def _lengths(entries: Any, where: str) -> list[tuple[int, int]]:
+    if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) == 2 and all(isinstance(v, int)
+                                                                                         for v in e)
+                                                for e in entries):
+        raise ConfigError(f"{where} must be a list of [sequence length, key-value pairs], e.g. [[64, 4], [128, 8]]")
+    return [(int(a), int(b)) for a, b in entries]
+
+
+def load_recall_sweep(path_or_name: str | Path) -> dict[str, Any]:
+    """Read and check a recall sweep file; rows and lengths come back parsed (unknown keys are an error)."""
+    path = recall_sweep_path(path_or_name)
+    spec = read_yaml(path)
+    _check_keys(spec, _SPEC_KEYS, f"recall sweep file {path}")
+    for key in ("rows", "lengths", "widths", "presets"):
+        if key not in spec:
+            raise ConfigError(f"recall sweep file {path} needs `{key}`")
+    parsed: dict[str, Any] = {"path": str(path), "title": spec.get("title", path.stem),
+                              "rows": _rows(spec["rows"], f"{path}: rows"),
+                              "lengths": _lengths(spec["lengths"], f"{path}: lengths"),
+                              "widths": [int(w) for w in spec["widths"]],
+                              "seeds": [int(s) for s in spec.get("seeds", [0, 1, 2])]}
+    long = spec.get("long_context") or {}
+    _check_keys(long, _LONG_KEYS, f"long_context of {path}")
+    parsed["long_lengths"] = _lengths(long.get("lengths", []), f"{path}: long_context.lengths")
+    parsed["long_rows"] = _rows(long["rows"], f"{path}: long_context.rows") if long.get("rows") else parsed["rows"]
+    parsed["reference"] = spec.get("reference", parsed["rows"][0].name)
+    if parsed["reference"] not in [row.name for row in parsed["rows"]]:
+        raise ConfigError(f"{path}: reference {parsed['reference']!r} is not a row")
+    presets = spec["presets"]
+    _check_keys(presets, set(presets) if isinstance(presets, dict) else set(), f"presets of {path}")
+    for name, entry in presets.items():
+        _check_keys(entry, _PRESET_KEYS, f"presets.{name} of {path}")
+        if not entry.get("lrs") or not isinstance(entry.get("batch_size"), dict):
+            raise ConfigError(f"presets.{name} of {path} needs `lrs` (a list) and `batch_size` (sequence length: "
+                              "batch)")
+    settings = spec.get("length_settings") or {}
+    _check_keys(settings, set(settings) if isinstance(settings, dict) else set(), f"length_settings of {path}")
+    parsed["length_settings"] = {}
+    for length, entry in settings.items():
+        if not isinstance(length, int) or not isinstance(entry, dict):
+            raise ConfigError(f"length_settings of {path} must map a sequence length to {{config key: value}}, got "
+                              f"{length!r}: {entry!r}")
+        parsed["length_settings"][length] = dict(_flatten(entry))
+    parsed["presets"] = {name: {"lrs": [float(v) for v in entry["lrs"]],
+                                "batch_size": {int(k): int(v) for k, v in entry["batch_size"].items()}}
+                         for name, entry in presets.items()}
+    return parsed
+
+
+def plan_sweep(spec: dict[str, Any], preset: str = "cpu", *, attentions: list[str] | None = None,
+               lengths: list[int] | None = None, widths: list[int] | None = None, seeds: list[int] | None = None,
+               lrs: list[float] | None = None, extra_overrides: list[str] = ()) -> SweepPlan:
+    """The runs of ``spec`` at ``preset``, narrowed to the given row names, sequence lengths, widths, seeds or
+    rates (None: the spec's). Rows whose mechanism is not registered here are left out with a note."""
+    if preset not in spec["presets"]:
+        raise ConfigError(f"the recall sweep has no preset {preset!r}; its presets: {', '.join(spec['presets'])}")
+    settings = spec["presets"][preset]
+    available = set(attention_registry.available())
+    every = {(n, k): spec["rows"] for n, k in spec["lengths"]}
+    every.update({(n, k): spec["long_rows"] for n, k in spec["long_lengths"]})
+    known_lengths = sorted({n for n, _ in every})
+    if lengths is not None:
+        unknown = sorted(set(lengths) - set(known_lengths))
+        if unknown:
+            raise ConfigError(f"sequence length(s) {unknown} are not in the sweep; its lengths: {known_lengths}")
+    names = {row.name for rows in every.values() for row in rows}
+    if attentions is not None:
+        unknown = [a for a in attentions if a not in names]
+        if unknown:
+            raise ConfigError(f"row(s) {unknown} are not in the sweep; its rows: {', '.join(sorted(names))}")
+    arms = []
+    for (seq_len, pairs), rows in every.items():
+        if lengths is not None and seq_len not in lengths:
+            continue
+        if seq_len not in settings["batch_size"]:
+            raise ConfigError(f"presets.{preset}.batch_size of the sweep gives no batch for sequence length {seq_len}")
+        kept = []
+        for row in rows:
+            if attentions is not None and row.name not in attentions:
+                continue
+            if row.attention not in available:
+                print(f"note: attention {row.attention!r} is not registered here; leaving out row {row.name!r}")
+                continue
+            kept.append(row)
+        if kept:
+            arms.append(((seq_len, pairs), kept))
+    if not arms:
+        raise ConfigError("nothing to train: no row of the sweep is left at the chosen lengths")
+    return SweepPlan(spec["title"], preset, spec["reference"], arms, list(widths or spec["widths"]),
+                     list(seeds if seeds is not None else spec["seeds"]), list(lrs or settings["lrs"]),
+                     settings["batch_size"], list(extra_overrides), spec["length_settings"])
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """{"a": {"b": 1}} -> [("a.b", 1)]."""
+    items = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        items.extend(_flatten(value, f"{name}.") if isinstance(value, dict) else [(name, value)])
+    return items
+
+
+def _length_overrides(settings: dict[str, Any], attention: str) -> list[str]:
+    """A length's settings as ``--set`` strings, other mechanisms' ``attention_options`` left out (a run's
+    config.yaml then holds only its own mechanism's)."""
+    return [f"{key}={json.dumps(value)}" for key, value in settings.items()
+            if not key.startswith("attention_options.") or key.split(".")[1] == attention]
+
+
+def _column(seq_len: int, pairs: int, width: int) -> str:
+    return f"N={seq_len} K={pairs} d={width}"
+
+
+def _lr_label(lr: float) -> str:
+    return f"lr{lr:.3g}"
+
+
+@dataclass
+class _Entry:
+    """One (row, length, width) of the figure: its search cells (one per rate) and its result cell."""
+
+    row: RecallRow
+    seq_len: int
+    pairs: int
+    width: int
+    search: dict[float, Cell]
+    chosen: float | None = None
+    result: Cell | None = None
+
+
+def _choose(search: dict[float, Cell]) -> float | None:
+    """The rate with the best validation accuracy of the first seed (ties: lower validation loss)."""
+    scored = [(cell.results[0]["val"]["accuracy"], -cell.results[0]["val"]["loss"], -lr, lr)
+              for lr, cell in search.items() if cell.results and cell.results[0].get("val")]
+    return max(scored)[-1] if scored else None
+
+
+def run_recall_sweep(plan: SweepPlan, out_dir: str | Path, *, resume: bool = False, workers: int = 1,
+                     log: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """Train ``plan`` into ``out_dir`` (see the module docstring) and write its table, results and plot."""
+    started = now()
+    out_dir = Path(out_dir)
+    if not plan.seeds:
+        raise ConfigError("the recall sweep needs at least one seed")
+    first, others = plan.seeds[0], plan.seeds[1:]
+    folder = lambda entry, lr, seed: (out_dir / _slug(entry.row.name) / f"N{entry.seq_len}_K{entry.pairs}"  # noqa: E731
+                                      / f"d{entry.width}" / _lr_label(lr) / f"seed{seed}")
+    entries = [_Entry(row, n, k, width, {lr: plan.cell(row, n, k, width, lr, search=True) for lr in plan.lrs})
+               for (n, k), rows in plan.arms for width in plan.widths for row in rows]
+    print(f"{plan.title}: {len(entries)} cells, up to {plan.runs()} runs ({len(plan.lrs)} rate(s) searched on seed "
+          f"{first}, then seeds {others or 'none'} at the chosen rate)", flush=True)
+    search_cells, where = [], {}
+    for entry in entries:
+        for lr, cell in entry.search.items():
+            search_cells.append(cell)
+            where[id(cell)] = folder(entry, lr, first)
+    run_cells(search_cells, [first], out_dir, run_dir=lambda cell, seed: where[id(cell)], resume=resume,
+              log=log, plots=False, workers=workers)
+    final_cells, final_where = [], {}
+    for entry in entries:
+        entry.chosen = _choose(entry.search)
+        if entry.chosen is None:
+            errors = "; ".join(sorted({c.error for c in entry.search.values() if c.error})) or "no result"
+            entry.result = Cell(entry.row.name, _column(entry.seq_len, entry.pairs, entry.width), "mqar",
+                                error=f"every rate failed: {errors}", explicit={"attention": entry.row.attention})
+            continue
+        entry.result = plan.cell(entry.row, entry.seq_len, entry.pairs, entry.width, entry.chosen)
+        if others:
+            final_cells.append(entry.result)
+            final_where[id(entry.result)] = entry
+    run_cells(final_cells, others, out_dir, run_dir=lambda cell, seed: folder(final_where[id(cell)],
+                                                                                final_where[id(cell)].chosen, seed),
+              resume=resume, log=log, plots=False, workers=workers)
+    for entry in entries:
+        if entry.chosen is not None:
+            entry.result.results.insert(0, entry.search[entry.chosen].results[0])
+    return write_recall_outputs(plan, entries, out_dir, started)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _by_key(entries: list[_Entry]) -> dict[tuple[str, int, int, int], _Entry]:
+    return {(e.row.name, e.seq_len, e.pairs, e.width): e for e in entries}
+
+
+def _cost(entry: _Entry) -> dict[str, Any]:
+    """Training time (s) of every run of an entry: the search runs and the other seeds'."""
+    search = {str(lr): cell.results[0]["train_time_s"] for lr, cell in entry.search.items() if cell.results}
+    seeds = [r["train_time_s"] for r in (entry.result.results[1:] if entry.result else [])]
+    return {"search_s": search, "seeds_s": seeds, "total_s": round(sum(search.values()) + sum(seeds), 1)}
+
+
+def _record(entry: _Entry, reference: _Entry | None) -> dict[str, Any]:
+    cell = entry.result
+    return {"row": entry.row.name, "attention": entry.row.attention, "overrides": list(entry.row.overrides),
+            "form": next((r.get("form") for r in cell.results), None), "seq_len": entry.seq_len,
+            "num_kv_pairs": entry.pairs, "width": entry.width, "lr": entry.chosen,
+            "lr_search": {str(lr): (c.results[0]["val"]["accuracy"] if c.results and c.results[0].get("val") else None)
+                          for lr, c in entry.search.items()},
+            "lr_errors": {str(lr): c.error for lr, c in entry.search.items() if c.error},
+            "seeds": [r["seed"] for r in cell.results], "test": cell.values(), "val": cell.values(split="val"),
+            "test_summary": cell.summary(),
+            "difference": difference_record(cell, reference.result) if reference and reference is not entry else None,
+            "steps": [r["steps"] for r in cell.results], "stopped_early": [r["stopped_early"] for r in cell.results],
+            "cost": _cost(entry), "error": cell.error}
+
+
+def _accuracy_text(cell: Cell | None, seeds: int) -> str:
+    """'mean ± std (s.e.)' of a cell; 'failed' without results; the count when some seeds are missing."""
+    if cell is None:
+        return "-"
+    values = cell.values()
+    if not values:
+        return "failed" if cell.error else "-"
+    text = mean_with_sem(values)
+    return text if len(values) == seeds else f"{text} [{len(values)} of {seeds} seeds]"
+
+
+def write_recall_outputs(plan: SweepPlan, entries: list[_Entry], out_dir: Path,
+                         started: str | None = None) -> dict[str, Any]:
+    """``table.md`` (per sequence length: accuracy per row and width, paired differences from the reference, the
+    chosen rates, the training time), ``results.json`` and ``zoology_fig2.png``; the summary."""
+    by_key = _by_key(entries)
+    blocks = []
+    for (seq_len, pairs), rows in plan.arms:
+        def cell_of(row: RecallRow, width: int) -> _Entry | None:
+            return by_key.get((row.name, seq_len, pairs, width))
+
+        headers = ["", *(f"d={w}" for w in plan.widths)]
+        accuracy, differences, rates, times = [], [], [], []
+        reference = next((r for r in rows if r.name == plan.reference), None)
+        for row in rows:
+            line, delta, lr_line, time_line = [row.name], [row.name], [row.name], [row.name]
+            for width in plan.widths:
+                entry = cell_of(row, width)
+                cell = entry.result if entry else None
+                line.append(_accuracy_text(cell, len(plan.seeds)))
+                base = cell_of(reference, width) if reference else None
+                delta.append("reference" if row is reference else "-" if not (cell and base and base.result)
+                             else format_difference(paired_against(cell, base.result)))
+                lr_line.append("-" if entry is None or entry.chosen is None else f"{entry.chosen:.3g}")
+                time_line.append("-" if entry is None else f"{_cost(entry)['total_s'] / 60:.1f}")
+            accuracy.append(line), differences.append(delta), rates.append(lr_line), times.append(time_line)
+        text = [f"### N = {seq_len}, K = {pairs}: test accuracy (%), mean ± std (standard error) over seeds "
+                f"{plan.seeds}\n", markdown_table(headers, accuracy)]
+        if reference is not None and len(rows) > 1:
+            text += [f"\nPaired difference from {reference.name} (points):\n", markdown_table(headers, differences),
+                     f"\n{legend(reference.name)}"]
+        text += ["\nLearning rate chosen on validation accuracy (first seed):\n", markdown_table(headers, rates),
+                 "\nTraining time of the cell, all its runs (wall-clock minutes, validation excluded):\n", markdown_table(headers, times)]
+        blocks.append("\n".join(text) + "\n")
+    title = (f"## {plan.title}\n\nPreset `{plan.preset}`; learning rates searched: "
+             f"{', '.join(f'{lr:.3g}' for lr in plan.lrs)}; batch per length: "
+             f"{', '.join(f'{n}: {plan.batch_size[n]}' for (n, _), _ in plan.arms)}.\n\n")
+    text = title + "\n".join(blocks)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "table.md").write_text(text)
+    records = []
+    for entry in entries:
+        reference = by_key.get((plan.reference, entry.seq_len, entry.pairs, entry.width))
+        records.append(_record(entry, reference))
+    summary = {"title": plan.title, "preset": plan.preset, "reference": plan.reference, "widths": plan.widths,
+               "lrs": plan.lrs, "batch_size": {str(n): plan.batch_size[n] for (n, _), _ in plan.arms},
+               "lengths": [[n, k] for (n, k), _ in plan.arms], "extra_overrides": plan.extra_overrides,
+               "length_settings": {str(n): plan.length_settings.get(n, {}) for (n, _), _ in plan.arms},
+               "metric": "test accuracy (%)", "cells": records,
+               "train_time_s": round(sum(r["cost"]["total_s"] for r in records), 1)}
+    write_results(out_dir / "results.json", summary, seeds=plan.seeds, started=started)
+    plot_recall(plan, entries, out_dir / "zoology_fig2.png")
+    print(text)
+    print(f"wrote {out_dir / 'table.md'}, {out_dir / 'results.json'}, {out_dir / 'zoology_fig2.png'}")
+    return summary
+
+
+def plot_recall(plan: SweepPlan, entries: list[_Entry], path: Path) -> None:
+    """Zoology's Figure 2: accuracy against width (log scale), one panel per sequence length, one line per row
+    (mean over seeds, bars: ± std; dashed: bidirectional form)."""
+    matplotlib = optional_import("matplotlib")
+    matplotlib.use("Agg")  # files only; no display needed
+    plt = optional_import("matplotlib.pyplot")
+    by_key = _by_key(entries)
+    names = list(dict.fromkeys(row.name for _, rows in plan.arms for row in rows))
+    fig, axes = plt.subplots(1, len(plan.arms), figsize=(3.6 * len(plan.arms) + 1.6, 3.6), sharey=True,
+                             squeeze=False)
+    for axis, ((seq_len, pairs), rows) in zip(axes[0], plan.arms):
+        for row in rows:
+            points = []
+            for width in plan.widths:
+                entry = by_key.get((row.name, seq_len, pairs, width))
+                values = entry.result.values() if entry and entry.result else []
+                if values:
+                    s = summarize(values)
+                    points.append((width, s.mean, 0.0 if math.isnan(s.std) else s.std))
+            if not points:
+                continue
+            index = names.index(row.name)
+            bidirectional = not attention_registry.capabilities(row.attention).causal or "model.causal=false" in \
+                row.overrides
+            axis.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
+                          marker="o", markersize=3, capsize=2, color=f"C{index % 10}",
+                          linestyle="--" if bidirectional else "-", label=row.name)
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(plan.widths, [str(w) for w in plan.widths])
+        axis.set(title=f"sequence length {seq_len}, {pairs} pairs", xlabel="model width", ylim=(-2, 102))
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel("MQAR test accuracy (%)")
+    handles = {}
+    for axis in axes[0]:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="center right", fontsize="small")
+    fig.suptitle(f"{plan.title} (preset {plan.preset}; mean ± std over {len(plan.seeds)} seeds; "
+                 "dashed: bidirectional)", fontsize="medium")
+    fig.tight_layout(rect=(0, 0, 1 - 1.5 / (3.6 * len(plan.arms) + 1.6), 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+def _run_budget(config: Any) -> tuple[int, int]:
+    """(optimiser steps, validations) of a run that never stops early."""
+    steps_per_epoch = math.ceil(config.data.train_examples / config.train.batch_size)
+    steps = math.ceil(config.train.epochs * steps_per_epoch) if config.train.epochs else config.train.max_steps
+    every = steps_per_epoch if config.train.eval_every_epoch else config.train.eval_every
+    return steps, math.ceil(steps / every)
+
+
+def measure_cell_cost(cell: Cell, steps: int = 2) -> dict[str, float]:
+    """Process CPU seconds of one training step (forward, backward, AdamW) and of evaluating one example, for the
+    model and batch of ``cell``, measured on generated data after one warm-up step; and the run's budget."""
+    config = resolve_config(cell.task, cell.preset, cell.config_file, cell.overrides, **cell.explicit)
+    d = config.data
+    size = config.train.batch_size
+    examples = multiquery_ar(size, d.seq_len, d.num_kv_pairs, vocab_size=d.vocab_size, power_a=d.power_a, seed=0)
+    batch = collate([MQARDataset(examples)[i] for i in range(size)])
+    torch.manual_seed(0)
+    model = build_run_model(config, get_task(cell.task), TaskData(None, None, None, collate))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+
+    def train_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        recall_step(model, batch).loss.backward()
+        optimizer.step()
+
+    train_step()  # warm-up: first-call costs (allocations, lazily built buffers) are not a step's
+    started = time.process_time()
+    for _ in range(steps):
+        train_step()
+    step_s = (time.process_time() - started) / steps
+    model.eval()
+    with torch.no_grad():
+        started = time.process_time()
+        recall_step(model, batch)
+        example_s = (time.process_time() - started) / size
+    total_steps, validations = _run_budget(config)
+    evaluated = validations * d.val_examples + d.test_examples
+    return {"step_s": step_s, "eval_example_s": example_s, "steps": total_steps, "validations": validations,
+            "run_s": total_steps * step_s + evaluated * example_s}
+
+
+def estimate_sweep_cost(plan: SweepPlan, steps: int = 2, log: Callable[[str], Any] = print) -> dict[str, Any]:
+    """The measured cost of every cell's run at its full budget (no early stop) and the sweep's total, in process
+    CPU seconds of one thread: a step and an evaluated example are timed for each (row, length, width) at the
+    first candidate rate; a cell costs (rates + seeds - 1) runs. Early stops (Zoology's 99%) only shorten it."""
+    cells = []
+    for (seq_len, pairs), rows in plan.arms:
+        for width in plan.widths:
+            for row in rows:
+                cost = measure_cell_cost(plan.cell(row, seq_len, pairs, width, plan.lrs[0]), steps)
+                runs = len(plan.lrs) + len(plan.seeds) - 1
+                cells.append({"row": row.name, "seq_len": seq_len, "num_kv_pairs": pairs, "width": width, **cost,
+                              "runs": runs, "cell_s": runs * cost["run_s"]})
+                log(f"  {row.name:24s} N={seq_len:<5d} d={width:<4d} step {cost['step_s']:.3f} s x {cost['steps']} "
+                    f"steps: {cost['run_s'] / 60:.1f} min a run, {runs * cost['run_s'] / 3600:.2f} h the cell")
+    total = sum(c["cell_s"] for c in cells)
+    by_length = {n: sum(c["cell_s"] for c in cells if c["seq_len"] == n) for (n, _), _ in plan.arms}
+    return {"preset": plan.preset, "cells": cells, "total_s": total, "by_length_s": by_length}
+
+
+def write_cost_estimate(cost: dict[str, Any], out_dir: str | Path | None = None) -> str:
+    """The estimate as a table (minutes per run at the full budget, per row and (length, width)) with the totals;
+    printed, and written to ``cost.md`` and ``cost.json`` in ``out_dir`` when given."""
+    cells = cost["cells"]
+    columns = list(dict.fromkeys((c["seq_len"], c["width"]) for c in cells))
+    rows = list(dict.fromkeys(c["row"] for c in cells))
+    by_key = {(c["row"], c["seq_len"], c["width"]): c for c in cells}
+    table = markdown_table(["", *(f"N={n} d={w}" for n, w in columns)],
+                           [[row, *("-" if (row, n, w) not in by_key else f"{by_key[(row, n, w)]['run_s'] / 60:.1f}"
+                                    for n, w in columns)] for row in rows])
+    lengths = ", ".join(f"N={n}: {seconds / 3600:.1f} h" for n, seconds in cost["by_length_s"].items())
+    text = (f"### Cost of the recall sweep, preset `{cost['preset']}` (process CPU time of one thread)\n\n"
+            f"Minutes per run at the full budget (no early stop), measured per cell:\n\n{table}\n\n"
+            f"A cell trains (rates + seeds - 1) runs. Total: {cost['total_s'] / 3600:.1f} h ({lengths}); "
+            f"runs that reach 99% validation accuracy stop early and cost less.\n")
+    print(text)
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "cost.md").write_text(text)
+        write_results(out_dir / "cost.json", cost)
+    return text

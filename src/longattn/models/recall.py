@@ -1,0 +1,92 @@
+"""Zoology's associative-recall language model (Arora et al. 2023) with any registered attention mechanism.
+
+Token embedding + learned positions, ``layers`` pre-LN residual blocks (the mechanism, then an MLP of width
+``hidden``; ``hidden=0`` leaves the MLP out, as Zoology's Figure 2 configs do: their state mixer is the
+identity), a final LayerNorm and a language-model head tied to the token embedding. Logits are computed
+only where they are scored (the query positions of MQAR): a full-vocabulary output at every position would
+cost ``seq_len / num_queries`` times more and be thrown away.
+
+``causal=None`` (the default) runs a mechanism causally when it has a causal form (next-token prediction,
+as in Zoology) and bidirectionally otherwise (token classification at the query positions); ``True`` or
+``False`` forces one form (a mechanism without a causal form then refuses ``True``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from longattn import attention as attention_registry
+from longattn.models.encoder import EncoderBlock
+from longattn.models.registry import register_model
+
+__all__ = ["RecallModel", "resolve_causal"]
+
+
+def resolve_causal(attention: str, causal: bool | None) -> bool:
+    """The form a mechanism runs in: ``causal`` if given, else causal exactly when the mechanism can be."""
+    return attention_registry.capabilities(attention).causal if causal is None else bool(causal)
+
+
+@register_model("zoology", family="recall", description="Zoology's MQAR model: embedding, attention blocks, "
+                "tied head at the query positions")
+class RecallModel(nn.Module):
+    """``forward(tokens [B, N], query_positions [B, K]) -> logits [B, K, vocab_size]``."""
+
+    def __init__(self, vocab_size: int, max_len: int, attention: str = "softmax",
+                 attention_options: dict[str, Any] | None = None, causal: bool | None = None, layers: int = 2,
+                 dim: int = 64, heads: int = 1, hidden: int = 0, dropout: float = 0.0,
+                 embedding_dropout: float = 0.1, tie_embeddings: bool = True) -> None:
+        super().__init__()
+        if vocab_size <= 0 or max_len <= 0 or dim <= 0 or layers <= 0:
+            raise ValueError(f"vocab_size, max_len, dim and layers must be positive, got {vocab_size}, {max_len}, "
+                             f"{dim}, {layers}")
+        if hidden < 0:
+            raise ValueError(f"hidden must be >= 0 (0: no MLP), got {hidden}")
+        self.vocab_size, self.max_len, self.dim = vocab_size, max_len, dim
+        self.causal = resolve_causal(attention, causal)
+        self.token_embedding = nn.Embedding(vocab_size, dim)
+        self.position_embedding = nn.Embedding(max_len, dim)
+        self.embedding_dropout = nn.Dropout(embedding_dropout)
+        options = dict(attention_options or {})
+        self.blocks = nn.ModuleList(
+            EncoderBlock(attention_registry.build(attention, dim=dim, heads=heads, max_len=max_len,
+                                                  causal=self.causal, **options), dim, hidden, dropout, "pre")
+            for _ in range(layers))
+        self.final_norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        # Zoology's initialisation of embeddings (normal, std 0.02); the head shares the token embedding.
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.position_embedding.weight, std=0.02)
+        if tie_embeddings:
+            self.head.weight = self.token_embedding.weight
+
+    def features(self, tokens: Tensor) -> Tensor:
+        """Token features [B, N, dim] after the final LayerNorm."""
+        if tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int, torch.int16):
+            raise ValueError(f"tokens must be an integer tensor [B, N], got {tokens.dtype} {list(tokens.shape)}")
+        if tokens.shape[1] > self.max_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_len={self.max_len}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{int(tokens.min())}, "
+                             f"{int(tokens.max())}]")
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embedding_dropout(self.token_embedding(tokens) + self.position_embedding(positions))
+        layer_state: dict = {}
+        for block in self.blocks:
+            x = block(x, None, layer_state)
+        return self.final_norm(x)
+
+    def forward(self, tokens: Tensor, query_positions: Tensor) -> Tensor:
+        if query_positions.dim() != 2 or query_positions.shape[0] != tokens.shape[0]:
+            raise ValueError(f"query_positions must be [B, K] with B = {tokens.shape[0]}, got "
+                             f"{list(query_positions.shape)}")
+        if query_positions.numel() and (int(query_positions.min()) < 0
+                                        or int(query_positions.max()) >= tokens.shape[1]):
+            raise ValueError(f"query positions must lie in [0, {tokens.shape[1]}), got "
+                             f"[{int(query_positions.min())}, {int(query_positions.max())}]")
+        features = self.features(tokens)
+        index = query_positions.long().unsqueeze(-1).expand(-1, -1, features.shape[-1])
+        return self.head(features.gather(1, index))

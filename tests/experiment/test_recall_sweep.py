@@ -1,0 +1,125 @@
+"""The MQAR task on the one run path and Zoology's Figure 2 sweep end to end (tiny sizes): the learning rate is
+chosen on validation, the first seed's search run is reused, the sweep resumes per cell and seed, and the table,
+results and plot are written."""
+
+import json
+
+import pytest
+
+from longattn import attention
+from longattn.config import ConfigError
+from longattn.experiment.config import resolve_config
+from longattn.experiment.recall import (estimate_sweep_cost, load_recall_sweep, plan_sweep, run_recall_sweep,
+                                       write_cost_estimate)
+from longattn.experiment.run import run
+from longattn.tasks.base import get_task
+
+TINY = ["data.train_examples=16", "data.val_examples=8", "data.test_examples=8", "train.epochs=1",
+        "train.progress=false"]
+
+
+def test_task_trains_and_records_its_form(tmp_path):
+    config = resolve_config("mqar", "cpu", None, [*TINY, "model.dim=8"], attention="skeleton")
+    assert config.data.vocab_size == 8192 and config.model["hidden"] == 0 and config.optim.weight_decay == 0.1
+    results = run(config, tmp_path / "run")
+    assert results["form"] == "bidirectional" and results["seq_len"] == 64 and results["test"]["examples"] == 8
+    assert 0.0 <= results["test"]["accuracy"] <= 1.0
+    causal = resolve_config("mqar", "cpu", None, [*TINY, "model.dim=8"], attention="linear")
+    assert get_task("mqar").form(causal) == "causal"
+    with pytest.raises(ConfigError, match="too short"):
+        run(resolve_config("mqar", "cpu", None, [*TINY, "data.seq_len=8"], attention="softmax"), tmp_path / "bad")
+
+
+def test_same_seed_same_data_other_seed_other_data():
+    task = get_task("mqar")
+    a, b, c = (task.build_data(resolve_config("mqar", "cpu", None, TINY, attention="softmax", seed=s))
+               for s in (0, 0, 1))
+    assert a.train.examples.inputs.equal(b.train.examples.inputs)
+    assert not a.train.examples.inputs.equal(c.train.examples.inputs)
+    assert not a.train.examples.inputs[:8].equal(a.val.examples.inputs)
+
+
+def test_shipped_sweep_plans_every_mechanism():
+    spec = load_recall_sweep("zoology_fig2")
+    plan = plan_sweep(spec, "cpu")
+    short = {row.attention for (n, _), rows in plan.arms if n <= 256 for row in rows}
+    assert {"softmax", "skeleton", "singular", "fsat", "skein", "nystrom", "performer", "linformer", "linear",
+            "cosformer", "local", "bigbird", "luna", "flash"} <= short
+    assert [n for (n, _), _ in plan.arms] == [64, 128, 256, 1024, 4096] and plan.widths == [64, 128, 256]
+    long_rows = {row.attention for (n, _), rows in plan.arms if n > 256 for row in rows}
+    assert all(attention.capabilities(name).subquadratic for name in long_rows - {"softmax"})
+    # position budgets scale with the length; a run's config holds only its own mechanism's options
+    rows = {row.name: row for row in plan.arms[0][1]}
+    config = resolve_config("mqar", "cpu", None, plan.cell(rows["nystrom"], 64, 4, 64, 1e-3).overrides,
+                            attention="nystrom")
+    assert config.attention_options == {"nystrom": {"num_landmarks": 16}}
+    paper = plan_sweep(spec, "paper", lengths=[256])
+    assert paper.batch_size[256] == 256 and len(paper.lrs) == 4 and len(paper.arms) == 1
+    with pytest.raises(ConfigError, match="not in the sweep"):
+        plan_sweep(spec, "cpu", lengths=[100])
+    with pytest.raises(ConfigError, match="no preset"):
+        plan_sweep(spec, "laptop")
+
+
+def test_sweep_searches_on_validation_reuses_and_resumes(tmp_path, monkeypatch):
+    spec = load_recall_sweep("zoology_fig2")
+    plan = plan_sweep(spec, "cpu", attentions=["softmax", "softmax-bidirectional", "nystrom"], lengths=[64],
+                      widths=[8], seeds=[0, 1], lrs=[1e-3, 3e-3], extra_overrides=TINY)
+    assert plan.runs() == 3 * (2 + 1)
+    out = tmp_path / "fig2"
+    summary = run_recall_sweep(plan, out)
+    cells = {c["row"]: c for c in summary["cells"]}
+    assert set(cells) == {"softmax", "softmax-bidirectional", "nystrom"}
+    for cell in cells.values():
+        assert cell["error"] is None and cell["seeds"] == [0, 1] and len(cell["test"]) == 2
+        search = {float(lr): acc for lr, acc in cell["lr_search"].items()}
+        assert cell["lr"] == max(search, key=lambda lr: (search[lr], -lr)) or search[cell["lr"]] == max(search.values())
+        # the first seed's result is its search run at the chosen rate
+        run_folder = out / cell["row"] / "N64_K4" / "d8" / f"lr{cell['lr']:.3g}"
+        assert json.loads((run_folder / "seed0" / "results.json").read_text())["test"]["accuracy"] * 100 == \
+            pytest.approx(cell["test"][0])
+        assert (run_folder / "seed1" / "results.json").is_file()
+    assert cells["softmax"]["form"] == "causal" and cells["softmax-bidirectional"]["form"] == "bidirectional"
+    assert cells["nystrom"]["difference"]["n"] == 2 and cells["softmax"]["difference"] is None
+    table = (out / "table.md").read_text()
+    assert "N = 64, K = 4" in table and "| nystrom" in table and "Paired difference from softmax" in table
+    assert (out / "zoology_fig2.png").stat().st_size > 0
+    assert json.loads((out / "results.json").read_text())["provenance"]["seeds"] == [0, 1]
+
+    # resumable per cell and seed: a lost seed is retrained, nothing else
+    (out / "nystrom" / "N64_K4" / "d8" / f"lr{cells['nystrom']['lr']:.3g}" / "seed1" / "results.json").unlink()
+    trained = []
+    import longattn.experiment.grid as grid
+
+    real_run = grid.run
+    monkeypatch.setattr(grid, "run", lambda config, folder, **kw: trained.append(folder) or real_run(config, folder, **kw))
+    again = run_recall_sweep(plan, out, resume=True)
+    assert [f.parts[-5:] for f in trained] == [("nystrom", "N64_K4", "d8", f"lr{cells['nystrom']['lr']:.3g}", "seed1")]
+    assert {c["row"]: c["test"] for c in again["cells"]}["softmax"] == cells["softmax"]["test"]
+
+
+def test_cost_estimate_measures_every_cell(tmp_path):
+    spec = load_recall_sweep("zoology_fig2")
+    plan = plan_sweep(spec, "cpu", attentions=["softmax", "linear"], lengths=[64], widths=[8, 16],
+                      extra_overrides=TINY)
+    cost = estimate_sweep_cost(plan, steps=1, log=lambda line: None)
+    assert len(cost["cells"]) == 4 and all(c["step_s"] > 0 and c["runs"] == len(plan.lrs) + 2 for c in cost["cells"])
+    assert cost["cells"][0]["steps"] == 1  # 16 examples, one epoch, one batch
+    assert cost["total_s"] == pytest.approx(sum(c["cell_s"] for c in cost["cells"]))
+    text = write_cost_estimate(cost, tmp_path)
+    assert "N=64 d=16" in text and (tmp_path / "cost.json").is_file()
+
+
+def test_command_line(tmp_path, capsys):
+    from longattn.cli import main
+
+    tiny = ["--set", *TINY]
+    assert main(["paper", "zoology-fig2", "--attentions", "softmax", "linear", "--lengths", "64", "--widths", "8",
+                 "--seeds", "0", "--lrs", "1e-3", *tiny, "--out", str(tmp_path / "fig2")]) == 0
+    results = json.loads((tmp_path / "fig2" / "results.json").read_text())
+    assert [c["row"] for c in results["cells"]] == ["softmax", "linear"] and results["lrs"] == [1e-3]
+    assert main(["paper", "zoology-fig2", "--attentions", "softmax", "--lengths", "64", "--widths", "8", *tiny,
+                 "--estimate", "--out", str(tmp_path / "cost")]) == 0
+    assert (tmp_path / "cost" / "cost.md").is_file()
+    assert main(["paper", "zoology-fig2", "--attentions", "softmx", "--out", str(tmp_path / "x")]) == 2
+    assert "softmx" in capsys.readouterr().err
