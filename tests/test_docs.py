@@ -246,6 +246,15 @@ def test_readme_examples_print_what_they_say(capsys):
     assert "skeleton" in capsys.readouterr().out
 
 
+def test_readme_lists_every_capability():
+    from dataclasses import fields
+
+    from longattn.attention.base import Capabilities
+
+    (bullet,) = re.findall(r"^\* Capabilities \((.*?)\) are declared", README.read_text(), flags=re.M | re.S)
+    assert re.findall(r"`(\w+)`", bullet) == [f.name for f in fields(Capabilities)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Links
 
