@@ -132,3 +132,30 @@ def test_an_archived_run_with_results_and_config_only_counts_as_finished(tmp_pat
     calls = _count_runs(monkeypatch)
     cells = run_cells(_cells(), [0], tmp_path, run_dir=_run_dir(tmp_path), resume=True)
     assert calls == [] and all(len(c.results) == 1 for c in cells)
+
+
+def test_only_the_main_rank_probes_the_lock_the_main_rank_already_holds(tmp_path, monkeypatch):
+    """Rank 1 of a DDP run reaches ``run`` after rank 0's Trainer may have locked the folder: it must not
+    refuse its own run (the main rank decides for all, in the Trainer); a lone process still refuses."""
+    import longattn.experiment.run as run_module
+    from longattn.train.distributed import launched_rank
+    from longattn.train.outputs import lock_output_folder
+
+    class PastTheCheck(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise PastTheCheck
+
+    monkeypatch.setattr(run_module, "_data", stop)
+    held = lock_output_folder(tmp_path)  # the main rank's lock
+    try:
+        with pytest.raises(OutputFolderError, match="in use by another run"):
+            run(tiny_config(), tmp_path)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "1")
+        assert launched_rank() == 1
+        with pytest.raises(PastTheCheck):
+            run(tiny_config(), tmp_path)
+    finally:
+        held.close()

@@ -21,7 +21,7 @@ from longattn.experiment.results import now, write_results
 from longattn.models.registry import build_model
 from longattn.tasks.base import Task, TaskData, get_task
 from longattn.train.checkpoint import load_checkpoint, load_weights
-from longattn.train.distributed import resolve_device
+from longattn.train.distributed import launched_rank, resolve_device
 from longattn.train.loop import Trainer, evaluate
 from longattn.train.outputs import RESULTS, RunFiles, check_output_folder, clear_run, inspect_output, read_finished, writing
 from longattn.utils import seed_everything
@@ -152,7 +152,9 @@ def run(
     for folder in (out_dir, *out_dir.parents):
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"--out {out_dir}: {folder} is a file, not a folder; choose another output folder")
-    check_output_folder(out_dir, resume=resume, overwrite=overwrite)  # before any data is built
+    # before any data is built; only the main process probes the folder's lock: another rank's probe could find
+    # the lock the main process's Trainer already holds and refuse its own run
+    check_output_folder(out_dir, resume=resume, overwrite=overwrite, locked=launched_rank() != 0)
     if resume:
         check_resume(config, out_dir)
     data = _data(task, config, data_cache)

@@ -61,6 +61,11 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def launched_rank() -> int:
+    """This process's rank as the launcher (torchrun) set it, before the process group exists; 0 alone."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
 def init_distributed(device: torch.device) -> DistInfo:
     """Join the process group when launched by torchrun; a no-op for single-process runs."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
