@@ -281,18 +281,23 @@ class _MatmulPrecision(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_float32_smoother_convolution_runs_with_tf32_off_forward_and_backward(monkeypatch):
+def test_float32_smoother_convolution_runs_with_tf32_off_forward_and_backward():
     """On CUDA cuDNN convolutions default to TF32 (float32 factors rounded to 10 bits): the GPU path computes the
     stem's convolution as float32 GEMMs inside full_float32(), forward and backward, whatever the global
     switches say; full_float32() restores them."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    smoother = Smoother(16, 20, dropout=0.0).train()
-    x = torch.randn(2, 20, 16, requires_grad=True)
-    with force_path("gpu"), _MatmulPrecision() as products:
-        smoother(x).square().sum().backward()
-    assert products.tf32_off.count(True) == 3  # the stem: one GEMM forward, two backward
-    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    with full_float32():
-        assert not (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
-    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    # set and restored by hand: the flags are properties of torch's backend modules, which pytest's
+    # monkeypatch fails to restore under pytest 9.2 ("'cuBLASModule' object has no attribute 'allow_tf32'")
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        smoother = Smoother(16, 20, dropout=0.0).train()
+        x = torch.randn(2, 20, 16, requires_grad=True)
+        with force_path("gpu"), _MatmulPrecision() as products:
+            smoother(x).square().sum().backward()
+        assert products.tf32_off.count(True) == 3  # the stem: one GEMM forward, two backward
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        with full_float32():
+            assert not (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
