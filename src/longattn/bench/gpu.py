@@ -42,7 +42,7 @@ import torch
 from longattn import attention
 from longattn.attention import allow_tf32, force_path, output_dtype
 from longattn.attention._triton import triton_installed, use_triton
-from longattn.bench.speed import count_flops, layer_traffic_bytes
+from longattn.bench.speed import count_flops, layer_traffic_bytes, peak_memory
 from longattn.testing import CudaAutocastOnCPU, DispatchCounter, scattered_mask
 
 __all__ = ["GRADIENT_BOUNDS", "GpuCheckConfig", "RATIOS", "SAME_CHOICES_IN_EVERY_DTYPE", "compare_with_float64",
@@ -478,15 +478,7 @@ def _timed_row(name: str, length: int, batch: int, triton: bool | None, config: 
         row["repeats"] = repeats
         if repeats < config.repeats:
             row["note"] = f"{repeats} of {config.repeats} repeats: over its time share"
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            step()
-            torch.cuda.synchronize(device)
-            row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-        else:
-            row["peak_mib"] = None
+        row["peak_mib"] = peak_memory(step, device) / 2**20 if device.type == "cuda" else None
     return row
 
 
