@@ -35,27 +35,37 @@ def test_same_seed_same_data_other_seed_other_data():
     task = get_task("mqar")
     a, b, c = (task.build_data(resolve_config("mqar", "cpu", None, TINY, attention="softmax", seed=s))
                for s in (0, 0, 1))
-    assert a.train.examples.inputs.equal(b.train.examples.inputs)
-    assert not a.train.examples.inputs.equal(c.train.examples.inputs)
-    assert not a.train.examples.inputs[:8].equal(a.val.examples.inputs)
+    assert a.train.segments[0].inputs.equal(b.train.segments[0].inputs)
+    assert not a.train.segments[0].inputs.equal(c.train.segments[0].inputs)
+    assert not a.train.segments[0].inputs[:8].equal(a.val.segments[0].inputs)
 
 
 def test_shipped_sweep_plans_every_mechanism():
     spec = load_recall_sweep("zoology_fig2")
     plan = plan_sweep(spec, "cpu")
-    short = {row.attention for (n, _), rows in plan.arms if n <= 256 for row in rows}
+    short = {row.attention for arm in plan.arms if arm.max_len <= 256 for row in arm.rows}
     assert {"softmax", "skeleton", "singular", "fsat", "skein", "nystrom", "performer", "linformer", "linear",
             "cosformer", "local", "bigbird", "luna", "flash"} <= short
-    assert [n for (n, _), _ in plan.arms] == [64, 128, 256, 1024, 4096] and plan.widths == [64, 128, 256]
-    long_rows = {row.attention for (n, _), rows in plan.arms if n > 256 for row in rows}
+    # the cpu preset: one model on the main lengths' mixture, tested at each; the long arm one model per length
+    assert [arm.lengths for arm in plan.arms] == [((64, 4), (128, 8), (256, 16)), ((1024, 64),), ((4096, 256),)]
+    assert plan.arms[0].train_mix and [n for _, n, _ in plan.tested()] == [64, 128, 256, 1024, 4096]
+    assert plan.widths == [64, 128, 256]
+    long_rows = {row.attention for arm in plan.arms[1:] for row in arm.rows}
     assert all(attention.capabilities(name).subquadratic for name in long_rows - {"softmax"})
-    # position budgets scale with the length; a run's config holds only its own mechanism's options
-    rows = {row.name: row for row in plan.arms[0][1]}
-    config = resolve_config("mqar", "cpu", None, plan.cell(rows["nystrom"], 64, 4, 64, 1e-3).overrides,
+    # a mixture's model takes its longest length's budgets; a run's config holds only its own mechanism's options
+    rows = {row.name: row for row in plan.arms[0].rows}
+    config = resolve_config("mqar", "cpu", None, plan.cell(rows["nystrom"], plan.arms[0], 64, 1e-3).overrides,
                             attention="nystrom")
-    assert config.attention_options == {"nystrom": {"num_landmarks": 16}}
-    paper = plan_sweep(spec, "paper", lengths=[256])
-    assert paper.batch_size[256] == 256 and len(paper.lrs) == 4 and len(paper.arms) == 1
+    assert config.attention_options == {"nystrom": {"num_landmarks": 64}}
+    assert [(s.seq_len, s.num_kv_pairs) for s in config.data.train_mix] == [(64, 4), (128, 8), (256, 16)]
+    assert config.train.group_by_length
+    per_length = plan_sweep(spec, "cpu", per_length=True, lengths=[64])
+    assert [arm.lengths for arm in per_length.arms] == [((64, 4),)] and not per_length.arms[0].train_mix
+    config = resolve_config("mqar", "cpu", None, per_length.cell(rows["nystrom"], per_length.arms[0], 64, 1e-3)
+                            .overrides, attention="nystrom")
+    assert config.attention_options == {"nystrom": {"num_landmarks": 16}} and config.data.seq_len == 64
+    paper = plan_sweep(spec, "paper", lengths=[256])  # Zoology's Figure 2: one model per length
+    assert paper.batch_size[256] == 256 and len(paper.lrs) == 4 and [a.lengths for a in paper.arms] == [((256, 16),)]
     with pytest.raises(ConfigError, match="not in the sweep"):
         plan_sweep(spec, "cpu", lengths=[100])
     with pytest.raises(ConfigError, match="no preset"):
@@ -65,7 +75,7 @@ def test_shipped_sweep_plans_every_mechanism():
 def test_sweep_searches_on_validation_reuses_and_resumes(tmp_path, monkeypatch):
     spec = load_recall_sweep("zoology_fig2")
     plan = plan_sweep(spec, "cpu", attentions=["softmax", "softmax-bidirectional", "nystrom"], lengths=[64],
-                      widths=[8], seeds=[0, 1], lrs=[1e-3, 3e-3], extra_overrides=TINY)
+                      widths=[8], seeds=[0, 1], lrs=[1e-3, 3e-3], extra_overrides=TINY, per_length=True)
     assert plan.runs() == 3 * (2 + 1)
     out = tmp_path / "fig2"
     summary = run_recall_sweep(plan, out)
@@ -103,13 +113,43 @@ def test_sweep_searches_on_validation_reuses_and_resumes(tmp_path, monkeypatch):
 def test_cost_estimate_measures_every_cell(tmp_path):
     spec = load_recall_sweep("zoology_fig2")
     plan = plan_sweep(spec, "cpu", attentions=["softmax", "linear"], lengths=[64], widths=[8, 16],
-                      extra_overrides=TINY)
+                      extra_overrides=TINY, per_length=True)
     cost = estimate_sweep_cost(plan, steps=1, log=lambda line: None)
     assert len(cost["cells"]) == 4 and all(c["step_s"] > 0 and c["runs"] == len(plan.lrs) + 2 for c in cost["cells"])
     assert cost["cells"][0]["steps"] == 1  # 16 examples, one epoch, one batch
     assert cost["total_s"] == pytest.approx(sum(c["cell_s"] for c in cost["cells"]))
     text = write_cost_estimate(cost, tmp_path)
     assert "N=64 d=16" in text and (tmp_path / "cost.json").is_file()
+
+
+MIX = ["data.val_examples=8", "data.test_examples=8", "train.epochs=1", "train.progress=false"]
+
+
+def test_mixture_sweep_reports_every_length_from_one_model(tmp_path, monkeypatch):
+    """The cpu preset's main arm: one model per (row, width, rate, seed), trained on the mixture, a result per
+    tested length; the cost estimate weighs each segment's steps."""
+    spec = load_recall_sweep("zoology_fig2")
+    spec["presets"]["cpu"]["train_mix"] = [(64, 4, 24), (128, 8, 8)]
+    spec["lengths"] = [(64, 4), (128, 8)]
+    plan = plan_sweep(spec, "cpu", attentions=["softmax", "linear"], lengths=[64], widths=[8], seeds=[0, 1],
+                      lrs=[1e-3], extra_overrides=MIX)
+    assert len(plan.arms) == 1 and plan.runs() == 2 * 2
+    out = tmp_path / "mix"
+    summary = run_recall_sweep(plan, out)
+    cells = {(c["row"], c["seq_len"]): c for c in summary["cells"]}
+    assert set(cells) == {("softmax", 64), ("softmax", 128), ("linear", 64), ("linear", 128)}
+    run = json.loads((out / "softmax" / "mix" / "d8" / "lr0.001" / "seed0" / "results.json").read_text())
+    assert run["train_mix"] == [[64, 4, 24], [128, 8, 8]] and run["test"]["examples"] == 16
+    for (row, n), cell in cells.items():
+        metric = f"accuracy_{n}x{n // 16}"
+        assert cell["test"][0] == pytest.approx(100 * json.loads(
+            (out / row / "mix" / "d8" / "lr0.001" / "seed0" / "results.json").read_text())["test"][metric])
+        assert cell["seeds"] == [0, 1] and cell["train_mix"] == [[64, 4, 24], [128, 8, 8]]
+    assert cells[("linear", 128)]["difference"]["n"] == 2
+    table = (out / "table.md").read_text()
+    assert "N = 128, K = 8: test accuracy (%) of the model trained on the mixture" in table
+    cost = estimate_sweep_cost(plan, steps=1, log=lambda line: None)
+    assert [c["arm"] for c in cost["cells"]] == ["mixture", "mixture"] and cost["cells"][0]["steps"] == 1 + 1  # a batch of each segment
 
 
 def test_command_line(tmp_path, capsys):

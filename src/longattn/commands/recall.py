@@ -29,6 +29,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                       "learning rate (default: the sweep file's, 0 1 2)")
     add_list_argument(parser, "--lrs", item=float, kind="rate", help="candidate learning rates, chosen per cell on "
                       "validation accuracy (default: the preset's in the sweep file)")
+    parser.add_argument("--per-length", action="store_true", help="train one model per sequence length even where "
+                        "the preset trains one on a mixture of the lengths (the cpu preset; see docs/mqar.md)")
     add_set_argument(parser, help="override for every run, e.g. --set data.train_examples=2000 (repeatable)")
     parser.add_argument("--out", help="output folder: the runs, table.md, results.json, zoology_fig2.png (with "
                         "--estimate: cost.md and cost.json)")
@@ -43,7 +45,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     spec = load_recall_sweep(args.config)
     plan = plan_sweep(spec, args.preset, attentions=args.attentions, lengths=args.lengths, widths=args.widths,
-                      seeds=args.seeds, lrs=args.lrs, extra_overrides=args.overrides)
+                      seeds=args.seeds, lrs=args.lrs, extra_overrides=args.overrides,
+                      per_length=args.per_length)
     if args.estimate:
         write_cost_estimate(estimate_sweep_cost(plan), args.out)
         return 0

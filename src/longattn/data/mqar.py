@@ -26,21 +26,28 @@ in the context, so a bidirectional model that reads the whole sequence cannot se
 The generator is deterministic per seed (numpy's ``default_rng``), vectorised, and needs
 ``4 * num_kv_pairs <= seq_len`` (Zoology's condition: a context of ``2 K`` tokens and room for ``K`` queries
 at even offsets).
+
+A dataset may hold several such segments of different ``(seq_len, num_kv_pairs)`` (Zoology's training
+mixtures: its ``DataConfig.train_configs`` is a list). :func:`collate` pads a batch that mixes them: tokens to
+the batch's longest sequence with the filler, queries to a common width with :data:`IGNORE` answers (not
+scored); a batch of one segment is not padded.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-__all__ = ["FILLER", "MQARDataset", "MQARExamples", "collate", "gap_probabilities", "multiquery_ar"]
+__all__ = ["FILLER", "IGNORE", "MQARDataset", "MQARExamples", "collate", "gap_probabilities", "multiquery_ar"]
 
 FILLER = 0  # the token of the query region's empty positions (never a key: keys start at 1)
+IGNORE = -100  # the answer of a padded query slot (cross-entropy's ignore_index): not scored
 _ROWS_PER_CHUNK = 1024  # rows drawn at once by the without-replacement samplers (bounds their memory)
 
 
@@ -144,21 +151,54 @@ def multiquery_ar(num_examples: int, seq_len: int, num_kv_pairs: int, *, vocab_s
 
 
 class MQARDataset(Dataset):
-    """Items ``{"tokens", "query_positions", "answers"}`` of generated :class:`MQARExamples`."""
+    """Items ``{"tokens", "query_positions", "answers"}`` of one or more generated :class:`MQARExamples`
+    segments, in order (the segments may differ in ``seq_len`` and ``num_kv_pairs``)."""
 
-    def __init__(self, examples: MQARExamples) -> None:
-        self.examples = examples
+    def __init__(self, examples: MQARExamples | Sequence[MQARExamples]) -> None:
+        self.segments = [examples] if isinstance(examples, MQARExamples) else list(examples)
+        if not self.segments:
+            raise ValueError("an MQAR dataset needs at least one segment of examples")
+        self._ends = np.cumsum([len(segment) for segment in self.segments]).tolist()
 
     def __len__(self) -> int:
-        return len(self.examples)
+        return self._ends[-1]
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        e = self.examples
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} examples")
+        index %= len(self)
+        part = bisect.bisect_right(self._ends, index)
+        e = self.segments[part]
+        index -= self._ends[part - 1] if part else 0
         return {"tokens": e.inputs[index], "query_positions": e.query_positions[index], "answers": e.answers[index]}
 
+    def lengths(self) -> list[int]:
+        """Every example's sequence length (``train.group_by_length`` batches equal lengths together)."""
+        return [int(e.inputs.shape[1]) for e in self.segments for _ in range(len(e))]
 
-def collate(items: list[dict[str, Any]]) -> dict[str, Tensor]:
-    """Stack items into a batch; token ids as int64 (the embedding's index type)."""
-    return {"tokens": torch.stack([item["tokens"] for item in items]).long(),
-            "query_positions": torch.stack([item["query_positions"] for item in items]),
-            "answers": torch.stack([item["answers"] for item in items])}
+
+def collate(items: list[dict[str, Any]], query_width: int | None = None) -> dict[str, Tensor]:
+    """Stack items into a batch; token ids as int64 (the embedding's index type).
+
+    Items of different lengths are padded: tokens at the end with :data:`FILLER` (after the query region, so a
+    causal model's answers do not change), queries to ``query_width`` (default: the batch's most) with position 0
+    and answer :data:`IGNORE`. A fixed ``query_width`` keeps every batch of an evaluation the same width.
+    """
+    length = max(len(item["tokens"]) for item in items)
+    width = max(len(item["answers"]) for item in items)
+    if query_width is not None:
+        if query_width < width:
+            raise ValueError(f"query_width={query_width} is below the {width} queries of an example")
+        width = query_width
+    if all(len(item["tokens"]) == length and len(item["answers"]) == width for item in items):
+        return {"tokens": torch.stack([item["tokens"] for item in items]).long(),
+                "query_positions": torch.stack([item["query_positions"] for item in items]).long(),
+                "answers": torch.stack([item["answers"] for item in items]).long()}
+    tokens = torch.full((len(items), length), FILLER, dtype=torch.long)
+    positions = torch.zeros((len(items), width), dtype=torch.long)
+    answers = torch.full((len(items), width), IGNORE, dtype=torch.long)
+    for row, item in enumerate(items):
+        tokens[row, : len(item["tokens"])] = item["tokens"]
+        positions[row, : len(item["answers"])] = item["query_positions"]
+        answers[row, : len(item["answers"])] = item["answers"]
+    return {"tokens": tokens, "query_positions": positions, "answers": answers}

@@ -3,11 +3,15 @@
 A sweep file (``configs/mqar/sweeps/zoology_fig2.yaml``; see docs/mqar.md) names the rows (mechanisms, or a
 mechanism with settings, e.g. softmax run bidirectionally), the (sequence length, pairs) of the main arm and of
 the long-context arm (with its own rows: the sub-quadratic mechanisms), the widths, the seeds, and per preset
-the learning rates to search and the batch per sequence length. The task preset (``configs/mqar/<preset>.yaml``)
-holds the rest: data sizes, epochs, optimiser.
+the learning rates to search, the batch per sequence length and, optionally, a training mixture. The task preset
+(``configs/mqar/<preset>.yaml``) holds the rest: data sizes, epochs, optimiser.
 
-Every (row, length, width) is one grid cell of :mod:`longattn.experiment.grid`, trained in two phases, each
-resumable per cell and seed (a finished run has a ``results.json`` and is reused with ``resume``):
+An *arm* is what one model is trained for: either one (sequence length, pairs), as Zoology's Figure 2 trains
+them, or, when the preset names a ``train_mix``, every length of the main arm at once: one model per (row,
+width, rate, seed) trained on the mixture and tested at each length (Zoology's later MQAR configurations). The
+long-context arm always trains one model per length. Every (row, arm, width) is one grid cell of
+:mod:`longattn.experiment.grid`, trained in two phases, each resumable per cell and seed (a finished run has a
+``results.json`` and is reused with ``resume``):
 
 1. the learning-rate search: the first seed at every candidate rate, in ``<row>/<length>/d<width>/lr<rate>/``;
    the rate with the best *validation* accuracy wins (ties: the lower validation loss; test is never read);
@@ -39,18 +43,21 @@ from longattn.experiment.results import markdown_table, now, write_results
 from longattn.experiment.run import build_run_model
 from longattn.experiment.stats import format_difference, legend, mean_with_sem, summarize
 from longattn.tasks.base import TaskData, get_task
-from longattn.tasks.mqar import MQAR_CONFIGS, recall_step
+from longattn.tasks.mqar import MQAR_CONFIGS, eval_lengths, length_metric, recall_step, train_segments
 from longattn.utils import optional_import
 
-__all__ = ["RecallRow", "SweepPlan", "estimate_sweep_cost", "load_recall_sweep", "plan_sweep", "recall_sweep_path",
+__all__ = ["Arm", "RecallRow", "SweepPlan", "estimate_sweep_cost", "load_recall_sweep", "plan_sweep", "recall_sweep_path",
            "run_recall_sweep", "write_cost_estimate", "write_recall_outputs"]
 
 SWEEPS = MQAR_CONFIGS / "sweeps"
 _SPEC_KEYS = {"title", "description", "reference", "rows", "lengths", "long_context", "length_settings", "widths",
               "seeds", "presets"}
 _LONG_KEYS = {"lengths", "rows"}
-_PRESET_KEYS = {"lrs", "batch_size"}
+_PRESET_KEYS = {"lrs", "batch_size", "train_mix"}
 _ROW_KEYS = {"name", "attention", "set"}
+# train.length_window of a mixture: one window for the whole epoch, so that every batch holds one sequence length
+# (as Zoology's batches hold one configuration each), but the ones where two lengths meet
+_ONE_WINDOW = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -62,14 +69,37 @@ class RecallRow:
     overrides: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Arm:
+    """What one model is trained for: the (sequence length, pairs) it is tested at, its rows, and the mixture
+    of (sequence length, pairs, sequences) it trains on (empty: its one length, at the preset's data sizes)."""
+
+    lengths: tuple[tuple[int, int], ...]
+    rows: tuple[RecallRow, ...]
+    train_mix: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def max_len(self) -> int:
+        return max([n for n, _ in self.lengths] + [n for n, _, _ in self.train_mix])
+
+    @property
+    def folder(self) -> str:
+        """The arm's folder in a sweep: ``N256_K16`` for one length, ``mix`` for a mixture."""
+        return "mix" if self.train_mix else "_".join(f"N{n}_K{k}" for n, k in self.lengths)
+
+    def metric(self, seq_len: int, pairs: int) -> str | None:
+        """The results' metric of one tested length (None: the selection metric, for a one-length arm)."""
+        return length_metric(seq_len, pairs) if len(self.lengths) > 1 else None
+
+
 @dataclass
 class SweepPlan:
-    """What one invocation trains: rows per (sequence length, pairs), widths, seeds, candidate rates, batches."""
+    """What one invocation trains: its arms, widths, seeds, candidate rates and batches."""
 
     title: str
     preset: str
     reference: str
-    arms: list[tuple[tuple[int, int], list[RecallRow]]]  # ((seq_len, num_kv_pairs), rows) in figure order
+    arms: list[Arm]  # in figure order
     widths: list[int]
     seeds: list[int]
     lrs: list[float]
@@ -79,16 +109,29 @@ class SweepPlan:
 
     def runs(self) -> int:
         """Runs this plan trains when nothing is finished yet."""
-        cells = sum(len(rows) for _, rows in self.arms) * len(self.widths)
+        cells = sum(len(arm.rows) for arm in self.arms) * len(self.widths)
         return cells * (len(self.lrs) + len(self.seeds) - 1)
 
-    def cell(self, row: RecallRow, seq_len: int, pairs: int, width: int, lr: float, search: bool = False) -> Cell:
-        """The grid cell of one (row, length, width) at rate ``lr``; a search cell names its rate in its label."""
-        overrides = [f"data.seq_len={seq_len}", f"data.num_kv_pairs={pairs}", f"model.dim={width}",
-                     f"train.batch_size={self.batch_size[seq_len]}", f"optim.lr={lr!r}",
-                     *_length_overrides(self.length_settings.get(seq_len, {}), row.attention), *row.overrides,
-                     *self.extra_overrides]
-        column = _column(seq_len, pairs, width) + (f" lr={lr:.3g}" if search else "")
+    def tested(self) -> list[tuple[Arm, int, int]]:
+        """(arm, sequence length, pairs) of every tested length, in figure order."""
+        return [(arm, n, k) for arm in self.arms for n, k in arm.lengths]
+
+    def cell(self, row: RecallRow, arm: Arm, width: int, lr: float, search: bool = False) -> Cell:
+        """The grid cell of one (row, arm, width) at rate ``lr``; a search cell names its rate in its label.
+
+        A mixture's model is built for its longest sequence, and the mechanisms' length-dependent budgets are
+        that length's (a budget set for the shorter lengths would be too small at the longest)."""
+        if arm.train_mix:
+            data = [f"data.train_mix={json.dumps([dict(seq_len=n, num_kv_pairs=k, examples=c) for n, k, c in arm.train_mix])}",
+                    f"data.eval_lengths={json.dumps([list(e) for e in arm.lengths])}",
+                    "train.group_by_length=true", f"train.length_window={_ONE_WINDOW}"]
+        else:
+            (seq_len, pairs), = arm.lengths
+            data = [f"data.seq_len={seq_len}", f"data.num_kv_pairs={pairs}"]
+        overrides = [*data, f"model.dim={width}", f"train.batch_size={self.batch_size[arm.max_len]}",
+                     f"optim.lr={lr!r}", *_length_overrides(self.length_settings.get(arm.max_len, {}), row.attention),
+                     *row.overrides, *self.extra_overrides]
+        column = _column(arm, width) + (f" lr={lr:.3g}" if search else "")
         return Cell(row.name, column, "mqar", self.preset, overrides=overrides, explicit={"attention": row.attention})
 
 
@@ -161,6 +204,11 @@ def load_recall_sweep(path_or_name: str | Path) -> dict[str, Any]:
         if not entry.get("lrs") or not isinstance(entry.get("batch_size"), dict):
             raise ConfigError(f"presets.{name} of {path} needs `lrs` (a list) and `batch_size` (sequence length: "
                               "batch)")
+        mix = entry.get("train_mix") or []
+        if not isinstance(mix, list) or not all(isinstance(e, list) and len(e) == 3 and all(isinstance(v, int)
+                                                                                          for v in e) for e in mix):
+            raise ConfigError(f"presets.{name}.train_mix of {path} must be a list of [sequence length, key-value "
+                              "pairs, training sequences]")
     settings = spec.get("length_settings") or {}
     _check_keys(settings, set(settings) if isinstance(settings, dict) else set(), f"length_settings of {path}")
     parsed["length_settings"] = {}
@@ -170,40 +218,48 @@ def load_recall_sweep(path_or_name: str | Path) -> dict[str, Any]:
                               f"{length!r}: {entry!r}")
         parsed["length_settings"][length] = dict(_flatten(entry))
     parsed["presets"] = {name: {"lrs": [float(v) for v in entry["lrs"]],
-                                "batch_size": {int(k): int(v) for k, v in entry["batch_size"].items()}}
+                                "batch_size": {int(k): int(v) for k, v in entry["batch_size"].items()},
+                                "train_mix": [tuple(int(v) for v in e) for e in entry.get("train_mix") or []]}
                          for name, entry in presets.items()}
     return parsed
 
 
 def plan_sweep(spec: dict[str, Any], preset: str = "cpu", *, attentions: list[str] | None = None,
                lengths: list[int] | None = None, widths: list[int] | None = None, seeds: list[int] | None = None,
-               lrs: list[float] | None = None, extra_overrides: list[str] = ()) -> SweepPlan:
+               lrs: list[float] | None = None, extra_overrides: list[str] = (), per_length: bool = False) -> SweepPlan:
     """The runs of ``spec`` at ``preset``, narrowed to the given row names, sequence lengths, widths, seeds or
-    rates (None: the spec's). Rows whose mechanism is not registered here are left out with a note."""
+    rates (None: the spec's). Rows whose mechanism is not registered here are left out with a note.
+
+    With the preset's ``train_mix`` (and not ``per_length``), the main arm is one arm trained on the mixture and
+    tested at every main length (``lengths`` then keeps it when it names any of them); otherwise every length is
+    its own arm."""
     if preset not in spec["presets"]:
         raise ConfigError(f"the recall sweep has no preset {preset!r}; its presets: {', '.join(spec['presets'])}")
     settings = spec["presets"][preset]
     available = set(attention_registry.available())
-    every = {(n, k): spec["rows"] for n, k in spec["lengths"]}
-    every.update({(n, k): spec["long_rows"] for n, k in spec["long_lengths"]})
-    known_lengths = sorted({n for n, _ in every})
+    known_lengths = sorted({n for n, _ in [*spec["lengths"], *spec["long_lengths"]]})
     if lengths is not None:
         unknown = sorted(set(lengths) - set(known_lengths))
         if unknown:
             raise ConfigError(f"sequence length(s) {unknown} are not in the sweep; its lengths: {known_lengths}")
-    names = {row.name for rows in every.values() for row in rows}
+    names = {row.name for row in [*spec["rows"], *spec["long_rows"]]}
     if attentions is not None:
         unknown = [a for a in attentions if a not in names]
         if unknown:
             raise ConfigError(f"row(s) {unknown} are not in the sweep; its rows: {', '.join(sorted(names))}")
+    mix = tuple(settings["train_mix"]) if not per_length else ()
+    candidates = [Arm(tuple(spec["lengths"]), tuple(spec["rows"]), mix)] if mix else \
+        [Arm(((n, k),), tuple(spec["rows"])) for n, k in spec["lengths"]]
+    candidates += [Arm(((n, k),), tuple(spec["long_rows"])) for n, k in spec["long_lengths"]]
     arms = []
-    for (seq_len, pairs), rows in every.items():
-        if lengths is not None and seq_len not in lengths:
+    for arm in candidates:
+        if lengths is not None and not any(n in lengths for n, _ in arm.lengths):
             continue
-        if seq_len not in settings["batch_size"]:
-            raise ConfigError(f"presets.{preset}.batch_size of the sweep gives no batch for sequence length {seq_len}")
+        if arm.max_len not in settings["batch_size"]:
+            raise ConfigError(f"presets.{preset}.batch_size of the sweep gives no batch for sequence length "
+                              f"{arm.max_len}")
         kept = []
-        for row in rows:
+        for row in arm.rows:
             if attentions is not None and row.name not in attentions:
                 continue
             if row.attention not in available:
@@ -211,7 +267,7 @@ def plan_sweep(spec: dict[str, Any], preset: str = "cpu", *, attentions: list[st
                 continue
             kept.append(row)
         if kept:
-            arms.append(((seq_len, pairs), kept))
+            arms.append(Arm(arm.lengths, tuple(kept), arm.train_mix))
     if not arms:
         raise ConfigError("nothing to train: no row of the sweep is left at the chosen lengths")
     return SweepPlan(spec["title"], preset, spec["reference"], arms, list(widths or spec["widths"]),
@@ -235,8 +291,9 @@ def _length_overrides(settings: dict[str, Any], attention: str) -> list[str]:
             if not key.startswith("attention_options.") or key.split(".")[1] == attention]
 
 
-def _column(seq_len: int, pairs: int, width: int) -> str:
-    return f"N={seq_len} K={pairs} d={width}"
+def _column(arm: Arm, width: int) -> str:
+    lengths = "mix" if arm.train_mix else " ".join(f"N={n} K={k}" for n, k in arm.lengths)
+    return f"{lengths} d={width}"
 
 
 def _lr_label(lr: float) -> str:
@@ -245,11 +302,10 @@ def _lr_label(lr: float) -> str:
 
 @dataclass
 class _Entry:
-    """One (row, length, width) of the figure: its search cells (one per rate) and its result cell."""
+    """One (row, arm, width) of the figure: its search cells (one per rate) and its result cell."""
 
     row: RecallRow
-    seq_len: int
-    pairs: int
+    arm: Arm
     width: int
     search: dict[float, Cell]
     chosen: float | None = None
@@ -271,10 +327,10 @@ def run_recall_sweep(plan: SweepPlan, out_dir: str | Path, *, resume: bool = Fal
     if not plan.seeds:
         raise ConfigError("the recall sweep needs at least one seed")
     first, others = plan.seeds[0], plan.seeds[1:]
-    folder = lambda entry, lr, seed: (out_dir / _slug(entry.row.name) / f"N{entry.seq_len}_K{entry.pairs}"  # noqa: E731
+    folder = lambda entry, lr, seed: (out_dir / _slug(entry.row.name) / entry.arm.folder  # noqa: E731
                                       / f"d{entry.width}" / _lr_label(lr) / f"seed{seed}")
-    entries = [_Entry(row, n, k, width, {lr: plan.cell(row, n, k, width, lr, search=True) for lr in plan.lrs})
-               for (n, k), rows in plan.arms for width in plan.widths for row in rows]
+    entries = [_Entry(row, arm, width, {lr: plan.cell(row, arm, width, lr, search=True) for lr in plan.lrs})
+               for arm in plan.arms for width in plan.widths for row in arm.rows]
     print(f"{plan.title}: {len(entries)} cells, up to {plan.runs()} runs ({len(plan.lrs)} rate(s) searched on seed "
           f"{first}, then seeds {others or 'none'} at the chosen rate)", flush=True)
     search_cells, where = [], {}
@@ -289,10 +345,10 @@ def run_recall_sweep(plan: SweepPlan, out_dir: str | Path, *, resume: bool = Fal
         entry.chosen = _choose(entry.search)
         if entry.chosen is None:
             errors = "; ".join(sorted({c.error for c in entry.search.values() if c.error})) or "no result"
-            entry.result = Cell(entry.row.name, _column(entry.seq_len, entry.pairs, entry.width), "mqar",
+            entry.result = Cell(entry.row.name, _column(entry.arm, entry.width), "mqar",
                                 error=f"every rate failed: {errors}", explicit={"attention": entry.row.attention})
             continue
-        entry.result = plan.cell(entry.row, entry.seq_len, entry.pairs, entry.width, entry.chosen)
+        entry.result = plan.cell(entry.row, entry.arm, entry.width, entry.chosen)
         if others:
             final_cells.append(entry.result)
             final_where[id(entry.result)] = entry
@@ -309,7 +365,8 @@ def run_recall_sweep(plan: SweepPlan, out_dir: str | Path, *, resume: bool = Fal
 
 
 def _by_key(entries: list[_Entry]) -> dict[tuple[str, int, int, int], _Entry]:
-    return {(e.row.name, e.seq_len, e.pairs, e.width): e for e in entries}
+    """{(row, sequence length, pairs, width): the entry whose model is tested there}."""
+    return {(e.row.name, n, k, e.width): e for e in entries for n, k in e.arm.lengths}
 
 
 def _cost(entry: _Entry) -> dict[str, Any]:
@@ -319,26 +376,31 @@ def _cost(entry: _Entry) -> dict[str, Any]:
     return {"search_s": search, "seeds_s": seeds, "total_s": round(sum(search.values()) + sum(seeds), 1)}
 
 
-def _record(entry: _Entry, reference: _Entry | None) -> dict[str, Any]:
-    cell = entry.result
+def _record(entry: _Entry, seq_len: int, pairs: int, reference: _Entry | None) -> dict[str, Any]:
+    """One tested length of an entry for results.json (a mixture's entry has one record per length)."""
+    cell, metric = entry.result, entry.arm.metric(seq_len, pairs)
+    difference = None
+    if reference is not None and reference is not entry and reference.result is not None:
+        paired = paired_against(cell, reference.result, metric)
+        difference = paired.as_dict() if paired else None
     return {"row": entry.row.name, "attention": entry.row.attention, "overrides": list(entry.row.overrides),
-            "form": next((r.get("form") for r in cell.results), None), "seq_len": entry.seq_len,
-            "num_kv_pairs": entry.pairs, "width": entry.width, "lr": entry.chosen,
+            "form": next((r.get("form") for r in cell.results), None), "seq_len": seq_len,
+            "num_kv_pairs": pairs, "width": entry.width,
+            "train_mix": [list(s) for s in entry.arm.train_mix] or [[seq_len, pairs]], "lr": entry.chosen,
             "lr_search": {str(lr): (c.results[0]["val"]["accuracy"] if c.results and c.results[0].get("val") else None)
                           for lr, c in entry.search.items()},
             "lr_errors": {str(lr): c.error for lr, c in entry.search.items() if c.error},
-            "seeds": [r["seed"] for r in cell.results], "test": cell.values(), "val": cell.values(split="val"),
-            "test_summary": cell.summary(),
-            "difference": difference_record(cell, reference.result) if reference and reference is not entry else None,
+            "seeds": [r["seed"] for r in cell.results], "test": cell.values(metric), "val": cell.values(metric, "val"),
+            "test_summary": cell.summary(metric), "difference": difference,
             "steps": [r["steps"] for r in cell.results], "stopped_early": [r["stopped_early"] for r in cell.results],
             "cost": _cost(entry), "error": cell.error}
 
 
-def _accuracy_text(cell: Cell | None, seeds: int) -> str:
+def _accuracy_text(cell: Cell | None, seeds: int, metric: str | None = None) -> str:
     """'mean ± std (s.e.)' of a cell; 'failed' without results; the count when some seeds are missing."""
     if cell is None:
         return "-"
-    values = cell.values()
+    values = cell.values(metric)
     if not values:
         return "failed" if cell.error else "-"
     text = mean_with_sem(values)
@@ -351,54 +413,66 @@ def write_recall_outputs(plan: SweepPlan, entries: list[_Entry], out_dir: Path,
     chosen rates, the training time), ``results.json`` and ``zoology_fig2.png``; the summary."""
     by_key = _by_key(entries)
     blocks = []
-    for (seq_len, pairs), rows in plan.arms:
+    for arm, seq_len, pairs in plan.tested():
         def cell_of(row: RecallRow, width: int) -> _Entry | None:
             return by_key.get((row.name, seq_len, pairs, width))
 
+        metric = arm.metric(seq_len, pairs)
         headers = ["", *(f"d={w}" for w in plan.widths)]
         accuracy, differences, rates, times = [], [], [], []
-        reference = next((r for r in rows if r.name == plan.reference), None)
-        for row in rows:
+        reference = next((r for r in arm.rows if r.name == plan.reference), None)
+        for row in arm.rows:
             line, delta, lr_line, time_line = [row.name], [row.name], [row.name], [row.name]
             for width in plan.widths:
                 entry = cell_of(row, width)
                 cell = entry.result if entry else None
-                line.append(_accuracy_text(cell, len(plan.seeds)))
+                line.append(_accuracy_text(cell, len(plan.seeds), metric))
                 base = cell_of(reference, width) if reference else None
                 delta.append("reference" if row is reference else "-" if not (cell and base and base.result)
-                             else format_difference(paired_against(cell, base.result)))
+                             else format_difference(paired_against(cell, base.result, metric)))
                 lr_line.append("-" if entry is None or entry.chosen is None else f"{entry.chosen:.3g}")
                 time_line.append("-" if entry is None else f"{_cost(entry)['total_s'] / 60:.1f}")
             accuracy.append(line), differences.append(delta), rates.append(lr_line), times.append(time_line)
-        text = [f"### N = {seq_len}, K = {pairs}: test accuracy (%), mean ± std (standard error) over seeds "
-                f"{plan.seeds}\n", markdown_table(headers, accuracy)]
-        if reference is not None and len(rows) > 1:
+        trained = (f"the model trained on the mixture {_mix_text(arm.train_mix)}" if arm.train_mix
+                   else "a model trained at this length")
+        text = [f"### N = {seq_len}, K = {pairs}: test accuracy (%) of {trained}, mean ± std (standard error) over "
+                f"seeds {plan.seeds}\n", markdown_table(headers, accuracy)]
+        if reference is not None and len(arm.rows) > 1:
             text += [f"\nPaired difference from {reference.name} (points):\n", markdown_table(headers, differences),
                      f"\n{legend(reference.name)}"]
         text += ["\nLearning rate chosen on validation accuracy (first seed):\n", markdown_table(headers, rates),
-                 "\nTraining time of the cell, all its runs (wall-clock minutes, validation excluded):\n", markdown_table(headers, times)]
+                 "\nTraining time of the cell, all its runs (wall-clock minutes, validation excluded"
+                 f"{'; one model for every length of the mixture' if arm.train_mix else ''}):\n",
+                 markdown_table(headers, times)]
         blocks.append("\n".join(text) + "\n")
     title = (f"## {plan.title}\n\nPreset `{plan.preset}`; learning rates searched: "
-             f"{', '.join(f'{lr:.3g}' for lr in plan.lrs)}; batch per length: "
-             f"{', '.join(f'{n}: {plan.batch_size[n]}' for (n, _), _ in plan.arms)}.\n\n")
+             f"{', '.join(f'{lr:.3g}' for lr in plan.lrs)}; batch: "
+             f"{', '.join(f'{_arm_text(arm)}: {plan.batch_size[arm.max_len]}' for arm in plan.arms)}.\n\n")
     text = title + "\n".join(blocks)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(text)
-    records = []
-    for entry in entries:
-        reference = by_key.get((plan.reference, entry.seq_len, entry.pairs, entry.width))
-        records.append(_record(entry, reference))
+    records = [_record(entry, n, k, by_key.get((plan.reference, n, k, entry.width)))
+               for entry in entries for n, k in entry.arm.lengths]
     summary = {"title": plan.title, "preset": plan.preset, "reference": plan.reference, "widths": plan.widths,
-               "lrs": plan.lrs, "batch_size": {str(n): plan.batch_size[n] for (n, _), _ in plan.arms},
-               "lengths": [[n, k] for (n, k), _ in plan.arms], "extra_overrides": plan.extra_overrides,
-               "length_settings": {str(n): plan.length_settings.get(n, {}) for (n, _), _ in plan.arms},
-               "metric": "test accuracy (%)", "cells": records,
-               "train_time_s": round(sum(r["cost"]["total_s"] for r in records), 1)}
+               "lrs": plan.lrs, "lengths": [[n, k] for _, n, k in plan.tested()],
+               "arms": [{"lengths": [list(e) for e in arm.lengths], "train_mix": [list(m) for m in arm.train_mix],
+                         "batch_size": plan.batch_size[arm.max_len],
+                         "length_settings": plan.length_settings.get(arm.max_len, {})} for arm in plan.arms],
+               "extra_overrides": plan.extra_overrides, "metric": "test accuracy (%)", "cells": records,
+               "train_time_s": round(sum(_cost(entry)["total_s"] for entry in entries), 1)}
     write_results(out_dir / "results.json", summary, seeds=plan.seeds, started=started)
     plot_recall(plan, entries, out_dir / "zoology_fig2.png")
     print(text)
     print(f"wrote {out_dir / 'table.md'}, {out_dir / 'results.json'}, {out_dir / 'zoology_fig2.png'}")
     return summary
+
+
+def _mix_text(mix: tuple[tuple[int, int, int], ...]) -> str:
+    return " + ".join(f"{c:,} x ({n}, {k})" for n, k, c in mix)
+
+
+def _arm_text(arm: Arm) -> str:
+    return "mixture" if arm.train_mix else f"N={arm.max_len}"
 
 
 def plot_recall(plan: SweepPlan, entries: list[_Entry], path: Path) -> None:
@@ -408,15 +482,15 @@ def plot_recall(plan: SweepPlan, entries: list[_Entry], path: Path) -> None:
     matplotlib.use("Agg")  # files only; no display needed
     plt = optional_import("matplotlib.pyplot")
     by_key = _by_key(entries)
-    names = list(dict.fromkeys(row.name for _, rows in plan.arms for row in rows))
-    fig, axes = plt.subplots(1, len(plan.arms), figsize=(3.6 * len(plan.arms) + 1.6, 3.6), sharey=True,
-                             squeeze=False)
-    for axis, ((seq_len, pairs), rows) in zip(axes[0], plan.arms):
-        for row in rows:
+    names = list(dict.fromkeys(row.name for arm in plan.arms for row in arm.rows))
+    panels = plan.tested()
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1.6, 3.6), sharey=True, squeeze=False)
+    for axis, (arm, seq_len, pairs) in zip(axes[0], panels):
+        for row in arm.rows:
             points = []
             for width in plan.widths:
                 entry = by_key.get((row.name, seq_len, pairs, width))
-                values = entry.result.values() if entry and entry.result else []
+                values = entry.result.values(arm.metric(seq_len, pairs)) if entry and entry.result else []
                 if values:
                     s = summarize(values)
                     points.append((width, s.mean, 0.0 if math.isnan(s.std) else s.std))
@@ -440,7 +514,7 @@ def plot_recall(plan: SweepPlan, entries: list[_Entry], path: Path) -> None:
     fig.legend(list(handles.values()), list(handles), loc="center right", fontsize="small")
     fig.suptitle(f"{plan.title} (preset {plan.preset}; mean ± std over {len(plan.seeds)} seeds; "
                  "dashed: bidirectional)", fontsize="medium")
-    fig.tight_layout(rect=(0, 0, 1 - 1.5 / (3.6 * len(plan.arms) + 1.6), 1))
+    fig.tight_layout(rect=(0, 0, 1 - 1.5 / (3.6 * len(panels) + 1.6), 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -448,45 +522,52 @@ def plot_recall(plan: SweepPlan, entries: list[_Entry], path: Path) -> None:
 # ----------------------------------------------------------------------------- cost
 
 
-def _run_budget(config: Any) -> tuple[int, int]:
-    """(optimiser steps, validations) of a run that never stops early."""
-    steps_per_epoch = math.ceil(config.data.train_examples / config.train.batch_size)
-    steps = math.ceil(config.train.epochs * steps_per_epoch) if config.train.epochs else config.train.max_steps
-    every = steps_per_epoch if config.train.eval_every_epoch else config.train.eval_every
-    return steps, math.ceil(steps / every)
-
-
 def measure_cell_cost(cell: Cell, steps: int = 2) -> dict[str, float]:
     """Process CPU seconds of one training step (forward, backward, AdamW) and of evaluating one example, for the
-    model and batch of ``cell``, measured on generated data after one warm-up step; and the run's budget."""
+    model and batch of ``cell``, measured on generated data after one warm-up step per sequence length; and the
+    run's budget. A mixture's step is the mean over its segments, weighted by their batches per epoch."""
     config = resolve_config(cell.task, cell.preset, cell.config_file, cell.overrides, **cell.explicit)
     d = config.data
     size = config.train.batch_size
-    examples = multiquery_ar(size, d.seq_len, d.num_kv_pairs, vocab_size=d.vocab_size, power_a=d.power_a, seed=0)
-    batch = collate([MQARDataset(examples)[i] for i in range(size)])
     torch.manual_seed(0)
     model = build_run_model(config, get_task(cell.task), TaskData(None, None, None, collate))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
 
-    def train_step() -> None:
+    def batch_of(seq_len: int, pairs: int) -> dict[str, Any]:
+        examples = multiquery_ar(size, seq_len, pairs, vocab_size=d.vocab_size, power_a=d.power_a, seed=0)
+        return collate([MQARDataset(examples)[i] for i in range(size)])
+
+    def train_step(batch: dict[str, Any]) -> None:
         optimizer.zero_grad(set_to_none=True)
         recall_step(model, batch).loss.backward()
         optimizer.step()
 
-    train_step()  # warm-up: first-call costs (allocations, lazily built buffers) are not a step's
-    started = time.process_time()
-    for _ in range(steps):
-        train_step()
-    step_s = (time.process_time() - started) / steps
-    model.eval()
-    with torch.no_grad():
+    def step_s(seq_len: int, pairs: int) -> float:
+        batch = batch_of(seq_len, pairs)
+        train_step(batch)  # warm-up: first-call costs (allocations, lazily built buffers) are not a step's
+        started = time.process_time()
+        for _ in range(steps):
+            train_step(batch)
+        return (time.process_time() - started) / steps
+
+    @torch.no_grad()
+    def example_s(seq_len: int, pairs: int) -> float:
+        batch = batch_of(seq_len, pairs)
+        model.eval()
         started = time.process_time()
         recall_step(model, batch)
-        example_s = (time.process_time() - started) / size
-    total_steps, validations = _run_budget(config)
-    evaluated = validations * d.val_examples + d.test_examples
-    return {"step_s": step_s, "eval_example_s": example_s, "steps": total_steps, "validations": validations,
-            "run_s": total_steps * step_s + evaluated * example_s}
+        model.train()
+        return (time.process_time() - started) / size
+
+    batches = [(n, k, math.ceil(count / size)) for n, k, count in train_segments(d)]
+    epoch_steps = sum(b for _, _, b in batches)
+    mean_step_s = sum(b * step_s(n, k) for n, k, b in batches) / epoch_steps
+    total_steps = math.ceil(config.train.epochs * epoch_steps) if config.train.epochs else config.train.max_steps
+    every = epoch_steps if config.train.eval_every_epoch else config.train.eval_every
+    validations = math.ceil(total_steps / every)
+    evaluated = sum((validations * d.val_examples + d.test_examples) * example_s(n, k) for n, k in eval_lengths(d))
+    return {"step_s": mean_step_s, "steps": total_steps, "validations": validations,
+            "run_s": total_steps * mean_step_s + evaluated}
 
 
 def estimate_sweep_cost(plan: SweepPlan, steps: int = 2, log: Callable[[str], Any] = print) -> dict[str, Any]:
@@ -494,31 +575,32 @@ def estimate_sweep_cost(plan: SweepPlan, steps: int = 2, log: Callable[[str], An
     CPU seconds of one thread: a step and an evaluated example are timed for each (row, length, width) at the
     first candidate rate; a cell costs (rates + seeds - 1) runs. Early stops (Zoology's 99%) only shorten it."""
     cells = []
-    for (seq_len, pairs), rows in plan.arms:
+    for arm in plan.arms:
         for width in plan.widths:
-            for row in rows:
-                cost = measure_cell_cost(plan.cell(row, seq_len, pairs, width, plan.lrs[0]), steps)
+            for row in arm.rows:
+                cost = measure_cell_cost(plan.cell(row, arm, width, plan.lrs[0]), steps)
                 runs = len(plan.lrs) + len(plan.seeds) - 1
-                cells.append({"row": row.name, "seq_len": seq_len, "num_kv_pairs": pairs, "width": width, **cost,
-                              "runs": runs, "cell_s": runs * cost["run_s"]})
-                log(f"  {row.name:24s} N={seq_len:<5d} d={width:<4d} step {cost['step_s']:.3f} s x {cost['steps']} "
-                    f"steps: {cost['run_s'] / 60:.1f} min a run, {runs * cost['run_s'] / 3600:.2f} h the cell")
+                cells.append({"row": row.name, "arm": _arm_text(arm), "lengths": [list(e) for e in arm.lengths],
+                              "width": width, **cost, "runs": runs, "cell_s": runs * cost["run_s"]})
+                log(f"  {row.name:24s} {_arm_text(arm):8s} d={width:<4d} step {cost['step_s']:.3f} s x "
+                    f"{cost['steps']} steps: {cost['run_s'] / 60:.1f} min a run, {runs * cost['run_s'] / 3600:.2f} h "
+                    "the cell")
     total = sum(c["cell_s"] for c in cells)
-    by_length = {n: sum(c["cell_s"] for c in cells if c["seq_len"] == n) for (n, _), _ in plan.arms}
-    return {"preset": plan.preset, "cells": cells, "total_s": total, "by_length_s": by_length}
+    by_arm = {_arm_text(arm): sum(c["cell_s"] for c in cells if c["arm"] == _arm_text(arm)) for arm in plan.arms}
+    return {"preset": plan.preset, "cells": cells, "total_s": total, "by_arm_s": by_arm}
 
 
 def write_cost_estimate(cost: dict[str, Any], out_dir: str | Path | None = None) -> str:
     """The estimate as a table (minutes per run at the full budget, per row and (length, width)) with the totals;
     printed, and written to ``cost.md`` and ``cost.json`` in ``out_dir`` when given."""
     cells = cost["cells"]
-    columns = list(dict.fromkeys((c["seq_len"], c["width"]) for c in cells))
+    columns = list(dict.fromkeys((c["arm"], c["width"]) for c in cells))
     rows = list(dict.fromkeys(c["row"] for c in cells))
-    by_key = {(c["row"], c["seq_len"], c["width"]): c for c in cells}
-    table = markdown_table(["", *(f"N={n} d={w}" for n, w in columns)],
-                           [[row, *("-" if (row, n, w) not in by_key else f"{by_key[(row, n, w)]['run_s'] / 60:.1f}"
-                                    for n, w in columns)] for row in rows])
-    lengths = ", ".join(f"N={n}: {seconds / 3600:.1f} h" for n, seconds in cost["by_length_s"].items())
+    by_key = {(c["row"], c["arm"], c["width"]): c for c in cells}
+    table = markdown_table(["", *(f"{a} d={w}" for a, w in columns)],
+                           [[row, *("-" if (row, a, w) not in by_key else f"{by_key[(row, a, w)]['run_s'] / 60:.1f}"
+                                    for a, w in columns)] for row in rows])
+    lengths = ", ".join(f"{arm}: {seconds / 3600:.1f} h" for arm, seconds in cost["by_arm_s"].items())
     text = (f"### Cost of the recall sweep, preset `{cost['preset']}` (process CPU time of one thread)\n\n"
             f"Minutes per run at the full budget (no early stop), measured per cell:\n\n{table}\n\n"
             f"A cell trains (rates + seeds - 1) runs. Total: {cost['total_s'] / 3600:.1f} h ({lengths}); "
