@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from longattn.data.mqar import FILLER, MQARDataset, collate, gap_probabilities, multiquery_ar
+from longattn.data.mqar import FILLER, IGNORE, MQARDataset, collate, gap_probabilities, multiquery_ar
 
 
 def test_layout_keys_values_and_queries():
@@ -112,3 +112,24 @@ def test_dataset_and_collate():
     batch = collate([data[i] for i in range(3)])
     assert batch["tokens"].dtype == torch.long and batch["tokens"].shape == (3, 32)
     assert batch["query_positions"].shape == batch["answers"].shape == (3, 2)
+
+
+def test_mixed_segments_are_padded_and_unpadded_alone():
+    """A dataset of several (seq_len, pairs) segments: items in order, per-example lengths for length grouping,
+    a batch of one segment stacked as it is, a mixed batch padded (tokens with the filler at the end, queries
+    with IGNORE answers) to a fixed query width."""
+    short, long = multiquery_ar(3, 16, 2, seed=0), multiquery_ar(2, 32, 4, seed=1)
+    data = MQARDataset([short, long])
+    assert len(data) == 5 and data.lengths() == [16, 16, 16, 32, 32]
+    assert torch.equal(data[3]["tokens"], long.inputs[0]) and torch.equal(data[-1]["answers"], long.answers[1])
+    with pytest.raises(IndexError):
+        data[5]
+    alone = collate([data[0], data[1]], query_width=2)
+    assert alone["tokens"].shape == (2, 16) and bool((alone["answers"] != IGNORE).all())
+    mixed = collate([data[0], data[4]], query_width=6)
+    assert mixed["tokens"].shape == (2, 32) and mixed["answers"].shape == (2, 6)
+    assert torch.equal(mixed["tokens"][0, :16], short.inputs[0].long()) and bool((mixed["tokens"][0, 16:] == FILLER).all())
+    assert torch.equal(mixed["answers"][0, :2], short.answers[0]) and bool((mixed["answers"][0, 2:] == IGNORE).all())
+    assert torch.equal(mixed["answers"][1, :4], long.answers[1]) and bool((mixed["answers"][1, 4:] == IGNORE).all())
+    with pytest.raises(ValueError, match="query_width"):
+        collate([data[4]], query_width=2)

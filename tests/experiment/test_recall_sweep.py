@@ -14,6 +14,9 @@ from longattn.experiment.recall import (estimate_sweep_cost, load_recall_sweep, 
                                        write_cost_estimate)
 from longattn.experiment.run import run
 from longattn.tasks.base import get_task
+from longattn.tasks.mqar import recall_step
+from longattn.data.mqar import IGNORE
+import torch
 
 TINY = ["data.train_examples=16", "data.val_examples=8", "data.test_examples=8", "train.epochs=1",
         "train.progress=false"]
@@ -165,3 +168,69 @@ def test_command_line(tmp_path, capsys):
     assert (tmp_path / "cost" / "cost.md").is_file()
     assert main(["paper", "zoology-fig2", "--attentions", "softmx", "--out", str(tmp_path / "x")]) == 2
     assert "softmx" in capsys.readouterr().err
+
+
+MIX_DATA = ["data.train_mix=[{seq_len: 16, num_kv_pairs: 2, examples: 12}, {seq_len: 32, num_kv_pairs: 4, examples: 6}]",
+            "data.eval_lengths=[[16, 2], [32, 4]]", "data.val_examples=5", "data.test_examples=3"]
+
+
+def test_mixture_data_is_deterministic_and_scored_per_length():
+    """Each (split, configuration) is its own stream of the run's seed; the validation and test splits hold
+    every evaluated configuration; a mixed batch scores only real queries and the per-length accuracies are
+    those of each configuration's sequences; bad mixtures are clear errors."""
+    task = get_task("mqar")
+    config = resolve_config("mqar", "cpu", None, MIX_DATA, attention="softmax", seed=0)
+    a, b = task.build_data(config), task.build_data(config)
+    assert [len(s) for s in a.train.segments] == [12, 6] and [len(s) for s in a.val.segments] == [5, 5]
+    assert all(x.inputs.equal(y.inputs) for x, y in zip(a.train.segments + a.test.segments,
+                                                        b.train.segments + b.test.segments))
+    assert not a.train.segments[0].inputs[:5].equal(a.val.segments[0].inputs)
+    other = task.build_data(resolve_config("mqar", "cpu", None, MIX_DATA, attention="softmax", seed=1))
+    assert not a.train.segments[0].inputs.equal(other.train.segments[0].inputs)
+    # a configuration's sequences do not depend on the others evaluated with it
+    alone = task.build_data(resolve_config("mqar", "cpu", None, [*MIX_DATA, "data.eval_lengths=[[32, 4]]"],
+                                           attention="softmax", seed=0))
+    assert alone.test.segments[0].inputs.equal(a.test.segments[1].inputs)
+    assert task.model_inputs(config, a)["max_len"] == 32
+    metrics = task.metrics(config, a)
+    assert set(metrics) == {"accuracy", "accuracy_16x2", "accuracy_32x4"}
+    batch = a.collate([a.test[0], a.test[3]])  # one sequence of each length
+    assert batch["answers"].shape == (2, 4)
+
+    class Oracle(torch.nn.Module):  # answers the first sequence right, the second wrong at 3 of 4 queries
+        def forward(self, tokens, positions):
+            logits = torch.zeros(*positions.shape, 8192)
+            answers = batch["answers"][:, : positions.shape[1]].clamp(min=0)
+            logits.scatter_(-1, answers.unsqueeze(-1), 1.0)
+            logits[1, 1:, :] = 0
+            logits[1, 1:, 0] = 1.0
+            return logits
+
+    out = recall_step(Oracle(), batch)
+    assert torch.equal(out.targets[0, 2:], torch.full((2,), IGNORE))  # the short sequence's padded slots: not scored
+    assert metrics["accuracy_16x2"](out.predictions, out.targets) == 1.0
+    assert metrics["accuracy_32x4"](out.predictions, out.targets) == 0.25
+    assert metrics["accuracy"](out.predictions, out.targets) == pytest.approx((1.0 + 0.25) / 2)
+    for bad, message in (("data.eval_lengths=[[32, 4], [64, 4]]", "differ in num_kv_pairs"),
+                         ("data.eval_lengths=[[32]]", "must be"),
+                         ("data.train_mix=[{seq_len: 16, num_kv_pairs: 8, examples: 4}]", "too short")):
+        with pytest.raises(ConfigError, match=message):
+            task.build_data(resolve_config("mqar", "cpu", None, [*MIX_DATA, bad], attention="softmax"))
+
+
+def test_mixture_batches_hold_one_length(tmp_path):
+    """With one length window for the epoch (what the sweep sets), every batch holds one sequence length but
+    where two lengths meet."""
+    from longattn.train.loop import Trainer
+
+    config = resolve_config("mqar", "cpu", None, [*MIX_DATA, "train.group_by_length=true",
+                                                  "train.length_window=1000000", "train.batch_size=4"],
+                            attention="softmax")
+    task = get_task("mqar")
+    data = task.build_data(config)
+    lengths = data.train.lengths()
+    trainer = Trainer(torch.nn.Linear(1, 1), data.train, data.val, data.test, data.collate, recall_step,
+                      task.metrics(config, data), train=config.train, optim=config.optim, out_dir=tmp_path)
+    batches = trainer._epoch_batches(0)
+    assert sorted(i for batch in batches for i in batch) == list(range(18))
+    assert sum(len({lengths[i] for i in batch}) > 1 for batch in batches) <= 1
