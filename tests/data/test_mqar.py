@@ -128,7 +128,8 @@ def test_mixed_segments_are_padded_and_unpadded_alone():
     assert alone["tokens"].shape == (2, 16) and bool((alone["answers"] != IGNORE).all())
     mixed = collate([data[0], data[4]], query_width=6)
     assert mixed["tokens"].shape == (2, 32) and mixed["answers"].shape == (2, 6)
-    assert torch.equal(mixed["tokens"][0, :16], short.inputs[0].long()) and bool((mixed["tokens"][0, 16:] == FILLER).all())
+    assert torch.equal(mixed["tokens"][0, :16], short.inputs[0].long())
+    assert bool((mixed["tokens"][0, 16:] == FILLER).all())
     assert torch.equal(mixed["answers"][0, :2], short.answers[0]) and bool((mixed["answers"][0, 2:] == IGNORE).all())
     assert torch.equal(mixed["answers"][1, :4], long.answers[1]) and bool((mixed["answers"][1, 4:] == IGNORE).all())
     with pytest.raises(ValueError, match="query_width"):

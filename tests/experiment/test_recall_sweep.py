@@ -1,22 +1,23 @@
 """The MQAR task on the one run path and Zoology's Figure 2 sweep end to end (tiny sizes): the learning rate is
 chosen on validation, the first seed's search run is reused, the sweep resumes per cell and seed, and the table,
-results and plot are written."""
+results and plot are written; training mixtures: their data, their per-length scores, one model per row, width,
+rate and seed reported at every length."""
 
 import json
 import shutil
 
 import pytest
+import torch
 
 from longattn import attention
 from longattn.config import ConfigError
+from longattn.data.mqar import IGNORE
 from longattn.experiment.config import resolve_config
 from longattn.experiment.recall import (estimate_sweep_cost, load_recall_sweep, plan_sweep, run_recall_sweep,
                                        write_cost_estimate)
 from longattn.experiment.run import run
 from longattn.tasks.base import get_task
 from longattn.tasks.mqar import recall_step
-from longattn.data.mqar import IGNORE
-import torch
 
 TINY = ["data.train_examples=16", "data.val_examples=8", "data.test_examples=8", "train.epochs=1",
         "train.progress=false"]
@@ -152,7 +153,8 @@ def test_mixture_sweep_reports_every_length_from_one_model(tmp_path, monkeypatch
     table = (out / "table.md").read_text()
     assert "N = 128, K = 8: test accuracy (%) of the model trained on the mixture" in table
     cost = estimate_sweep_cost(plan, steps=1, log=lambda line: None)
-    assert [c["arm"] for c in cost["cells"]] == ["mixture", "mixture"] and cost["cells"][0]["steps"] == 1 + 1  # a batch of each segment
+    assert [c["arm"] for c in cost["cells"]] == ["mixture", "mixture"]
+    assert cost["cells"][0]["steps"] == 1 + 1  # a batch of each segment
 
 
 def test_command_line(tmp_path, capsys):
@@ -170,7 +172,8 @@ def test_command_line(tmp_path, capsys):
     assert "softmx" in capsys.readouterr().err
 
 
-MIX_DATA = ["data.train_mix=[{seq_len: 16, num_kv_pairs: 2, examples: 12}, {seq_len: 32, num_kv_pairs: 4, examples: 6}]",
+MIX_DATA = ["data.train_mix=[{seq_len: 16, num_kv_pairs: 2, examples: 12}, "
+            "{seq_len: 32, num_kv_pairs: 4, examples: 6}]",
             "data.eval_lengths=[[16, 2], [32, 4]]", "data.val_examples=5", "data.test_examples=3"]
 
 

@@ -46,7 +46,8 @@ from longattn.tasks.base import TaskData, get_task
 from longattn.tasks.mqar import MQAR_CONFIGS, eval_lengths, length_metric, recall_step, train_segments
 from longattn.utils import optional_import
 
-__all__ = ["Arm", "RecallRow", "SweepPlan", "estimate_sweep_cost", "load_recall_sweep", "plan_sweep", "recall_sweep_path",
+__all__ = ["Arm", "RecallRow", "SweepPlan", "estimate_sweep_cost", "load_recall_sweep", "plan_sweep",
+           "recall_sweep_path",
            "run_recall_sweep", "write_cost_estimate", "write_recall_outputs"]
 
 SWEEPS = MQAR_CONFIGS / "sweeps"
@@ -122,7 +123,8 @@ class SweepPlan:
         A mixture's model is built for its longest sequence, and the mechanisms' length-dependent budgets are
         that length's (a budget set for the shorter lengths would be too small at the longest)."""
         if arm.train_mix:
-            data = [f"data.train_mix={json.dumps([dict(seq_len=n, num_kv_pairs=k, examples=c) for n, k, c in arm.train_mix])}",
+            mix = [{"seq_len": n, "num_kv_pairs": k, "examples": c} for n, k, c in arm.train_mix]
+            data = [f"data.train_mix={json.dumps(mix)}",
                     f"data.eval_lengths={json.dumps([list(e) for e in arm.lengths])}",
                     "train.group_by_length=true", f"train.length_window={_ONE_WINDOW}"]
         else:
