@@ -62,7 +62,7 @@ def test_shipped_sweep_plans_every_mechanism():
                             attention="nystrom")
     assert config.attention_options == {"nystrom": {"num_landmarks": 64}}
     assert [(s.seq_len, s.num_kv_pairs) for s in config.data.train_mix] == [(64, 4), (128, 8), (256, 16)]
-    assert config.train.group_by_length
+    assert config.train.group_by_length and config.train.epochs == spec["presets"]["cpu"]["mix_set"]["train.epochs"]
     per_length = plan_sweep(spec, "cpu", per_length=True, lengths=[64])
     assert [arm.lengths for arm in per_length.arms] == [((64, 4),)] and not per_length.arms[0].train_mix
     config = resolve_config("mqar", "cpu", None, per_length.cell(rows["nystrom"], per_length.arms[0], 64, 1e-3)

@@ -54,7 +54,7 @@ SWEEPS = MQAR_CONFIGS / "sweeps"
 _SPEC_KEYS = {"title", "description", "reference", "rows", "lengths", "long_context", "length_settings", "widths",
               "seeds", "presets"}
 _LONG_KEYS = {"lengths", "rows"}
-_PRESET_KEYS = {"lrs", "batch_size", "train_mix"}
+_PRESET_KEYS = {"lrs", "batch_size", "train_mix", "mix_set"}
 _ROW_KEYS = {"name", "attention", "set"}
 # train.length_window of a mixture: one window for the whole epoch, so that every batch holds one sequence length
 # (as Zoology's batches hold one configuration each), but the ones where two lengths meet
@@ -107,6 +107,7 @@ class SweepPlan:
     batch_size: dict[int, int]
     extra_overrides: list[str] = field(default_factory=list)
     length_settings: dict[int, dict[str, Any]] = field(default_factory=dict)  # every row's {dotted key: value}
+    mix_set: dict[str, Any] = field(default_factory=dict)  # {dotted key: value} of the runs on a mixture
 
     def runs(self) -> int:
         """Runs this plan trains when nothing is finished yet."""
@@ -126,7 +127,8 @@ class SweepPlan:
             mix = [{"seq_len": n, "num_kv_pairs": k, "examples": c} for n, k, c in arm.train_mix]
             data = [f"data.train_mix={json.dumps(mix)}",
                     f"data.eval_lengths={json.dumps([list(e) for e in arm.lengths])}",
-                    "train.group_by_length=true", f"train.length_window={_ONE_WINDOW}"]
+                    "train.group_by_length=true", f"train.length_window={_ONE_WINDOW}",
+                    *(f"{key}={json.dumps(value)}" for key, value in self.mix_set.items())]
         else:
             (seq_len, pairs), = arm.lengths
             data = [f"data.seq_len={seq_len}", f"data.num_kv_pairs={pairs}"]
@@ -211,6 +213,9 @@ def load_recall_sweep(path_or_name: str | Path) -> dict[str, Any]:
                                                                                           for v in e) for e in mix):
             raise ConfigError(f"presets.{name}.train_mix of {path} must be a list of [sequence length, key-value "
                               "pairs, training sequences]")
+        if not isinstance(entry.get("mix_set") or {}, dict):
+            raise ConfigError(f"presets.{name}.mix_set of {path} must map config keys to values (the settings of "
+                              "the runs on the mixture)")
     settings = spec.get("length_settings") or {}
     _check_keys(settings, set(settings) if isinstance(settings, dict) else set(), f"length_settings of {path}")
     parsed["length_settings"] = {}
@@ -221,7 +226,8 @@ def load_recall_sweep(path_or_name: str | Path) -> dict[str, Any]:
         parsed["length_settings"][length] = dict(_flatten(entry))
     parsed["presets"] = {name: {"lrs": [float(v) for v in entry["lrs"]],
                                 "batch_size": {int(k): int(v) for k, v in entry["batch_size"].items()},
-                                "train_mix": [tuple(int(v) for v in e) for e in entry.get("train_mix") or []]}
+                                "train_mix": [tuple(int(v) for v in e) for e in entry.get("train_mix") or []],
+                                "mix_set": dict(_flatten(entry.get("mix_set") or {}))}
                          for name, entry in presets.items()}
     return parsed
 
@@ -274,7 +280,7 @@ def plan_sweep(spec: dict[str, Any], preset: str = "cpu", *, attentions: list[st
         raise ConfigError("nothing to train: no row of the sweep is left at the chosen lengths")
     return SweepPlan(spec["title"], preset, spec["reference"], arms, list(widths or spec["widths"]),
                      list(seeds if seeds is not None else spec["seeds"]), list(lrs or settings["lrs"]),
-                     settings["batch_size"], list(extra_overrides), spec["length_settings"])
+                     settings["batch_size"], list(extra_overrides), spec["length_settings"], settings["mix_set"])
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -459,7 +465,8 @@ def write_recall_outputs(plan: SweepPlan, entries: list[_Entry], out_dir: Path,
                "lrs": plan.lrs, "lengths": [[n, k] for _, n, k in plan.tested()],
                "arms": [{"lengths": [list(e) for e in arm.lengths], "train_mix": [list(m) for m in arm.train_mix],
                          "batch_size": plan.batch_size[arm.max_len],
-                         "length_settings": plan.length_settings.get(arm.max_len, {})} for arm in plan.arms],
+                         "length_settings": plan.length_settings.get(arm.max_len, {}),
+                         "settings": plan.mix_set if arm.train_mix else {}} for arm in plan.arms],
                "extra_overrides": plan.extra_overrides, "metric": "test accuracy (%)", "cells": records,
                "train_time_s": round(sum(_cost(entry)["total_s"] for entry in entries), 1)}
     write_results(out_dir / "results.json", summary, seeds=plan.seeds, started=started)
