@@ -4,6 +4,7 @@ data-folder option, at most ten verbs; the nearest-name hint; the old names as a
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 import pytest
@@ -153,7 +154,7 @@ def test_old_option_spellings_still_work_with_a_note(capsys):
     args = parser.parse_args(["eval", "--out", "runs/x"])
     assert args.run == "runs/x" and "--out is now --run" in capsys.readouterr().err
     args = parser.parse_args(["finetune", "--pretrained", "minilm", "--glue-dir", "g", "--out", "o"])
-    assert args.data_dir == "g" and "--glue-dir is now --data-dir" in capsys.readouterr().err
+    assert args.data_dir == os.path.abspath("g") and "--glue-dir is now --data-dir" in capsys.readouterr().err
     args = parser.parse_args(["paper", "sktformer-table3", "--corpus-dir", "c", "--glue-dir", "g", "--out", "o"])
     assert args.data_dir == ["corpus=c", "glue=g"]
     assert "--corpus-dir is now --data-dir corpus=DIR" in capsys.readouterr().err
@@ -184,3 +185,9 @@ def test_progress_line_per_run():
     assert lines[1].startswith("[2/3] failed: skein / listops seed 0: ValueError: bad; elapsed")
     assert lines[2].startswith("[3/3] skipped: skein / listops seed 1") and lines[2].endswith("all 3 ended")
     assert (duration(42), duration(185), duration(8040)) == ("42 s", "3 min 5 s", "2 h 14 min")
+
+
+def test_data_dir_is_made_absolute_so_a_resume_from_another_directory_is_the_same_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["train", "--task", "listops", "--data-dir", "data/lra", "--out", "o"])
+    assert args.data_dir == str(tmp_path / "data" / "lra")

@@ -2,7 +2,7 @@
 
 Every rank builds the same float64 layer and input (same seed) and runs it whole as the reference, then the
 same layer on its shard through longattn.parallel; outputs, input gradients and the parameter gradients
-(summed over the ranks) must match. One process group per group size serves every sequence length N from 1
+(summed over the ranks) must match. One process group per group size serves the sequence lengths N from 1
 to 70 (shard_sequence's cut, lengths not divisible by the group and fewer tokens than ranks included) and
 every case, with padding inside the sequence and at its end; another scenario cuts the sequence unevenly by
 hand. Then the ranks are given mismatched inputs: every mismatch must be one clear error naming the rank, on
@@ -27,7 +27,9 @@ from longattn.parallel.api import shard_bounds
 from reliability import CLEAR_ERROR, CORRECT_RESULT, SEQUENCE_PARALLEL, SP_LENGTHS, bad_input
 
 DIM, HEADS, BATCH = 8, 2, 2
-LENGTHS = range(1, 71)
+# every N to 24 (every remainder modulo 2, 3 and 4, with fewer tokens than ranks), then lengths past the
+# sketches' sample counts (skeleton's s1 = 40) up to 70
+LENGTHS = (*range(1, 25), 29, 37, 41, 46, 53, 59, 67, 70)
 UNEVEN = 37  # the hand-cut scenario's length
 WORLDS = (1, 2, 3, 4)
 

@@ -8,14 +8,14 @@ Three measurements, each written to the output folder and reused by ``--resume``
   (:mod:`longattn.experiment.stats`), test and word-level perplexities, learning curves;
 * **throughput**: training tokens per second of one optimiser step (forward, backward, AdamW) at the preset's
   batch, context and precision, the median of ``throughput_steps`` steps after one warm-up;
-* **decode**: milliseconds per generated token after a prompt of each length in ``prefixes`` (1k, 4k, 16k),
-  in float32: the model's cached forward of one token (embedding, every
-  layer with its decoding state, output layer), the median over ``decode_tokens`` tokens after two warm-up
-  ones. Softmax is transformers' own SDPA attention with its KV cache; every other mechanism decodes with
-  its longattn state (:mod:`longattn.attention.decoding`). The model has the preset's shape and random
-  weights (a token's cost does not depend on their values) and positions up to the longest prefix, which
-  sets cosFormer's M. The ratio of the longest to the shortest prefix is the growth: about 1 for the
-  recurrent and windowed states, the KV cache's for softmax.
+* **decode**: milliseconds per generated token after a prompt of each length in ``prefixes`` (1k, 4k, 16k), in
+  float32: the model's cached forward of one token (embedding, every layer with its decoding state, output layer),
+  the median over ``decode_tokens`` tokens after two warm-up ones, taken in rounds that visit the prompt lengths
+  in turn. Softmax is transformers' own SDPA attention with its KV cache; every other mechanism decodes with its
+  longattn state (:mod:`longattn.attention.decoding`). The model has the preset's shape and random weights (a
+  token's cost does not depend on their values) and positions up to the longest prefix, which sets cosFormer's M.
+  The ratio of the longest to the shortest prefix is the growth: about 1 for the recurrent and windowed states,
+  the KV cache's for softmax.
 
 Both measurements run on ``device``: on the CPU (the default) on one thread, in process CPU time; on a GPU in
 wall time between CUDA synchronisations, the device named in the table.
@@ -149,30 +149,45 @@ def _decode_model(config: LMBenchConfig, attention: str, vocab_size: int) -> Any
 
 
 @torch.no_grad()
-def decode_timing(config: LMBenchConfig, attention: str, vocab_size: int) -> dict[str, Any]:
-    """Milliseconds per generated token after each prompt length of ``config.prefixes`` (module docstring)."""
+def decode_timing(config: LMBenchConfig, attention: str, vocab_size: int, rounds: int = 4) -> dict[str, Any]:
+    """Milliseconds per generated token after each prompt length of ``config.prefixes`` (module docstring).
+
+    Every prompt is prefilled first; the timed tokens are then taken in ``rounds`` rounds that visit the
+    prompts in turn, so that a slow spell of the machine (another job, the allocator warming up) falls on
+    every prompt length alike instead of on whichever was measured at that moment."""
     device = torch.device(config.device)
     model = _decode_model(config, attention, vocab_size).lm.to(device)
     generator = torch.Generator().manual_seed(0)
-    rows = []
+    per_round = [len(part) for part in torch.arange(config.decode_tokens).tensor_split(rounds) if len(part)]
+    states, times, prefill = [], {prefix: [] for prefix in config.prefixes}, {}
     with _Clock(device) as clock:
+
+        def step(token: torch.Tensor, cache: Any) -> tuple[torch.Tensor, float]:
+            started = clock.now()
+            out = model(input_ids=token, cache=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            return token, clock.now() - started
+
         for prefix in config.prefixes:
             prompt = torch.randint(0, vocab_size, (1, prefix), generator=generator).to(device)
             started = clock.now()
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            prefill = clock.now() - started
+            prefill[prefix] = clock.now() - started
             cache = out.cache if hasattr(out, "cache") else out.past_key_values
             token = out.logits[:, -1:].argmax(-1)
-            times = []
-            for index in range(config.decode_tokens + 2):
-                started = clock.now()
-                out = model(input_ids=token, cache=cache, use_cache=True)
-                token = out.logits[:, -1:].argmax(-1)
-                if index >= 2:  # two warm-up tokens
-                    times.append(clock.now() - started)
-            rows.append({"prefix": prefix, "ms_per_token_median": 1000 * statistics.median(times),
-                         "ms_per_token_mean": 1000 * statistics.fmean(times), "prefill_s": prefill,
-                         "tokens": len(times)})
+            for _ in range(2):  # two warm-up tokens
+                token, _ = step(token, cache)
+            states.append([prefix, token, cache])
+        for count in per_round:
+            for state in states:
+                prefix, token, cache = state
+                for _ in range(count):
+                    token, seconds = step(token, cache)
+                    times[prefix].append(seconds)
+                state[1] = token
+    rows = [{"prefix": prefix, "ms_per_token_median": 1000 * statistics.median(times[prefix]),
+             "ms_per_token_mean": 1000 * statistics.fmean(times[prefix]), "prefill_s": prefill[prefix],
+             "tokens": len(times[prefix])} for prefix in config.prefixes]
     first, last = rows[0]["ms_per_token_median"], rows[-1]["ms_per_token_median"]
     kind = capabilities(attention).decode_state
     return {"attention": attention, "decode_state": "kv_cache (transformers)" if attention == REFERENCE else kind,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -217,8 +218,17 @@ def deprecated_alias(parser: argparse.ArgumentParser, flag: str, replacement: st
 
 
 def add_data_dir_argument(parser: argparse.ArgumentParser, help: str, *old: str, **kwargs: Any) -> argparse.Action:
-    """``--data-dir``: the one name of the data-folder option (``old``: earlier spellings it replaces)."""
+    """``--data-dir``: the one name of the data-folder option (``old``: earlier spellings it replaces).
+
+    The folder is made absolute: runs record it in their config, and the same data reached from another working
+    directory (``../data`` here, ``/home/me/data`` there) must not count as another configuration on ``--resume``."""
+    kwargs.setdefault("type", absolute_path)
     return add_renamed_argument(parser, "--data-dir", *old, metavar=kwargs.pop("metavar", "DIR"), help=help, **kwargs)
+
+
+def absolute_path(text: str) -> str:
+    """``text`` as an absolute path (``~`` expanded, symbolic links kept)."""
+    return os.path.abspath(os.path.expanduser(text))
 
 
 def task_data_dirs(pairs: list[str], keys: list[str], what: str = "task") -> dict[str, str]:
@@ -229,7 +239,7 @@ def task_data_dirs(pairs: list[str], keys: list[str], what: str = "task") -> dic
         if not sep or not path or key not in keys:
             raise ValueError(f"--data-dir takes {what.upper()}=PATH for {' or '.join(keys)}, got {pair!r}"
                              f"{nearest(key, keys) if sep else ''}")
-        out[key] = path
+        out[key] = absolute_path(path)
     return out
 
 

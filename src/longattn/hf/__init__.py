@@ -15,6 +15,7 @@ transformers is imported only when these functions run; see docs/hf.md.
 from longattn.hf.bridge import (
     CONVERTED_KEY,
     FUNCTION_FORM_OPTIONS,
+    attention_modules,
     check_dispatch,
     enable,
     function_path_names,
@@ -25,7 +26,7 @@ from longattn.hf.bridge import (
     registered,
     unregister,
 )
-from longattn.hf.convert import NO_QKV_MAPPING, attention_modules, convert, from_pretrained
+from longattn.hf.convert import NO_QKV_MAPPING, convert, from_pretrained
 from longattn.hf.minilm import load_bert, load_tokenizer, minilm_path
 
 __all__ = [

@@ -575,7 +575,29 @@ def _exact_softmax(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     return plan.repack(out, dim=2).transpose(1, 2).contiguous()
 
 
-def _register_converted() -> None:
+# Attribute names of the query, key, value and output projections per model family (what convert maps).
+PROJECTION_NAMES = {
+    "llama": ("q_proj", "k_proj", "v_proj"),  # Llama, Mistral, Qwen2, ... (o_proj applied by the module)
+    "bert": ("query", "key", "value"),  # BERT, RoBERTa, ELECTRA, ... (output dense in BertSelfOutput)
+}
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(qualified name, module, family) of every self-attention module whose projections convert maps."""
+    found = []
+    for qualified, module in model.named_modules():
+        if "cross" in type(module).__name__.lower() or getattr(module, "is_cross_attention", False):
+            continue
+        for family, names in PROJECTION_NAMES.items():
+            if all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
+                found.append((qualified, module, family))
+                break
+    return found
+
+
+def _register_converted(attend: Callable[..., Tensor]) -> None:
+    """Register the attention function of converted layers (``attend``: longattn.hf.convert.attend_converted,
+    passed in so that the bridge does not import the conversion)."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     if CONVERTED_KEY in _REGISTERED:
@@ -586,10 +608,8 @@ def _register_converted() -> None:
         _CALLS[0] += 1
         if not isinstance(getattr(module, "longattn", None), AttentionBase):  # a layer left out of the conversion (layers=...): exact softmax attention
             return _exact_softmax(module, query, key, value, attention_mask, dropout, scaling, kwargs), None
-        from longattn.hf.convert import attend_converted
-
-        return attend_converted(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                causal=_causal_of(module, kwargs), kwargs=kwargs), None
+        return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                      causal=_causal_of(module, kwargs), kwargs=kwargs), None
 
     AttentionInterface.register(CONVERTED_KEY, attention)
     AttentionMaskInterface.register(CONVERTED_KEY, key_padding_mask)
@@ -640,7 +660,6 @@ def enable(model: nn.Module, name: str, **options: Any) -> nn.Module:
             "through transformers' AttentionInterface, so longattn cannot replace it"
         )
     from longattn.hf.cache import install_cache_hooks
-    from longattn.hf.convert import attention_modules
 
     install_cache_hooks([module for _, module, _ in attention_modules(model)])  # generate(use_cache=True)
     return check_dispatch(model)

@@ -32,10 +32,12 @@ from longattn.attention.base import AttentionBase, AttentionError, build, get_sp
 from longattn.train.checkpoint import CheckpointError, first_line, load_weights
 from longattn.hf.bridge import (
     CONVERTED_KEY,
+    PROJECTION_NAMES,
     ModelProjections,
     _cache_layer,
     _register_converted,
     _transformers,
+    attention_modules,
     causal_options,
     packed_segments_of,
     check_dispatch,
@@ -60,11 +62,6 @@ _OWN_LINEARS: dict[str, dict[str, str]] = {
 # replaces the feed-forward network in longattn's models; in a converted model the FFN stays).
 NO_QKV_MAPPING = frozenset({"synthesizer", "fnet", "reformer", "ponet", "flash"})
 
-# Attribute names of the query, key, value and output projections per model family.
-_FAMILIES = {
-    "llama": ("q_proj", "k_proj", "v_proj"),  # Llama, Mistral, Qwen2, ... (o_proj applied by the module)
-    "bert": ("query", "key", "value"),  # BERT, RoBERTa, ELECTRA, ... (output dense in BertSelfOutput)
-}
 STATE_ATTR = "_longattn_layer_state"
 
 
@@ -78,19 +75,6 @@ class _Runtime:
     hidden_states: Tensor | None = None
     rotary: bool = False
     calls: int = 0
-
-
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(qualified name, module, family) of every self-attention module whose projections convert maps."""
-    found = []
-    for qualified, module in model.named_modules():
-        if "cross" in type(module).__name__.lower() or getattr(module, "is_cross_attention", False):
-            continue
-        for family, names in _FAMILIES.items():
-            if all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
-                found.append((qualified, module, family))
-                break
-    return found
 
 
 def _heads(module: nn.Module) -> tuple[int, int]:
@@ -110,7 +94,7 @@ def _alias(owner: nn.Module, attribute: str, linear: nn.Module) -> None:
 
 
 def _attach(mechanism: AttentionBase, module: nn.Module, family: str, fresh: bool, label: str) -> ModelProjections | None:
-    q, k, v = (getattr(module, n) for n in _FAMILIES[family])
+    q, k, v = (getattr(module, n) for n in PROJECTION_NAMES[family])
     linears = {"to_q": q, "to_k": k, "to_v": v}
     if fresh:
         return None  # its own projections, all new
@@ -261,7 +245,7 @@ def convert(
         "name": name, "options": options, "max_len": max_len, "layers": indices, "fresh": fresh,
         "ignore_dropout": ignore_dropout, "seed": seed,
     }
-    _register_converted()
+    _register_converted(attend_converted)
     model.set_attn_implementation(CONVERTED_KEY)
     if getattr(model.config, "_attn_implementation", None) != CONVERTED_KEY:
         raise AttentionError(

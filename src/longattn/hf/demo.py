@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from longattn.attention import available, capabilities, collect_aux_losses
-from longattn.hf.bridge import ModelProjections, enable, function_path_names, unregister
-from longattn.hf.convert import NO_QKV_MAPPING, attention_modules, convert
+from longattn.hf.bridge import ModelProjections, attention_modules, enable, function_path_names, unregister
+from longattn.hf.convert import NO_QKV_MAPPING, convert
 from longattn.hf.minilm import load_bert, minilm_path
 
 __all__ = ["embedding_table", "finetune", "mean_pool", "read_sst2"]
