@@ -9,7 +9,9 @@ hangs or dies turns into an error on the others instead of blocking them forever
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -80,6 +82,10 @@ def init_distributed(device: torch.device) -> DistInfo:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds()))
+        # The group lives as long as the process (a grid trains several runs in it). Left to the interpreter's
+        # teardown after a finished run, a rank whose peer had already exited sometimes aborted ("terminate
+        # called without an active exception", exit -6): destroy it first.
+        atexit.register(_destroy_group_after_clean_run)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank)
 
 
@@ -118,6 +124,8 @@ def is_lost_peer(error: BaseException) -> bool:
     return any(words in text for words in ("connection closed", "connection reset", "broken pipe", "peer"))
 
 
-def shutdown(info: DistInfo) -> None:
-    if info.enabled and dist.is_initialized():
+def _destroy_group_after_clean_run() -> None:
+    """At exit: destroy the process group unless the process is ending on an uncaught exception (then a peer may
+    be gone or mid-collective, and the backend's own teardown is the safer one)."""
+    if dist.is_initialized() and getattr(sys, "last_type", None) is None:
         dist.destroy_process_group()
