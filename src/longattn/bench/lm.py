@@ -35,7 +35,7 @@ import torch
 from longattn.attention import capabilities
 from longattn.experiment.config import resolve_config
 from longattn.experiment.curves import curve_groups, write_learning_curves
-from longattn.experiment.grid import Cell, convergence_legend, paired_against, run_cells
+from longattn.experiment.grid import Cell, convergence_legend, convergence_mark, paired_against, run_cells
 from longattn.experiment.results import markdown_table, now, write_results
 from longattn.experiment.stats import format_difference, legend, mean_std, summarize
 from longattn.utils import optional_import
@@ -158,7 +158,8 @@ def decode_timing(config: LMBenchConfig, attention: str, vocab_size: int, rounds
     device = torch.device(config.device)
     model = _decode_model(config, attention, vocab_size).lm.to(device)
     generator = torch.Generator().manual_seed(0)
-    per_round = [len(part) for part in torch.arange(config.decode_tokens).tensor_split(rounds) if len(part)]
+    share, extra = divmod(config.decode_tokens, rounds)  # the timed tokens spread over the rounds
+    per_round = [count for count in [share + 1] * extra + [share] * (rounds - extra) if count]
     states, times, prefill = [], {prefix: [] for prefix in config.prefixes}, {}
     with _Clock(device) as clock:
 
@@ -283,24 +284,26 @@ def lm_tables(config: LMBenchConfig, cells: list[Cell], throughput: dict[str, di
         rows = []
         for cell in cells:
             val, test = cell.values("perplexity", "val"), cell.values("perplexity", "test")
+            not_converged = cell.not_converged()
+            mark = convergence_mark(len(not_converged), len(cell.results))
             difference = None if cell is reference or reference is None else \
                 paired_against(cell, reference, "perplexity", "val")
             rows.append([f"`{cell.row}`", len(cell.results),
-                         "failed: " + cell.error if cell.error else mean_std(val) + cell.convergence_mark(),
+                         "failed: " + cell.error if cell.error else mean_std(val) + mark,
                          "reference" if cell is reference else format_difference(difference), mean_std(test),
                          mean_std(_word_perplexities(cell, "val"), 1),
                          mean_std([r["train_tokens_per_s"] for r in cell.results if r.get("train_tokens_per_s")], 0)])
             summary["rows"].append({
                 "attention": cell.row, "seeds": [r["seed"] for r in cell.results], "val_perplexity": val,
                 "val_summary": summarize(val).as_dict(), "test_perplexity": test,
-                "val_word_perplexity": _word_perplexities(cell, "val"), "not_converged_seeds": cell.not_converged(),
+                "val_word_perplexity": _word_perplexities(cell, "val"), "not_converged_seeds": not_converged,
                 "difference_from_softmax": difference.as_dict() if difference else None, "error": cell.error})
         parts.append(f"Validation perplexity (per BPE token) per seed, seeds {config.seeds}: mean ± std; Δ paired "
                      f"with {REFERENCE}.\n\n" + markdown_table(
                          ["mechanism", "seeds", "val perplexity", f"Δ vs {REFERENCE} (val)", "test perplexity",
                           "val word perplexity", "observed train tokens/s (wall)"], rows)
                      + f"\n\n{legend(REFERENCE)}\n"
-                     + convergence_legend(any(cell.not_converged() for cell in cells)))
+                     + convergence_legend(any(row["not_converged_seeds"] for row in summary["rows"])))
     if throughput:
         rows = [[f"`{name}`", f"{t['tokens_per_s']:.0f}", f"{1000 * t['step_s']:.0f}", t["batch"], t["context"]]
                 for name, t in throughput.items()]
