@@ -99,3 +99,41 @@ def test_bad_inputs_are_clear_errors():
         model(torch.zeros(1, LENGTH + 2, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     with pytest.raises(attention.AttentionError, match="causal"):
         RecallModel(VOCAB, LENGTH, attention="skeleton", causal=True)
+    with pytest.raises(ValueError, match="init must be one of"):
+        RecallModel(VOCAB, LENGTH, init="xavier")
+
+
+@pytest.mark.parametrize("hidden", [0, 32])
+def test_zoology_initialisation(hidden):
+    """``init="zoology"``: N(0, 0.02) for every linear layer and embedding, zero biases, and the residual branches'
+    last layers at 0.02 / sqrt(2 * layers) (zoology/model.py ``_init_weights``); ``"torch"`` leaves the
+    mechanism's own initialisation."""
+    torch.manual_seed(0)
+    model = RecallModel(VOCAB, LENGTH, dim=256, hidden=hidden, layers=2, init="zoology")
+    scaled = {name for name, _ in model.named_parameters() if name.endswith(("to_out.weight", "ffn.3.weight"))}
+    assert len(scaled) == (4 if hidden else 2)
+    for name, parameter in model.named_parameters():
+        if name.endswith("bias") and "norm" not in name:
+            assert torch.count_nonzero(parameter) == 0, name
+        elif parameter.dim() == 2:
+            expected = 0.02 / 2 if name in scaled else 0.02
+            assert abs(parameter.std().item() / expected - 1) < 0.05, (name, parameter.std().item())
+    torch.manual_seed(0)
+    default = RecallModel(VOCAB, LENGTH, dim=256, hidden=hidden, layers=2, init="torch")
+    assert default.blocks[0].attention.proj.to_q.weight.std() > 0.03  # kaiming-uniform: 1 / sqrt(3 * 256)
+
+
+def test_identity_state_mixer_adds_the_normalised_stream():
+    """Zoology's block with the identity as state mixer: after the mechanism, the stream gains LN2(x) (what the
+    identity returns and the next residual adds); with an MLP the option changes nothing."""
+    torch.manual_seed(0)
+    model = RecallModel(VOCAB, LENGTH, dim=16, identity_state_mixer=True, embedding_dropout=0.0).eval()
+    tokens = torch.randint(0, VOCAB, (2, LENGTH))
+    with torch.no_grad():
+        x = model.token_embedding(tokens) + model.position_embedding(torch.arange(LENGTH))
+        for block, norm in zip(model.blocks, model.state_norms):
+            x = x + block.attention(block.norm_attention(x), None, {})
+            x = x + norm(x)
+        torch.testing.assert_close(model.features(tokens), model.final_norm(x))
+    assert RecallModel(VOCAB, LENGTH, dim=16, hidden=32, identity_state_mixer=True).state_norms is None
+    assert RecallModel(VOCAB, LENGTH, dim=16).state_norms is None
