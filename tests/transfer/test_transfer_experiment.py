@@ -2,6 +2,7 @@
 search over seeds, the Table 3 layout and the commands."""
 
 import json
+import shutil
 import statistics
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def _best_from_run_folders(out, mechanism, task, metric):
     return label, values
 
 
-def test_table3_grid_end_to_end(corpus, tmp_path):
+def test_table3_grid_end_to_end(corpus, tmp_path, capsys):
     spec = _spec(tmp_path)
     out = tmp_path / "table3"
     args = ["table3", "--config", str(spec), "--corpus-dir", str(corpus), "--glue-dir", str(GLUE_FIXTURES),
@@ -107,6 +108,23 @@ def test_table3_grid_end_to_end(corpus, tmp_path):
     assert main([*args, "--resume"]) == 0
     assert (out / "pretrain" / "fnet" / "results.json").stat().st_mtime_ns == stamp
     assert json.loads((out / "results.json").read_text())["best"] == summary["best"]
+
+    # `report finetune` rebuilds the table from the run folders, training nothing; split into two folders and
+    # merged, the same; the same run in two folders is an error naming both
+    def best(folder):
+        return sorted(json.loads((folder / "results.json").read_text())["best"], key=lambda e: (e["mechanism"], e["task"]))
+
+    assert main(["report", "finetune", "--run", str(out), "--out", str(tmp_path / "report")]) == 0
+    assert best(tmp_path / "report") == best(out)
+    for name in ("softmax", "fnet"):
+        shutil.copytree(out / "finetune" / name, tmp_path / name / "finetune" / name)
+    merged = ["report", "finetune", "--run", str(tmp_path / "softmax"), str(tmp_path / "fnet")]
+    assert main([*merged, "--out", str(tmp_path / "merged")]) == 0
+    assert best(tmp_path / "merged") == best(out)
+    capsys.readouterr()
+    assert main([*merged, str(out), "--out", str(tmp_path / "twice")]) == 2
+    assert "finished in both" in capsys.readouterr().err and not (tmp_path / "twice").exists()
+    assert main(merged) == 2 and "--out is required" in capsys.readouterr().err
 
     # fine-tuning on its own from the pretraining folders: the mechanism comes from each folder
     finetune = ["finetune", "--pretrained", str(out / "pretrain" / "fnet"), "--config", str(spec), "--tasks", "sst2",

@@ -18,11 +18,12 @@ from longattn.commands._args import (add_attentions_argument, add_config_argumen
                                     task_data_dirs)
 from longattn.config import ConfigError
 from longattn.experiment.config import load_saved, resolve_config
-from longattn.experiment.analyses import register_paper
+from longattn.experiment.analyses import register_paper, register_report
 from longattn.experiment.results import now
 from longattn.experiment.run import run
 from longattn.data.glue import GLUE_TASKS
-from longattn.experiment.transfer import finetune_grid, load_spec, run_table3, write_transfer_table
+from longattn.experiment.transfer import (collect_finetune_cells, finetune_grid, load_spec, run_table3,
+                                          write_transfer_table)
 from longattn.hf.bert import MINILM
 
 
@@ -72,6 +73,33 @@ def _finetune(args: argparse.Namespace) -> int:
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    folders = [Path(folder) for folder in args.run]
+    if args.out is None and len(folders) > 1:
+        raise ConfigError("--out is required with several --run folders (where the merged table is written)")
+    out = Path(args.out) if args.out is not None else folders[0]
+    cells = collect_finetune_cells(folders)
+    if not cells:
+        raise ConfigError(f"no finished fine-tuning run under {', '.join(str(f / 'finetune') for f in folders)}")
+    from_minilm = all((r.get("config") or {}).get("model", {}).get("pretrained") == MINILM
+                      for cell in cells for r in cell.results)
+    mechanisms = {cell.row for cell in cells}
+    seeds = sorted({r["seed"] for cell in cells for r in cell.results})
+    spec = {"title": f"GLUE fine-tuning: the runs finished in {', '.join(map(str, folders))}",
+            "finetune": {"seeds": seeds}}
+    write_transfer_table(spec, cells, out, label="MiniLM" if from_minilm else folders[0].name,
+                         reference="softmax" if from_minilm and "softmax" in mechanisms else None)
+    return 0
+
+
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", nargs="+", required=True, metavar="DIR",
+                        help="--out folders of `longattn finetune` (or `paper sktformer-table3`), read; several are "
+                        "merged (the same run in two is an error)")
+    parser.add_argument("--out", help="where table.md, results.json and table3.png go (default: the --run folder; "
+                        "required with several)")
+
+
 def _table3(args: argparse.Namespace) -> int:
     spec = load_spec(args.config)
     folders = task_data_dirs(args.data_dir, list(TABLE3_DATA), what="part")
@@ -109,6 +137,8 @@ def _table3_arguments(parser: argparse.ArgumentParser) -> None:
     add_workers_argument(parser)
 
 
+register_report("finetune", "GLUE table (Table 3 layout; from MiniLM, the share of softmax's score each mechanism "
+                "keeps) from the runs finished in `finetune` folders, several merged", _report_arguments, _report)
 register_paper("sktformer-table3", "SKTformer / S^3", "Table 3", "transfer learning: MLM-pretrain every mechanism, "
                "fine-tune each on GLUE with the Table 15 search, the Table 3 layout", _table3_arguments, _table3)
 

@@ -34,11 +34,12 @@ from longattn.config import ConfigError, read_yaml
 from longattn.data.glue import get_glue_task
 from longattn.experiment.grid import (Cell, convergence_legend, convergence_mark, markdown_table, registered_or_note,
                                       run_cells)
+from longattn.experiment.run import run_status
 from longattn.experiment.results import now, write_results
 from longattn.tasks.transfer import TRANSFER_CONFIGS
 
-__all__ = ["PAPER_TABLE3", "TABLE3_COLUMNS", "finetune_grid", "load_spec", "pretrain_grid", "select_best",
-           "write_transfer_table"]
+__all__ = ["PAPER_TABLE3", "TABLE3_COLUMNS", "collect_finetune_cells", "finetune_grid", "load_spec", "pretrain_grid",
+           "select_best", "write_transfer_table"]
 
 #: Table 3's columns (GLUE dev; MNLI matched) in its order, as longattn.data.glue names the tasks.
 TABLE3_COLUMNS = ("mnli", "qqp", "qnli", "sst2", "cola", "stsb", "mrpc", "rte")
@@ -139,6 +140,41 @@ def finetune_grid(spec: dict[str, Any], out_dir: Path, starts: dict[str, str], d
     folder = lambda cell, seed: out_dir / "finetune" / cell.row / _slug(cell.column) / f"seed{seed}"  # noqa: E731
     return run_cells(cells, seeds, out_dir, run_dir=folder, resume=resume, overwrite=overwrite, plots=False,
                      workers=workers)
+
+
+def collect_finetune_cells(folders: list[str | Path]) -> list[Cell]:
+    """One :class:`Cell` per (mechanism, task, search point) from the runs finished under each folder's
+    ``finetune/<mechanism>/<task>_<point>/seed<k>`` (what :func:`finetune_grid` writes), merged over the folders
+    in their order; unfinished runs are left out. The same (mechanism, task, point, seed) in two folders is an
+    error naming both: which one counts is the user's choice."""
+    cells: dict[tuple[str, str], Cell] = {}
+    seen: dict[tuple[str, str, int], Path] = {}
+    for folder in map(Path, folders):
+        root = folder / "finetune"
+        if not root.is_dir():
+            raise FileNotFoundError(f"{folder}: no finetune/ folder there (give the --out of `longattn finetune` or "
+                                    "`longattn paper sktformer-table3`)")
+        for run_dir in sorted(root.glob("*/*/seed*")):
+            status = run_status(run_dir, None)
+            if status.state != "finished":
+                continue
+            results = status.results
+            task = str(results.get("task", "")).removeprefix("glue_")
+            if not run_dir.parent.name.startswith(f"{task}_"):
+                raise ConfigError(f"{run_dir}: its results.json names task {results.get('task')!r}, which is not "
+                                  f"the task of its folder {run_dir.parent.name!r}")
+            column = f"{task}/{run_dir.parent.name[len(task) + 1:]}"
+            mechanism = run_dir.parent.parent.name
+            key = (mechanism, column, int(results["seed"]))
+            if key in seen:
+                raise ConfigError(f"{mechanism} / {column} seed {key[2]} is finished in both {seen[key]} and "
+                                  f"{run_dir}: report them separately, or move one away")
+            seen[key] = run_dir
+            cells.setdefault((mechanism, column), Cell(mechanism, column, f"glue_{task}",
+                                                       explicit={"attention": mechanism})).results.append(results)
+    for cell in cells.values():
+        cell.results.sort(key=lambda r: r["seed"])
+    return list(cells.values())
 
 
 def select_best(cells: list[Cell]) -> dict[tuple[str, str], dict[str, Any]]:
