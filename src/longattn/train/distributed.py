@@ -124,8 +124,25 @@ def is_lost_peer(error: BaseException) -> bool:
     return any(words in text for words in ("connection closed", "connection reset", "broken pipe", "peer"))
 
 
+# Training runs of this process that started and have not finished (a grid trains several in one process).
+_unfinished_runs = 0
+
+
+def run_started() -> None:
+    """A training run begins in this process (see :func:`_destroy_group_after_clean_run`)."""
+    global _unfinished_runs
+    _unfinished_runs += 1
+
+
+def run_finished() -> None:
+    """The training run begun last ended without an error."""
+    global _unfinished_runs
+    _unfinished_runs = max(0, _unfinished_runs - 1)
+
+
 def _destroy_group_after_clean_run() -> None:
-    """At exit: destroy the process group unless the process is ending on an uncaught exception (then a peer may
-    be gone or mid-collective, and the backend's own teardown is the safer one)."""
-    if dist.is_initialized() and getattr(sys, "last_type", None) is None:
+    """At exit: destroy the process group when every run of the process finished and no exception is escaping.
+    After a failure (an uncaught exception, or a run that raised and whose error the command line reported) a
+    peer may be gone or mid-collective, and the backend's own teardown is the safer one."""
+    if dist.is_initialized() and _unfinished_runs == 0 and getattr(sys, "last_type", None) is None:
         dist.destroy_process_group()

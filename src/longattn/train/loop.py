@@ -65,6 +65,8 @@ from longattn.train.distributed import (
     is_lost_peer,
     is_timeout,
     resolve_device,
+    run_finished,
+    run_started,
     timeout_seconds,
 )
 from longattn.utils import (dumps_strict, duration, note, optional_import, rng_state, seed_everything, set_rng_state,
@@ -390,6 +392,7 @@ class Trainer:
         # torchrun's LOCAL_RANK picks this process's GPU before the process group starts.
         self.device = resolve_device(train.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.dist: DistInfo = init_distributed(self.device)
+        run_started()
         if train.precision == "fp16" and self.device.type != "cuda":
             raise ValueError("precision 'fp16' needs a CUDA device; use 'bf16' or 'fp32' on CPU")
         if select_metric != "loss" and select_metric not in metrics:
@@ -721,7 +724,9 @@ class Trainer:
         results. ``overwrite=True`` replaces the run in the folder.
         """
         try:
-            return self._fit(resume, overwrite)
+            results = self._fit(resume, overwrite)
+            run_finished()
+            return results
         except RuntimeError as error:
             if self.dist.enabled and is_timeout(error):
                 raise TrainingError(f"rank {self.dist.rank}: another rank did not answer within {timeout_seconds():g} s "
