@@ -219,3 +219,15 @@ def test_a_damaged_cross_validation_summary_names_its_file(tmp_path):
         (tmp_path / "results.json").write_text(text)
         with pytest.raises(ConfigError, match=rf"{tmp_path / 'results.json'} is not a cross-validation summary"):
             run_accuracy_cost(tmp_path, tmp_path / "out")
+
+
+def test_a_step_budget_that_epochs_override_is_a_warning(capsys):
+    """``train.max_steps`` from the user while the preset budgets in epochs: the epochs win, and a warning says so
+    (and how to train by steps); with ``train.epochs=null`` the steps count and nothing is said."""
+    config = resolve_config("mqar", "cpu", None, ["train.max_steps=40"])
+    assert config.train.epochs == 2
+    assert "train.max_steps=40 is not used: the budget is train.epochs=2" in capsys.readouterr().err
+    config = resolve_config("mqar", "cpu", None, ["train.max_steps=40", "train.epochs=null"])
+    assert config.train.epochs is None and config.train.max_steps == 40
+    resolve_config("mqar", "cpu", None, ["train.epochs=3"])
+    assert "warning" not in capsys.readouterr().err

@@ -35,6 +35,7 @@ from longattn.models.registry import MODELS, model_defaults, model_names
 from longattn.registry import nearest
 from longattn.tasks.base import Task, get_task
 from longattn.train.settings import OptimConfig, TrainConfig
+from longattn.utils import warn
 
 __all__ = ["RunConfig", "load_saved", "model_options", "resolve_config", "save_config"]
 
@@ -133,7 +134,18 @@ def resolve_config(
         layer = task_obj.upgrade(_as_layer(layer, "a config layer"), model_name, attention)
         tree = merge(tree, _fold_model_layer(layer, model_name))
     tree["task"], tree["model_name"], tree["models"] = task_name, model_name, {}
-    return build_run_config(tree, task_obj)
+    config = build_run_config(tree, task_obj)
+    _warn_unused_step_budget(config, late)
+    return config
+
+
+def _warn_unused_step_budget(config: RunConfig, late: list[Any]) -> None:
+    """``train.max_steps`` given by the user (config file, ``--set``) while the task or preset budgets in epochs:
+    the epochs win (:class:`TrainConfig`), so say so instead of training a budget nobody asked for."""
+    given = [layer.get("train") for layer in late if isinstance(layer, dict) and isinstance(layer.get("train"), dict)]
+    if config.train.epochs is not None and any("max_steps" in t for t in given) and not any("epochs" in t for t in given):
+        warn(f"train.max_steps={config.train.max_steps} is not used: the budget is train.epochs={config.train.epochs:g} "
+             "(from the task or preset); add train.epochs=null to train by steps")
 
 
 def build_run_config(tree: dict[str, Any], task_obj: Task | None = None) -> RunConfig:
