@@ -112,7 +112,8 @@ def test_table3_grid_end_to_end(corpus, tmp_path, capsys):
     # `report finetune` rebuilds the table from the run folders, training nothing; split into two folders and
     # merged, the same; the same run in two folders is an error naming both
     def best(folder):
-        return sorted(json.loads((folder / "results.json").read_text())["best"], key=lambda e: (e["mechanism"], e["task"]))
+        entries = json.loads((folder / "results.json").read_text())["best"]
+        return sorted(entries, key=lambda e: (e["mechanism"], e["task"]))
 
     assert main(["report", "finetune", "--run", str(out), "--out", str(tmp_path / "report")]) == 0
     assert best(tmp_path / "report") == best(out)

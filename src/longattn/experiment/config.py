@@ -142,10 +142,11 @@ def resolve_config(
 def _warn_unused_step_budget(config: RunConfig, late: list[Any]) -> None:
     """``train.max_steps`` given by the user (config file, ``--set``) while the task or preset budgets in epochs:
     the epochs win (:class:`TrainConfig`), so say so instead of training a budget nobody asked for."""
-    given = [layer.get("train") for layer in late if isinstance(layer, dict) and isinstance(layer.get("train"), dict)]
-    if config.train.epochs is not None and any("max_steps" in t for t in given) and not any("epochs" in t for t in given):
-        warn(f"train.max_steps={config.train.max_steps} is not used: the budget is train.epochs={config.train.epochs:g} "
-             "(from the task or preset); add train.epochs=null to train by steps")
+    given = [layer["train"] for layer in late if isinstance(layer, dict) and isinstance(layer.get("train"), dict)]
+    steps_only = any("max_steps" in t for t in given) and not any("epochs" in t for t in given)
+    if steps_only and config.train.epochs is not None:
+        warn(f"train.max_steps={config.train.max_steps} is not used: the budget is "
+             f"train.epochs={config.train.epochs:g} (from the task or preset); add train.epochs=null to train by steps")
 
 
 def build_run_config(tree: dict[str, Any], task_obj: Task | None = None) -> RunConfig:
