@@ -117,20 +117,18 @@ def test_dataset_and_collate():
 def test_mixed_segments_are_padded_and_unpadded_alone():
     """A dataset of several (seq_len, pairs) segments: items in order, per-example lengths for length grouping,
     a batch of one segment stacked as it is, a mixed batch padded (tokens with the filler at the end, queries
-    with IGNORE answers) to a fixed query width."""
+    with IGNORE answers) to the batch's most queries."""
     short, long = multiquery_ar(3, 16, 2, seed=0), multiquery_ar(2, 32, 4, seed=1)
     data = MQARDataset([short, long])
     assert len(data) == 5 and data.lengths() == [16, 16, 16, 32, 32]
     assert torch.equal(data[3]["tokens"], long.inputs[0]) and torch.equal(data[-1]["answers"], long.answers[1])
     with pytest.raises(IndexError):
         data[5]
-    alone = collate([data[0], data[1]], query_width=2)
+    alone = collate([data[0], data[1]])
     assert alone["tokens"].shape == (2, 16) and bool((alone["answers"] != IGNORE).all())
-    mixed = collate([data[0], data[4]], query_width=6)
-    assert mixed["tokens"].shape == (2, 32) and mixed["answers"].shape == (2, 6)
+    mixed = collate([data[0], data[4]])
+    assert mixed["tokens"].shape == (2, 32) and mixed["answers"].shape == (2, 4)
     assert torch.equal(mixed["tokens"][0, :16], short.inputs[0].long())
     assert bool((mixed["tokens"][0, 16:] == FILLER).all())
     assert torch.equal(mixed["answers"][0, :2], short.answers[0]) and bool((mixed["answers"][0, 2:] == IGNORE).all())
-    assert torch.equal(mixed["answers"][1, :4], long.answers[1]) and bool((mixed["answers"][1, 4:] == IGNORE).all())
-    with pytest.raises(ValueError, match="query_width"):
-        collate([data[4]], query_width=2)
+    assert torch.equal(mixed["answers"][1], long.answers[1])

@@ -200,20 +200,32 @@ def test_mixture_data_is_deterministic_and_scored_per_length():
     batch = a.collate([a.test[0], a.test[3]])  # one sequence of each length
     assert batch["answers"].shape == (2, 4)
 
-    class Oracle(torch.nn.Module):  # answers the first sequence right, the second wrong at 3 of 4 queries
+    class Oracle(torch.nn.Module):  # answers the first sequence right, the second wrong after its first query
+        def __init__(self, answers):
+            super().__init__()
+            self.answers = answers.clamp(min=0)
+
         def forward(self, tokens, positions):
-            logits = torch.zeros(*positions.shape, 8192)
-            answers = batch["answers"][:, : positions.shape[1]].clamp(min=0)
-            logits.scatter_(-1, answers.unsqueeze(-1), 1.0)
+            assert positions.shape == self.answers.shape
+            logits = torch.zeros(*positions.shape, 8192).scatter_(-1, self.answers.unsqueeze(-1), 1.0)
             logits[1, 1:, :] = 0
             logits[1, 1:, 0] = 1.0
             return logits
 
-    out = recall_step(Oracle(), batch)
+    out = recall_step(Oracle(batch["answers"]), batch)
     assert torch.equal(out.targets[0, 2:], torch.full((2,), IGNORE))  # the short sequence's padded slots: not scored
     assert metrics["accuracy_16x2"](out.predictions, out.targets) == 1.0
     assert metrics["accuracy_32x4"](out.predictions, out.targets) == 0.25
     assert metrics["accuracy"](out.predictions, out.targets) == pytest.approx((1.0 + 0.25) / 2)
+    # a batch of short sequences only: logits at its 2 slots, predictions and targets padded to the task's 4
+    short = a.collate([a.test[0], a.test[1]])
+    assert short["answers"].shape == (2, 2)
+    padded = task.step_fn(config, a)(Oracle(short["answers"]), short)
+    assert padded.predictions.shape == padded.targets.shape == (2, 4)
+    assert torch.equal(padded.targets[:, 2:], torch.full((2, 2), IGNORE))
+    assert metrics["accuracy_16x2"](padded.predictions, padded.targets) == 0.75  # 2/2 and 1/2
+    with pytest.raises(ValueError, match="query_width=1 is below the batch's 2 query slots"):
+        recall_step(Oracle(short["answers"]), short, query_width=1)
     for bad, message in (("data.eval_lengths=[[32, 4], [64, 4]]", "differ in num_kv_pairs"),
                          ("data.eval_lengths=[[32]]", "must be"),
                          ("data.train_mix=[{seq_len: 16, num_kv_pairs: 8, examples: 4}]", "too short")):

@@ -15,6 +15,7 @@ from longattn import attention
 from longattn.data.mqar import collate, MQARDataset, multiquery_ar
 from longattn.models.recall import RecallModel, resolve_causal
 from longattn.tasks.mqar import query_accuracy, recall_step
+from longattn.testing import DispatchCounter
 
 VOCAB, LENGTH, PAIRS = 64, 64, 4
 CAUSAL = [name for name in attention.available() if attention.capabilities(name).causal]
@@ -93,8 +94,10 @@ def test_logits_only_at_query_positions_and_tied_head():
 def test_bad_inputs_are_clear_errors():
     model = _model("softmax", None)
     tokens = torch.randint(0, VOCAB, (2, LENGTH))
-    with pytest.raises(ValueError, match="query positions must lie"):
+    with pytest.raises(ValueError, match=rf"query positions must lie in \[0, {LENGTH}\), got \[0, {LENGTH}\]"):
         model(tokens, torch.tensor([[0], [LENGTH]]))
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {VOCAB}\), got \[-1, "):
+        model(tokens.index_fill(1, torch.tensor([3]), -1), torch.tensor([[0], [1]]))
     with pytest.raises(ValueError, match="max_len"):
         model(torch.zeros(1, LENGTH + 2, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     with pytest.raises(attention.AttentionError, match="causal"):
@@ -137,3 +140,20 @@ def test_identity_state_mixer_adds_the_normalised_stream():
         torch.testing.assert_close(model.features(tokens), model.final_norm(x))
     assert RecallModel(VOCAB, LENGTH, dim=16, hidden=32, identity_state_mixer=True).state_norms is None
     assert RecallModel(VOCAB, LENGTH, dim=16).state_norms is None
+
+
+def test_a_training_step_reads_back_to_the_host_once(monkeypatch):
+    """On a GPU every read-back stalls the queue of kernels: a step of the MQAR model reads its input check's
+    four extrema in one ``tolist``, and the step itself (loss at the batch's query slots, predictions padded to
+    the task's width) reads nothing (no scalar read, ``int(tensor)`` or ``.item()``)."""
+    model = _model("softmax", None).train()
+    data = MQARDataset(multiquery_ar(4, LENGTH, PAIRS, vocab_size=VOCAB, seed=0))
+    batch = collate([data[i] for i in range(4)])
+    lists = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: lists.append(self.shape) or tolist(self))
+    with DispatchCounter() as ops:
+        out = recall_step(model, batch, query_width=PAIRS + 3)
+        out.loss.backward()
+    assert ops.counts["aten._local_scalar_dense"] == 0 and lists == [(4,)]
+    assert out.predictions.shape == out.targets.shape == (4, PAIRS + 3)

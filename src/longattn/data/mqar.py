@@ -177,19 +177,15 @@ class MQARDataset(Dataset):
         return [int(e.inputs.shape[1]) for e in self.segments for _ in range(len(e))]
 
 
-def collate(items: list[dict[str, Any]], query_width: int | None = None) -> dict[str, Tensor]:
+def collate(items: list[dict[str, Any]]) -> dict[str, Tensor]:
     """Stack items into a batch; token ids as int64 (the embedding's index type).
 
     Items of different lengths are padded: tokens at the end with :data:`FILLER` (after the query region, so a
-    causal model's answers do not change), queries to ``query_width`` (default: the batch's most) with position 0
-    and answer :data:`IGNORE`. A fixed ``query_width`` keeps every batch of an evaluation the same width.
+    causal model's answers do not change), queries to the batch's most with position 0 and answer
+    :data:`IGNORE`.
     """
     length = max(len(item["tokens"]) for item in items)
     width = max(len(item["answers"]) for item in items)
-    if query_width is not None:
-        if query_width < width:
-            raise ValueError(f"query_width={query_width} is below the {width} queries of an example")
-        width = query_width
     if all(len(item["tokens"]) == length and len(item["answers"]) == width for item in items):
         return {"tokens": torch.stack([item["tokens"] for item in items]).long(),
                 "query_positions": torch.stack([item["query_positions"] for item in items]).long(),

@@ -20,6 +20,20 @@ POOLINGS = ("mean", "cls", "maxmean")
 NORMS = ("pre", "post")
 
 
+def check_index_ranges(*checks: tuple[str, Tensor, int]) -> None:
+    """Raise a ValueError naming the first ``(label, integer tensor, bound)`` with a value outside [0, bound).
+
+    The extrema of every tensor are read back to the host together: one device sync per call (on a GPU an
+    out-of-range index would otherwise be a device-side assert that names nothing)."""
+    present = [(label, values, bound) for label, values, bound in checks if values.numel()]
+    if not present:
+        return
+    extrema = torch.stack([e.long() for _, values, _ in present for e in (values.min(), values.max())]).tolist()
+    for (label, _, bound), low, high in zip(present, extrema[::2], extrema[1::2]):
+        if low < 0 or high >= bound:
+            raise ValueError(f"{label} must lie in [0, {bound}), got [{low}, {high}]")
+
+
 class FeedForward(nn.Sequential):
     def __init__(self, dim: int, hidden: int, dropout: float) -> None:
         super().__init__(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, dim))
@@ -133,8 +147,8 @@ class LRAEncoder(nn.Module):
                 f"attention_mask must be bool {[batch, length]} (True = real token), "
                 f"got {attention_mask.dtype} {list(attention_mask.shape)}"
             )
-        if self.input_dim is None and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]")
+        if self.input_dim is None:
+            check_index_ranges(("token ids", tokens, self.vocab_size))
         x = self.token_embedding(tokens)
         if self.use_cls:
             x = torch.cat([self.cls_token.expand(batch, 1, -1), x], dim=1)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from longattn import attention as attention_registry
-from longattn.models.encoder import EncoderBlock
+from longattn.models.encoder import EncoderBlock, check_index_ranges
 from longattn.models.registry import register_model
 
 __all__ = ["INITS", "RecallModel", "resolve_causal"]
@@ -97,15 +97,15 @@ class RecallModel(nn.Module):
             for linear in last:
                 nn.init.normal_(linear.weight, std=INIT_STD / math.sqrt(2 * layers))
 
-    def features(self, tokens: Tensor) -> Tensor:
-        """Token features [B, N, dim] after the final LayerNorm."""
+    def features(self, tokens: Tensor, query_positions: Tensor | None = None) -> Tensor:
+        """Token features [B, N, dim] after the final LayerNorm (``query_positions``: checked with the tokens,
+        in the same read-back)."""
         if tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int, torch.int16):
             raise ValueError(f"tokens must be an integer tensor [B, N], got {tokens.dtype} {list(tokens.shape)}")
         if tokens.shape[1] > self.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_len={self.max_len}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{int(tokens.min())}, "
-                             f"{int(tokens.max())}]")
+        queries = () if query_positions is None else (("query positions", query_positions, tokens.shape[1]),)
+        check_index_ranges(("token ids", tokens, self.vocab_size), *queries)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embedding_dropout(self.token_embedding(tokens) + self.position_embedding(positions))
         layer_state: dict = {}
@@ -119,10 +119,6 @@ class RecallModel(nn.Module):
         if query_positions.dim() != 2 or query_positions.shape[0] != tokens.shape[0]:
             raise ValueError(f"query_positions must be [B, K] with B = {tokens.shape[0]}, got "
                              f"{list(query_positions.shape)}")
-        if query_positions.numel() and (int(query_positions.min()) < 0
-                                        or int(query_positions.max()) >= tokens.shape[1]):
-            raise ValueError(f"query positions must lie in [0, {tokens.shape[1]}), got "
-                             f"[{int(query_positions.min())}, {int(query_positions.max())}]")
-        features = self.features(tokens)
+        features = self.features(tokens, query_positions)
         index = query_positions.long().unsqueeze(-1).expand(-1, -1, features.shape[-1])
         return self.head(features.gather(1, index))

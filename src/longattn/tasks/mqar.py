@@ -113,19 +113,23 @@ def _check_data(data: MQARDataConfig) -> None:
                           f"apart by its number of queries), got {evaluated}")
 
 
-def recall_step(model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
+def recall_step(model: nn.Module, batch: dict[str, Tensor], query_width: int | None = None) -> StepOutput:
     """Cross-entropy over the vocabulary at the query positions; predictions are the argmax token ids [B, K].
 
-    Padded query slots (answer :data:`IGNORE`, after a sequence's own queries) are not scored, and the model
-    computes logits only up to the batch's most queries."""
+    Padded query slots (answer :data:`IGNORE`, after a sequence's own queries) are not scored. Predictions and
+    targets come back padded with IGNORE to ``query_width`` (default: the batch's), so that the batches of an
+    evaluation, whatever their configuration, have the same width; the model computes logits only at the
+    batch's own slots, and nothing is read back to the host (no device sync per step)."""
     answers = batch["answers"]
-    queries = int((answers != IGNORE).sum(1).max()) if answers.numel() else 0
-    logits = model(batch["tokens"], batch["query_positions"][:, :queries])
+    width = answers.shape[1] if query_width is None else query_width
+    if width < answers.shape[1]:
+        raise ValueError(f"query_width={query_width} is below the batch's {answers.shape[1]} query slots")
+    logits = model(batch["tokens"], batch["query_positions"])
     # In float32 even under autocast: cross-entropy of bf16 logits over 8,192 classes is too coarse.
-    loss = F.cross_entropy(logits.float().flatten(0, 1), answers[:, :queries].flatten(), ignore_index=IGNORE)
-    predictions = torch.full_like(answers, IGNORE)
-    predictions[:, :queries] = logits.detach().argmax(-1)
-    return StepOutput(loss, predictions, answers)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), answers.flatten(), ignore_index=IGNORE)
+    padding = (0, width - answers.shape[1])
+    return StepOutput(loss, F.pad(logits.detach().argmax(-1), padding, value=IGNORE),
+                      F.pad(answers, padding, value=IGNORE))
 
 
 def _row_accuracy(predictions: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
@@ -187,15 +191,14 @@ class MQARTask(Task):
             for index, (split, count) in enumerate((("val", data.val_examples), ("test", data.test_examples)), 1):
                 splits[split] = MQARDataset([segment(index, n, k, count) for n, k in eval_lengths(data)])
         width = max(k for _, k in [*eval_lengths(data), *((n, k) for n, k, _ in train_segments(data))])
-        return TaskData(splits["train"], splits["val"], splits["test"], partial(collate, query_width=width),
-                        info={"queries_per_example": width})
+        return TaskData(splits["train"], splits["val"], splits["test"], collate, info={"queries_per_example": width})
 
     def model_inputs(self, config: Any, data: TaskData) -> dict[str, Any]:
         lengths = [n for n, _, _ in train_segments(config.data)] + [n for n, _ in eval_lengths(config.data)]
         return {"vocab_size": config.data.vocab_size, "max_len": max(lengths)}
 
     def step_fn(self, config: Any, data: TaskData) -> StepFn:
-        return recall_step
+        return partial(recall_step, query_width=data.info["queries_per_example"])
 
     def metrics(self, config: Any, data: TaskData) -> dict[str, MetricFn]:
         metrics: dict[str, MetricFn] = {"accuracy": query_accuracy}
