@@ -34,8 +34,12 @@ def test_smoke_run_writes_every_part(tmp_path, capsys):
     assert train["status"] == "pass" and train["steps"] == 3 and train["precision"] == "bf16"
     assert [row["status"] for row in report["hf"]["rows"]] == ["pass", "pass"]
     assert report["hf"]["softmax_conversion_max_abs_diff_fp32"] < 1e-5
+    recall = report["recall"]["cpu"]
+    assert [(c["row"], c["width"]) for c in recall["cells"]] == [("softmax", 8), ("skeleton", 8)]
+    assert all(c["device"] == "cpu" and c["step_s"] > 0 for c in recall["cells"]) and not recall["unmeasured"]
     table = (out / "gpu.md").read_text()
-    for heading in ("# longattn bench gpu", "## Accuracy", "## Forward + backward", "## Training", "## Hugging Face"):
+    for heading in ("# longattn bench gpu", "## Accuracy", "## Forward + backward", "## Training", "## Hugging Face",
+                    "## Recall sweep (MQAR)", "### Cost of the recall sweep, preset `cpu` (process CPU time"):
         assert heading in table
     # a second run into the same folder must be asked for
     assert main(args) == 2

@@ -122,8 +122,15 @@ def test_cost_estimate_measures_every_cell(tmp_path):
     assert len(cost["cells"]) == 4 and all(c["step_s"] > 0 and c["runs"] == len(plan.lrs) + 2 for c in cost["cells"])
     assert cost["cells"][0]["steps"] == 1  # 16 examples, one epoch, one batch
     assert cost["total_s"] == pytest.approx(sum(c["cell_s"] for c in cost["cells"]))
+    assert {(c["device"], c["clock"]) for c in cost["cells"]} == {("cpu", "process CPU time of one thread")}
     text = write_cost_estimate(cost, tmp_path)
-    assert "N=64 d=16" in text and (tmp_path / "cost.json").is_file()
+    assert "N=64 d=16" in text and (tmp_path / "cost.json").is_file() and "Not measured" not in text
+    # out of time for measuring: the cells not reached are listed, not counted
+    late = estimate_sweep_cost(plan, steps=1, log=lambda line: None, budget_s=-1.0)
+    assert late["cells"] == [] and [(c["row"], c["width"]) for c in late["unmeasured"]] == [
+        ("softmax", 8), ("linear", 8), ("softmax", 16), ("linear", 16)]
+    assert "Not measured (the time for measuring ran out; the total leaves them out): softmax N=64 d=8" in \
+        write_cost_estimate(late)
 
 
 MIX = ["data.val_examples=8", "data.test_examples=8", "train.epochs=1", "train.progress=false"]

@@ -210,7 +210,7 @@ class GpuCheckConfig:
 
     device: str = "cuda"
     attentions: list[str] = field(default_factory=list)  # empty: every registered mechanism
-    parts: list[str] = field(default_factory=lambda: ["accuracy", "speed", "train", "hf"])
+    parts: list[str] = field(default_factory=lambda: ["accuracy", "speed", "train", "hf", "recall"])
     # accuracy
     accuracy_length: int = 1023
     accuracy_batch: int = 2
@@ -236,9 +236,16 @@ class GpuCheckConfig:
     hf_heads: int = 4
     hf_length: int = 512
     hf_batch: int = 8
+    # recall: the MQAR sweep's cost on this device (its presets in turn, each an even share of the part's time)
+    recall_presets: list[str] = field(default_factory=lambda: ["cpu", "paper"])
+    recall_attentions: list[str] = field(default_factory=list)  # empty: every row of the sweep file
+    recall_lengths: list[int] = field(default_factory=list)  # empty: both arms
+    recall_widths: list[int] = field(default_factory=lambda: [128])  # the middle width; empty: the sweep file's
+    recall_overrides: list[str] = field(default_factory=list)
     # seconds for the whole run, and each part's share of it
-    budget_s: float = 270.0
-    shares: dict[str, float] = field(default_factory=lambda: {"accuracy": 0.15, "speed": 0.6, "train": 0.15, "hf": 0.1})
+    budget_s: float = 300.0
+    shares: dict[str, float] = field(default_factory=lambda: {
+        "accuracy": 0.13, "speed": 0.52, "train": 0.12, "hf": 0.09, "recall": 0.14})
     seed: int = 0
 
     @classmethod
@@ -248,7 +255,12 @@ class GpuCheckConfig:
                      heads=2, warmup=1, repeats=2, train_steps=3,
                      train_overrides=["data.train.num_examples=64", "data.val.num_examples=16",
                                       "data.test.num_examples=16", "train.batch_size=8"],
-                     hf_layers=1, hf_hidden=32, hf_heads=2, hf_length=64, hf_batch=2, budget_s=600.0)
+                     hf_layers=1, hf_hidden=32, hf_heads=2, hf_length=64, hf_batch=2,
+                     recall_presets=["cpu"], recall_attentions=["softmax", "skeleton"], recall_lengths=[64],
+                     recall_widths=[8], recall_overrides=[
+                         "data.train_mix=[{seq_len: 64, num_kv_pairs: 4, examples: 16}]", "data.val_examples=8",
+                         "data.test_examples=8", "train.batch_size=8", "train.epochs=1"],
+                     budget_s=600.0)
         return cls(**{**sizes, **overrides})
 
 
@@ -690,6 +702,27 @@ def run_hf(config: GpuCheckConfig, device: torch.device, budget: Budget, log: Ca
     return result
 
 
+def run_recall_cost(config: GpuCheckConfig, device: torch.device, budget: Budget, log: Callable[[str], None]) -> dict:
+    """What the MQAR sweep (``longattn paper zoology-fig2``, docs/mqar.md) costs on this device: a training step
+    and an evaluated example of each (row, width) of each arm, at each preset, timed by the sweep's own
+    ``--estimate`` code with ``train.device`` set to this device, until the preset's share of the time is spent
+    (the cells not reached are listed)."""
+    from longattn.experiment.recall import estimate_sweep_cost, load_recall_sweep, plan_sweep
+
+    spec = load_recall_sweep("zoology_fig2")
+    result: dict[str, Any] = {}
+    for index, preset in enumerate(config.recall_presets):
+        plan = plan_sweep(spec, preset, attentions=config.recall_attentions or None,
+                          lengths=config.recall_lengths or None, widths=config.recall_widths or None,
+                          extra_overrides=[f"train.device={device}", "train.progress=false", *config.recall_overrides])
+        share_s = max(0.0, budget.left()) / (len(config.recall_presets) - index)
+        cost = estimate_sweep_cost(plan, log=log, budget_s=share_s)
+        result[preset] = cost
+        log(f"recall sweep, preset {preset}: {cost['total_s'] / 3600:.1f} h on {cost['device'] or device} for the "
+            f"{len(cost['cells'])} cells measured ({len(cost['unmeasured'])} not reached)")
+    return result
+
+
 # ----------------------------------------------------------------------------- the run and its tables
 
 
@@ -711,6 +744,7 @@ def run_gpu_check(config: GpuCheckConfig, out: str | Path, log: Callable[[str], 
         "speed": lambda: run_speed_rows(config, device, report["rates"], budget, log),
         "train": lambda: run_training(config, device, out, log),
         "hf": lambda: run_hf(config, device, budget, log),
+        "recall": lambda: run_recall_cost(config, device, budget, log),
     }
     for index, name in enumerate(config.parts):
         with budget.part(config.shares[name], sum(config.shares[p] for p in config.parts[index:])):
@@ -813,7 +847,13 @@ def gpu_tables(report: dict[str, Any]) -> str:
                       f"{hf['softmax_conversion_max_abs_diff_fp32']:.1e}.", "",
                   markdown_table(["mechanism", "output dtype", "output finite", "gradients finite",
                                   "new parameters get gradients", "fwd+bwd ms", "status"], rows)]
-    for part in ("accuracy", "speed", "train", "hf"):
+    recall = report.get("recall")
+    if isinstance(recall, dict) and "status" not in recall:
+        from longattn.experiment.recall import cost_estimate_text
+
+        lines += ["", "## Recall sweep (MQAR): its cost on this device"]
+        lines += ["\n" + cost_estimate_text(cost).rstrip() for cost in recall.values()]
+    for part in ("accuracy", "speed", "train", "hf", "recall"):
         if isinstance(report.get(part), dict) and report[part].get("status") == "error":
             lines += ["", f"## {part}: error", "", f"    {report[part]['error']}"]
     return "\n".join(lines)

@@ -105,7 +105,7 @@ def training_throughput(config: LMBenchConfig, attention: str, data: Any = None)
     from longattn.experiment.run import build_run_model
     from longattn.tasks.base import get_task
 
-    from longattn.train.loop import _autocast
+    from longattn.train.loop import precision_autocast
 
     run_config = _run_config(config, attention)
     task = get_task("lm")
@@ -121,7 +121,7 @@ def training_throughput(config: LMBenchConfig, attention: str, data: Any = None)
     with _Clock(device) as clock:
         for index in range(config.throughput_steps + 1):
             started = clock.now()
-            with _autocast(device, run_config.train.precision):
+            with precision_autocast(device, run_config.train.precision):
                 loss = step(model, batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -1,5 +1,5 @@
 """``longattn bench gpu``: the device check (accuracy, speed against softmax and the floor, training, the
-Hugging Face bridge) in one process; ``--device cpu --smoke`` runs the same code on a CPU in seconds."""
+Hugging Face bridge, the MQAR sweep's cost) in one process; ``--device cpu --smoke`` runs the same code on a CPU in seconds."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from longattn.commands.bench import _write
 from longattn.experiment.analyses import register_analysis
 
 _DEFAULTS = GpuCheckConfig()
-_PARTS = ("accuracy", "speed", "train", "hf")
+_PARTS = ("accuracy", "speed", "train", "hf", "recall")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -38,8 +38,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         "seed)")
     add_workers_argument(parser)
     parser.add_argument("--estimate", action="store_true", help="train nothing: time one training step and one "
-                        "evaluated example of every cell (process CPU time) and print the cost of the sweep at its "
-                        "full budget")
+                        "evaluated example of every cell on the device the runs would use (process CPU time on a "
+                        "CPU, synchronised wall time on a GPU) and print the cost of the sweep at its full budget")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -44,9 +44,11 @@ from longattn.experiment.run import build_run_model
 from longattn.experiment.stats import format_difference, legend, mean_with_sem, summarize
 from longattn.tasks.base import TaskData, get_task
 from longattn.tasks.mqar import MQAR_CONFIGS, eval_lengths, length_metric, recall_step, train_segments
+from longattn.train.distributed import resolve_device
+from longattn.train.loop import precision_autocast, to_device
 from longattn.utils import optional_import
 
-__all__ = ["Arm", "RecallRow", "SweepPlan", "estimate_sweep_cost", "load_recall_sweep", "plan_sweep",
+__all__ = ["Arm", "RecallRow", "SweepPlan", "cost_estimate_text", "estimate_sweep_cost", "load_recall_sweep", "plan_sweep",
            "recall_sweep_path",
            "run_recall_sweep", "write_cost_estimate", "write_recall_outputs"]
 
@@ -531,42 +533,66 @@ def plot_recall(plan: SweepPlan, entries: list[_Entry], path: Path) -> None:
 # ----------------------------------------------------------------------------- cost
 
 
+class _CostClock:
+    """Seconds of a call where the runs would train: process CPU time on a CPU (a core's cost, whatever else
+    runs beside it), synchronised wall time on a GPU (what a run occupies the device for)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.description = ("wall time on the GPU, synchronised" if device.type == "cuda"
+                            else "process CPU time of one thread")
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return time.perf_counter()
+        return time.process_time()
+
+
 def measure_cell_cost(cell: Cell, steps: int = 2) -> dict[str, float]:
-    """Process CPU seconds of one training step (forward, backward, AdamW) and of evaluating one example, for the
-    model and batch of ``cell``, measured on generated data after one warm-up step per sequence length; and the
-    run's budget. A mixture's step is the mean over its segments, weighted by their batches per epoch."""
+    """Seconds of one training step (forward, backward, AdamW) and of evaluating one example, for the model,
+    batch, device (``train.device``) and precision of ``cell``, measured on generated data after one warm-up step
+    per sequence length; and the run's budget. A mixture's step is the mean over its segments, weighted by their
+    batches per epoch."""
     config = resolve_config(cell.task, cell.preset, cell.config_file, cell.overrides, **cell.explicit)
     d = config.data
     size = config.train.batch_size
+    device = resolve_device(config.train.device)
+    clock = _CostClock(device)
     torch.manual_seed(0)
-    model = build_run_model(config, get_task(cell.task), TaskData(None, None, None, collate))
+    model = build_run_model(config, get_task(cell.task), TaskData(None, None, None, collate)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
 
     def batch_of(seq_len: int, pairs: int) -> dict[str, Any]:
         examples = multiquery_ar(size, seq_len, pairs, vocab_size=d.vocab_size, power_a=d.power_a, seed=0)
-        return collate([MQARDataset(examples)[i] for i in range(size)])
+        return to_device(collate([MQARDataset(examples)[i] for i in range(size)]), device)
 
     def train_step(batch: dict[str, Any]) -> None:
         optimizer.zero_grad(set_to_none=True)
-        recall_step(model, batch).loss.backward()
+        with precision_autocast(device, config.train.precision):
+            loss = recall_step(model, batch).loss
+        loss.backward()
         optimizer.step()
 
     def step_s(seq_len: int, pairs: int) -> float:
         batch = batch_of(seq_len, pairs)
-        train_step(batch)  # warm-up: first-call costs (allocations, lazily built buffers) are not a step's
-        started = time.process_time()
+        train_step(batch)  # warm-up: first-call costs (allocations, lazily built buffers, kernels) are not a step's
+        started = clock.now()
         for _ in range(steps):
             train_step(batch)
-        return (time.process_time() - started) / steps
+        return (clock.now() - started) / steps
 
     @torch.no_grad()
     def example_s(seq_len: int, pairs: int) -> float:
         batch = batch_of(seq_len, pairs)
         model.eval()
-        started = time.process_time()
-        recall_step(model, batch)
+        with precision_autocast(device, config.train.precision):
+            recall_step(model, batch)  # warm-up (eval-mode paths)
+            started = clock.now()
+            recall_step(model, batch)
+            elapsed = clock.now() - started
         model.train()
-        return (time.process_time() - started) / size
+        return elapsed / size
 
     batches = [(n, k, math.ceil(count / size)) for n, k, count in train_segments(d)]
     epoch_steps = sum(b for _, _, b in batches)
@@ -576,17 +602,24 @@ def measure_cell_cost(cell: Cell, steps: int = 2) -> dict[str, float]:
     validations = math.ceil(total_steps / every)
     evaluated = sum((validations * d.val_examples + d.test_examples) * example_s(n, k) for n, k in eval_lengths(d))
     return {"step_s": mean_step_s, "steps": total_steps, "validations": validations,
-            "run_s": total_steps * mean_step_s + evaluated}
+            "run_s": total_steps * mean_step_s + evaluated, "device": str(device), "clock": clock.description}
 
 
-def estimate_sweep_cost(plan: SweepPlan, steps: int = 2, log: Callable[[str], Any] = print) -> dict[str, Any]:
-    """The measured cost of every cell's run at its full budget (no early stop) and the sweep's total, in process
-    CPU seconds of one thread: a step and an evaluated example are timed for each (row, length, width) at the
-    first candidate rate; a cell costs (rates + seeds - 1) runs. Early stops (Zoology's 99%) only shorten it."""
-    cells = []
+def estimate_sweep_cost(plan: SweepPlan, steps: int = 2, log: Callable[[str], Any] = print,
+                        budget_s: float | None = None) -> dict[str, Any]:
+    """The measured cost of every cell's run at its full budget (no early stop) and the sweep's total, in seconds
+    of the device the runs would train on (``train.device``: process CPU time of one thread on a CPU, synchronised
+    wall time on a GPU): a step and an evaluated example are timed for each (row, length, width) at the first
+    candidate rate; a cell costs (rates + seeds - 1) runs. Early stops (Zoology's 99%) only shorten it. With
+    ``budget_s``, the cells not reached within that many seconds of measuring are listed as not measured."""
+    cells, unmeasured = [], []
+    begin = time.monotonic()
     for arm in plan.arms:
         for width in plan.widths:
             for row in arm.rows:
+                if budget_s is not None and time.monotonic() - begin > budget_s:
+                    unmeasured.append({"row": row.name, "arm": _arm_text(arm), "width": width})
+                    continue
                 cost = measure_cell_cost(plan.cell(row, arm, width, plan.lrs[0]), steps)
                 runs = len(plan.lrs) + len(plan.seeds) - 1
                 cells.append({"row": row.name, "arm": _arm_text(arm), "lengths": [list(e) for e in arm.lengths],
@@ -596,12 +629,14 @@ def estimate_sweep_cost(plan: SweepPlan, steps: int = 2, log: Callable[[str], An
                     "the cell")
     total = sum(c["cell_s"] for c in cells)
     by_arm = {_arm_text(arm): sum(c["cell_s"] for c in cells if c["arm"] == _arm_text(arm)) for arm in plan.arms}
-    return {"preset": plan.preset, "cells": cells, "total_s": total, "by_arm_s": by_arm}
+    clocks = sorted({(c["device"], c["clock"]) for c in cells})
+    return {"preset": plan.preset, "cells": cells, "total_s": total, "by_arm_s": by_arm, "unmeasured": unmeasured,
+            "device": ", ".join(device for device, _ in clocks), "clock": ", ".join(clock for _, clock in clocks)}
 
 
-def write_cost_estimate(cost: dict[str, Any], out_dir: str | Path | None = None) -> str:
-    """The estimate as a table (minutes per run at the full budget, per row and (length, width)) with the totals;
-    printed, and written to ``cost.md`` and ``cost.json`` in ``out_dir`` when given."""
+def cost_estimate_text(cost: dict[str, Any]) -> str:
+    """The estimate as markdown: a table (minutes per run at the full budget, per row and (length, width)) and
+    the totals."""
     cells = cost["cells"]
     columns = list(dict.fromkeys((c["arm"], c["width"]) for c in cells))
     rows = list(dict.fromkeys(c["row"] for c in cells))
@@ -610,10 +645,21 @@ def write_cost_estimate(cost: dict[str, Any], out_dir: str | Path | None = None)
                            [[row, *("-" if (row, a, w) not in by_key else f"{by_key[(row, a, w)]['run_s'] / 60:.1f}"
                                     for a, w in columns)] for row in rows])
     lengths = ", ".join(f"{arm}: {seconds / 3600:.1f} h" for arm, seconds in cost["by_arm_s"].items())
-    text = (f"### Cost of the recall sweep, preset `{cost['preset']}` (process CPU time of one thread)\n\n"
+    missing = cost.get("unmeasured") or []
+    skipped = ", ".join(f"{c['row']} {c['arm']} d={c['width']}" for c in missing)
+    not_measured = (f" Not measured (the time for measuring ran out; the total leaves them out): {skipped}."
+                    if missing else "")
+    text = (f"### Cost of the recall sweep, preset `{cost['preset']}` ({cost['clock']}; {cost['device']})\n\n"
             f"Minutes per run at the full budget (no early stop), measured per cell:\n\n{table}\n\n"
             f"A cell trains (rates + seeds - 1) runs. Total: {cost['total_s'] / 3600:.1f} h ({lengths}); "
-            f"runs that reach 99% validation accuracy stop early and cost less.\n")
+            f"runs that reach 99% validation accuracy stop early and cost less.{not_measured}\n")
+    return text
+
+
+def write_cost_estimate(cost: dict[str, Any], out_dir: str | Path | None = None) -> str:
+    """:func:`cost_estimate_text`, printed, and written to ``cost.md`` and ``cost.json`` in ``out_dir`` when
+    given."""
+    text = cost_estimate_text(cost)
     print(text)
     if out_dir is not None:
         out_dir = Path(out_dir)

@@ -203,7 +203,8 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_max_rss_of_process"
 
 
-def _autocast(device: torch.device, precision: str) -> Any:
+def precision_autocast(device: torch.device, precision: str) -> Any:
+    """The autocast context of a run's ``train.precision`` (fp32: a disabled one)."""
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
@@ -238,7 +239,7 @@ def evaluate(
     predictions, targets, loss_sum = [], [], 0.0
     for batch in optional_import("tqdm.auto").tqdm(loader, desc=split, leave=False, disable=not progress):
         batch = to_device(batch, device)
-        with _autocast(device, precision):
+        with precision_autocast(device, precision):
             out = step_fn(model, batch)
         collect_aux_losses(model)  # nothing is recorded in eval mode; clear to be safe
         loss_sum += float(out.loss) * len(out.targets)
@@ -531,7 +532,7 @@ class Trainer:
         return dataclasses.replace(train, eval_every=shorter, eval_every_epoch=False)
 
     def _autocast(self) -> Any:
-        return _autocast(self.device, self.settings.precision)
+        return precision_autocast(self.device, self.settings.precision)
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.is_main:
