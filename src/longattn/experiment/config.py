@@ -25,41 +25,18 @@ from __future__ import annotations
 import copy
 import inspect
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from longattn import attention as attention_registry
-from longattn.config import ConfigError, check_value, config_hash, from_dict, merge, parse_set, read_yaml, to_dict, write_yaml
+from longattn.config import ConfigError, check_value, from_dict, merge, parse_set, read_yaml, to_dict, write_yaml
 from longattn.models.registry import MODELS, model_defaults, model_names
 from longattn.registry import nearest
 from longattn.tasks.base import Task, get_task
-from longattn.train.settings import OptimConfig, TrainConfig
+from longattn.train.settings import OptimConfig, RunConfig, TrainConfig
 from longattn.utils import warn
 
 __all__ = ["RunConfig", "load_saved", "model_options", "resolve_config", "save_config"]
-
-
-@dataclass
-class RunConfig:
-    """One run: which task, model and attention, with what data, model, optimiser and loop settings."""
-
-    task: str | None = None
-    model_name: str | None = None  # a registered model of the task's family; null: the task's default
-    attention: str | None = None  # a registered mechanism; null: the model builder's default
-    seed: int = 0
-    data: Any = field(default_factory=dict)  # the task's data_config
-    model: dict[str, Any] = field(default_factory=dict)  # builder options (checked against its signature)
-    attention_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    models: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-model layers, folded in by resolve
-
-    def hash(self) -> str:
-        return config_hash(self)
-
-    def chosen_attention_options(self) -> dict[str, Any]:
-        return dict(self.attention_options.get(self.attention or "", {}))
 
 
 def _as_layer(value: Any, where: str) -> dict[str, Any]:

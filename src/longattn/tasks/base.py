@@ -19,16 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from torch.utils.data import Dataset
 
 from longattn.config import ConfigError
 from longattn.registry import Registry
 from longattn.train.loop import MetricFn, StepFn
-
-if TYPE_CHECKING:
-    from longattn.experiment.config import RunConfig
+from longattn.train.settings import RunConfig
 
 __all__ = ["Task", "TaskData", "TASKS", "get_task", "register_task", "task_names"]
 
@@ -89,24 +87,24 @@ class Task:
         return layer
 
     # -- what a run needs --------------------------------------------------------------------------
-    def build_data(self, config: "RunConfig") -> TaskData:
+    def build_data(self, config: RunConfig) -> TaskData:
         raise NotImplementedError
 
-    def data_cache_key(self, config: "RunConfig") -> Any:
+    def data_cache_key(self, config: RunConfig) -> Any:
         """Runs whose keys are equal share built data (the mechanisms of one comparison)."""
         return (self.name, config.seed, repr(config.data))
 
-    def model_inputs(self, config: "RunConfig", data: TaskData) -> dict[str, Any]:
+    def model_inputs(self, config: RunConfig, data: TaskData) -> dict[str, Any]:
         """Builder arguments the task supplies (not user options), e.g. vocab_size, num_classes."""
         return {}
 
-    def step_fn(self, config: "RunConfig", data: TaskData) -> StepFn:
+    def step_fn(self, config: RunConfig, data: TaskData) -> StepFn:
         raise NotImplementedError
 
-    def metrics(self, config: "RunConfig", data: TaskData) -> dict[str, MetricFn]:
+    def metrics(self, config: RunConfig, data: TaskData) -> dict[str, MetricFn]:
         raise NotImplementedError
 
-    def describe(self, config: "RunConfig", data: TaskData, results: dict[str, Any]) -> dict[str, Any]:
+    def describe(self, config: RunConfig, data: TaskData, results: dict[str, Any]) -> dict[str, Any]:
         """The task's fields of results.json (added to the Trainer's)."""
         return {}
 
@@ -114,7 +112,7 @@ class Task:
         """A line to print for one validation record (None: print nothing; the progress bar shows it)."""
         return None
 
-    def after_run(self, config: "RunConfig", data: TaskData, model: Any, out_dir: Path) -> None:
+    def after_run(self, config: RunConfig, data: TaskData, model: Any, out_dir: Path) -> None:
         """Anything a finished run writes besides results.json (plots)."""
 
     def summary(self, results: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The training loop's settings: the ``train`` and ``optim`` sections of every run config.
+"""The training loop's settings: the ``train`` and ``optim`` sections of every run config, and the run config
+itself (:class:`RunConfig`, assembled by :func:`longattn.experiment.config.resolve_config`).
 
 These two dataclasses are the one place the loop's defaults are written (the standard LRA settings of
 Nystromformer's code); tasks change them with an overlay, presets and ``--set`` with theirs. Values
@@ -8,12 +9,12 @@ infinite learning rate or zero epochs are refused before anything runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from longattn.config import option
+from longattn.config import config_hash, option
 
-__all__ = ["OptimConfig", "TrainConfig"]
+__all__ = ["OptimConfig", "RunConfig", "TrainConfig"]
 
 
 @dataclass
@@ -79,3 +80,25 @@ class TrainConfig:
     find_unused_parameters: bool = option(False, help="DDP: for models whose forward skips some parameters")
     ema_decay: float | None = option(None, gt=0, lt=1, help="validate, select and test an exponential moving "
                                      "average of the weights with this decay (e.g. 0.999); null: the weights")
+
+
+@dataclass
+class RunConfig:
+    """One run: which task, model and attention, with what data, model, optimiser and loop settings."""
+
+    task: str | None = None
+    model_name: str | None = None  # a registered model of the task's family; null: the task's default
+    attention: str | None = None  # a registered mechanism; null: the model builder's default
+    seed: int = 0
+    data: Any = field(default_factory=dict)  # the task's data_config
+    model: dict[str, Any] = field(default_factory=dict)  # builder options (checked against its signature)
+    attention_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-model layers, folded in by resolve
+
+    def hash(self) -> str:
+        return config_hash(self)
+
+    def chosen_attention_options(self) -> dict[str, Any]:
+        return dict(self.attention_options.get(self.attention or "", {}))
