@@ -45,6 +45,13 @@ def _pretrained_attention(folder: str) -> str:
     return str(load_saved(saved).attention)
 
 
+def _table_naming(from_minilm: bool, mechanisms: set[str], folder: Path) -> dict[str, str | None]:
+    """The table's label and softmax reference: MiniLM conversions compare with MiniLM's own softmax; runs from
+    pretraining folders are named by their folder and have no reference."""
+    return {"label": "MiniLM" if from_minilm else folder.name,
+            "reference": "softmax" if from_minilm and "softmax" in mechanisms else None}
+
+
 def _finetune(args: argparse.Namespace) -> int:
     spec = load_spec(args.config or (DEFAULT_MINILM_SPEC if args.pretrained == [MINILM] else "table3_cpu"))
     if args.tasks:
@@ -67,9 +74,8 @@ def _finetune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     cells = finetune_grid(spec, out, starts, [f"data.data_dir={args.data_dir}"], args.resume,
                           extra_overrides=args.overrides, workers=args.workers, overwrite=args.overwrite)
-    reference = "softmax" if args.pretrained == [MINILM] and "softmax" in starts else None
-    label = "MiniLM" if args.pretrained == [MINILM] else out.name
-    summary = write_transfer_table(spec, cells, out, label=label, reference=reference, started=started)
+    summary = write_transfer_table(spec, cells, out, started=started,
+                                   **_table_naming(args.pretrained == [MINILM], set(starts), out))
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
@@ -83,12 +89,10 @@ def _report(args: argparse.Namespace) -> int:
         raise ConfigError(f"no finished fine-tuning run under {', '.join(str(f / 'finetune') for f in folders)}")
     from_minilm = all((r.get("config") or {}).get("model", {}).get("pretrained") == MINILM
                       for cell in cells for r in cell.results)
-    mechanisms = {cell.row for cell in cells}
     seeds = sorted({r["seed"] for cell in cells for r in cell.results})
     spec = {"title": f"GLUE fine-tuning: the runs finished in {', '.join(map(str, folders))}",
             "finetune": {"seeds": seeds}}
-    write_transfer_table(spec, cells, out, label="MiniLM" if from_minilm else folders[0].name,
-                         reference="softmax" if from_minilm and "softmax" in mechanisms else None)
+    write_transfer_table(spec, cells, out, **_table_naming(from_minilm, {cell.row for cell in cells}, folders[0]))
     return 0
 
 
