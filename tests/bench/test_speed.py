@@ -4,15 +4,22 @@ import json
 
 import pytest
 
-from longattn.bench.speed import SpeedConfig, count_flops, growth, plot_speed, run_in_subprocess, run_speed, speed_table, traffic_bytes
+from longattn.bench.speed import SpeedConfig, count_flops, growth, plot_speed, run_in_subprocess, speed_table, traffic_bytes
 from longattn.cli import main
 
-TINY = SpeedConfig(target="", length=0, batch=2, heads=2, head_dim=16, threads=1, warmup=1, repeats=2)
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One command-line run (softmax, whose math path the command adds, at two lengths) for every test here."""
+    out = tmp_path_factory.mktemp("speed")
+    assert main(["bench", "speed", "--attention", "softmax", "--lengths", "256", "1024", "--batch", "2", "--heads",
+                 "2", "--head-dim", "16", "--threads", "1", "--warmup", "1", "--repeats", "2", "--timeout", "120",
+                 "--no-peers", "--out", str(out)]) == 0
+    return out
 
 
 @pytest.fixture(scope="module")
-def rows():
-    return run_speed(["softmax", "softmax_math"], [256, 1024], TINY, timeout_s=120, progress=False)
+def rows(measured):
+    return json.loads((measured / "speed.json").read_text())["rows"]
 
 
 def test_every_configuration_is_measured(rows):
@@ -86,13 +93,10 @@ def test_traffic_floor_counts_activations_and_parameters():
     assert traffic_bytes(config, parameters=10) == 5 * 2 * 100 * 32 * 4 + 3 * 10 * 4
 
 
-def test_cli_writes_json_markdown_and_plot(tmp_path):
-    out = tmp_path / "speed"
-    assert main(["bench", "speed", "--attention", "softmax", "--lengths", "128", "--threads", "1",
-                 "--repeats", "1", "--no-peers", "--out", str(out)]) == 0
-    data = json.loads((out / "speed.json").read_text())
-    assert {r["target"] for r in data["rows"]} == {"softmax", "softmax_math"}
-    assert (out / "speed.md").exists() and (out / "speed.png").exists()
+def test_cli_writes_json_markdown_and_plot(measured):
+    assert {r["target"] for r in json.loads((measured / "speed.json").read_text())["rows"]} == {"softmax",
+                                                                                                "softmax_math"}
+    assert (measured / "speed.md").exists() and (measured / "speed.png").exists()
 
 
 def test_a_target_is_compared_with_sdpa_measured_beside_it(tmp_path):
