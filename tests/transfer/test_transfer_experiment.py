@@ -248,3 +248,37 @@ def test_pretrain_and_finetune_refuse_an_out_with_runs_unless_told(corpus, tmp_p
         assert "already hold" in capsys.readouterr().err and stamps(folder) == before
     assert main([*finetune, "--overwrite"]) == 0
     assert all(stamp != before[name] for name, stamp in stamps(out).items() if name in before)
+
+
+def test_the_majority_class_is_recorded_and_the_table_measures_shares_above_it(tmp_path):
+    """Each GLUE run records what always answering the most frequent training label scores on dev; with a
+    reference, the table gives beside the plain share the share of the reference's gain over that floor, so that
+    a model at the majority class reads 0% however high the metric of a constant answer is (MRPC's F1)."""
+    from longattn.experiment.grid import Cell
+    from longattn.experiment.transfer import write_transfer_table
+
+    task = get_task("glue_sst2")
+    data = task.build_data(resolve_config("glue_sst2", "recipe", None, [f"data.data_dir={GLUE_FIXTURES}"]))
+    labels = [int(v) for v in data.train.labels]
+    majority = max(set(labels), key=labels.count)
+    expected = sum(int(v) == majority for v in data.val.labels) / len(data.val.labels)
+    assert task.describe(None, data, {}) == {"majority_class": {"accuracy": pytest.approx(expected)}}
+    stsb = get_task("glue_stsb")
+    assert stsb.majority_class_scores(stsb.build_data(resolve_config(
+        "glue_stsb", "recipe", None, [f"data.data_dir={GLUE_FIXTURES}"]))) is None
+
+    def cell(name, task, score, majority):
+        return Cell(name, f"{task}/default", f"glue_{task}", explicit={"attention": name},
+                    results=[{"seed": 0, "val": {"acc_and_f1": score, "spearman": score}, "majority_class": majority}])
+
+    mrpc_floor = {"accuracy": 0.684, "f1": 0.812, "acc_and_f1": 0.748}
+    cells = [cell("softmax", "mrpc", 0.805, mrpc_floor), cell("skeleton", "mrpc", 0.748, mrpc_floor),
+             cell("nystrom", "mrpc", 0.7765, mrpc_floor), cell("softmax", "stsb", 0.85, None),
+             cell("skeleton", "stsb", 0.425, None)]
+    summary = write_transfer_table({"title": "t"}, cells, tmp_path, label="MiniLM", reference="softmax")
+    assert summary["kept_percent"]["skeleton"]["mrpc"] == pytest.approx(100 * 0.748 / 0.805)
+    above = summary["kept_above_majority_percent"]
+    assert above["skeleton"]["mrpc"] == pytest.approx(0.0) and above["nystrom"]["mrpc"] == pytest.approx(50.0)
+    assert above["skeleton"]["stsb"] == pytest.approx(50.0)  # a correlation's floor is 0
+    table = (tmp_path / "table.md").read_text()
+    assert "gain over the majority class" in table and "MRPC 74.80" in table

@@ -188,10 +188,33 @@ def select_best(cells: list[Cell]) -> dict[tuple[str, str], dict[str, Any]]:
         key = (cell.row, task)
         mean = statistics.mean(values)
         if key not in best or mean > best[key]["mean"]:
+            metric = get_glue_task(task).paper_metric
             best[key] = {"mean": mean, "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-                         "values": values, "point": point, "metric": get_glue_task(task).paper_metric,
-                         "not_converged": cell.not_converged()}
+                         "values": values, "point": point, "metric": metric,
+                         "not_converged": cell.not_converged(), "majority_class": _majority_score(cell, metric)}
     return best
+
+
+def _majority_score(cell: Cell, metric: str) -> float | None:
+    """The paper metric (in %) of always answering the most frequent training label, as the runs recorded it
+    (0 for a correlation, STS-B); None for runs from before it was recorded."""
+    recorded = [r["majority_class"] for r in cell.results if "majority_class" in r]
+    if not recorded:
+        return None
+    return 0.0 if recorded[0] is None else 100 * statistics.mean(scores[metric] for scores in recorded)
+
+
+def _shares_above_majority(best: dict[tuple[str, str], dict[str, Any]], name: str, reference: str,
+                           measured: list[str]) -> dict[str, float]:
+    """Per task: (score - majority) / (reference - majority) in %, where both scores and the majority class's
+    are known and the reference beats the majority class."""
+    shares = {}
+    for task in measured:
+        mine, ref = best.get((name, task)), best.get((reference, task))
+        if mine is None or ref is None or ref["majority_class"] is None or ref["mean"] <= ref["majority_class"]:
+            continue
+        shares[task] = 100 * (mine["mean"] - ref["majority_class"]) / (ref["mean"] - ref["majority_class"])
+    return shares
 
 
 def _cell_text(entry: dict[str, Any] | None) -> str:
@@ -229,14 +252,27 @@ def write_transfer_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path,
             "task, mean ± std over seeds.\n\n" + markdown_table(headers, rows) + "\n"
             + convergence_legend(any(entry["not_converged"] for entry in best.values())))
     kept: dict[str, dict[str, float]] = {}
+    above: dict[str, dict[str, float]] = {}
     if reference is not None:
         kept = {name: {t: 100 * best[(name, t)]["mean"] / best[(reference, t)]["mean"] for t in measured
                        if (name, t) in best and (reference, t) in best and best[(reference, t)]["mean"] > 0}
                 for name in mechanisms}
-        kept_rows = [[name, *(f"{kept[name][t]:.1f}%" if t in kept[name] else "-" for t in measured)]
-                     for name in mechanisms]
+        above = {name: _shares_above_majority(best, name, reference, measured) for name in mechanisms}
+        titles = ["mechanism", *(COLUMN_TITLES[t] for t in measured)]
+
+        def share_rows(shares: dict[str, dict[str, float]]) -> list[list[str]]:
+            return [[name, *(f"{shares[name][t]:.1f}%" if t in shares[name] else "-" for t in measured)]
+                    for name in mechanisms]
+
         text += (f"\nShare of the `{reference}` score each mechanism keeps:\n\n"
-                 + markdown_table(["mechanism", *(COLUMN_TITLES[t] for t in measured)], kept_rows) + "\n")
+                 + markdown_table(titles, share_rows(kept)) + "\n")
+        if any(above.values()):
+            baselines = [f"{COLUMN_TITLES[t]} {best[(reference, t)]['majority_class']:.2f}" for t in measured
+                         if best[(reference, t)]["majority_class"] is not None]
+            text += (f"\nShare of the `{reference}` score's gain over the majority class, (score - majority) / "
+                     f"({reference} - majority): 0% is a model that learned nothing from the text. Always "
+                     f"answering the most frequent training label scores {', '.join(baselines)} on dev.\n\n"
+                     + markdown_table(titles, share_rows(above)) + "\n")
     text += "\nSearch points chosen:\n\n" + markdown_table(
         ["mechanism", *(COLUMN_TITLES[t] for t in measured)],
         [[name, *(best[(name, t)]["point"] if (name, t) in best else "-" for t in measured)] for name in mechanisms])
@@ -247,6 +283,7 @@ def write_transfer_table(spec: dict[str, Any], cells: list[Cell], out_dir: Path,
         "title": title, "columns": list(TABLE3_COLUMNS), "measured": measured,
         "best": [{"mechanism": m, "task": t, **entry} for (m, t), entry in best.items()],
         "kept_percent": kept or None,
+        "kept_above_majority_percent": above or None,
         "paper": {PAPER_TABLE3[m][0]: {**PAPER_TABLE3[m][1], "average": PAPER_AVERAGES[m]} for m in PAPER_TABLE3},
         "runs": [{"mechanism": c.row, "task_point": c.column, "val": c.values(split="val"), "error": c.error}
                  for c in cells],

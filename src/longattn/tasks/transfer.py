@@ -229,6 +229,21 @@ class GlueFinetuneTask(Task):
         regression = self.glue.is_regression
         return {name: functools.partial(_glue_metric, name, regression) for name in self.glue.metrics}
 
+    def describe(self, config: Any, data: TaskData, results: dict[str, Any]) -> dict[str, Any]:
+        return {"majority_class": self.majority_class_scores(data)}
+
+    def majority_class_scores(self, data: TaskData) -> dict[str, float] | None:
+        """The dev metrics of always answering the training set's most frequent label: what a model that learned
+        nothing from the text scores (on MRPC, F1 81 by always answering "paraphrase"). None for STS-B: the
+        correlations of a constant are undefined, and 0 is their floor."""
+        if self.glue.is_regression:
+            return None
+        train, dev = data.train.labels, data.val.labels
+        majority = int(torch.as_tensor(train).bincount(minlength=self.glue.num_labels).argmax())
+        logits = F.one_hot(torch.full((len(dev),), majority), self.glue.num_labels).float()
+        targets = torch.as_tensor(dev)
+        return {name: _glue_metric(name, False, logits, targets) for name in self.glue.metrics}
+
 
 for _name in glue.GLUE_TASKS.names():
     _text = f"GLUE {glue.get_glue_task(_name).folder} fine-tuning (official glue_data/ files)"
