@@ -126,6 +126,20 @@ def test_table3_grid_end_to_end(corpus, tmp_path, capsys):
     assert main([*merged, str(out), "--out", str(tmp_path / "twice")]) == 2
     assert "finished in both" in capsys.readouterr().err and not (tmp_path / "twice").exists()
     assert main(merged) == 2 and "--out is required" in capsys.readouterr().err
+    # runs that do not record the majority class (finished before runs did) get it from --data-dir
+    floors = {(e["mechanism"], e["task"]): e["majority_class"] for e in best(tmp_path / "report")}
+    assert floors[("softmax", "sst2")] > 0 and floors[("softmax", "stsb")] == 0.0
+    old = tmp_path / "old"
+    shutil.copytree(out / "finetune", old / "finetune")
+    for path in (old / "finetune").rglob("results.json"):
+        results = json.loads(path.read_text())
+        del results["majority_class"]
+        path.write_text(json.dumps(results))
+    assert main(["report", "finetune", "--run", str(old), "--out", str(tmp_path / "old_report")]) == 0
+    assert all(e["majority_class"] is None for e in best(tmp_path / "old_report"))
+    assert main(["report", "finetune", "--run", str(old), "--data-dir", str(GLUE_FIXTURES), "--out",
+                 str(tmp_path / "old_report")]) == 0
+    assert {(e["mechanism"], e["task"]): e["majority_class"] for e in best(tmp_path / "old_report")} == floors
 
     # fine-tuning on its own from the pretraining folders: the mechanism comes from each folder
     finetune = ["finetune", "--pretrained", str(out / "pretrain" / "fnet"), "--config", str(spec), "--tasks", "sst2",
@@ -264,8 +278,8 @@ def test_the_majority_class_is_recorded_and_the_table_measures_shares_above_it(t
     expected = sum(int(v) == majority for v in data.val.labels) / len(data.val.labels)
     assert task.describe(None, data, {}) == {"majority_class": {"accuracy": pytest.approx(expected)}}
     stsb = get_task("glue_stsb")
-    assert stsb.majority_class_scores(stsb.build_data(resolve_config(
-        "glue_stsb", "recipe", None, [f"data.data_dir={GLUE_FIXTURES}"]))) is None
+    assert stsb.describe(None, stsb.build_data(resolve_config(
+        "glue_stsb", "recipe", None, [f"data.data_dir={GLUE_FIXTURES}"])), {}) == {"majority_class": None}
 
     def cell(name, task, score, majority):
         return Cell(name, f"{task}/default", f"glue_{task}", explicit={"attention": name},

@@ -84,7 +84,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.out is None and len(folders) > 1:
         raise ConfigError("--out is required with several --run folders (where the merged table is written)")
     out = Path(args.out) if args.out is not None else folders[0]
-    cells = collect_finetune_cells(folders)
+    cells = collect_finetune_cells(folders, args.data_dir)
     if not cells:
         raise ConfigError(f"no finished fine-tuning run under {', '.join(str(f / 'finetune') for f in folders)}")
     from_minilm = all((r.get("config") or {}).get("model", {}).get("pretrained") == MINILM
@@ -102,6 +102,8 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
                         "merged (the same run in two is an error)")
     parser.add_argument("--out", help="where table.md, results.json and table3.png go (default: the --run folder; "
                         "required with several)")
+    parser.add_argument("--data-dir", metavar="DIR", help="the glue_data/ folder: gives the runs that do not record "
+                        "it the majority class's dev score (the floor of the table's share above the majority class)")
 
 
 def _table3(args: argparse.Namespace) -> int:

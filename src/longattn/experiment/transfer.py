@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from longattn.config import ConfigError, read_yaml
-from longattn.data.glue import get_glue_task
+from longattn.data.glue import get_glue_task, read_glue
 from longattn.experiment.grid import (Cell, convergence_legend, convergence_mark, markdown_table, registered_or_note,
                                       run_cells)
 from longattn.experiment.run import run_status
 from longattn.experiment.results import now, write_results
-from longattn.tasks.transfer import TRANSFER_CONFIGS
+from longattn.tasks.transfer import TRANSFER_CONFIGS, majority_class_scores
 
 __all__ = ["PAPER_TABLE3", "TABLE3_COLUMNS", "collect_finetune_cells", "finetune_grid", "load_spec", "pretrain_grid",
            "select_best", "write_transfer_table"]
@@ -142,11 +142,12 @@ def finetune_grid(spec: dict[str, Any], out_dir: Path, starts: dict[str, str], d
                      workers=workers)
 
 
-def collect_finetune_cells(folders: list[str | Path]) -> list[Cell]:
+def collect_finetune_cells(folders: list[str | Path], glue_dir: str | Path | None = None) -> list[Cell]:
     """One :class:`Cell` per (mechanism, task, search point) from the runs finished under each folder's
     ``finetune/<mechanism>/<task>_<point>/seed<k>`` (what :func:`finetune_grid` writes), merged over the folders
     in their order; unfinished runs are left out. The same (mechanism, task, point, seed) in two folders is an
-    error naming both: which one counts is the user's choice."""
+    error naming both: which one counts is the user's choice. With ``glue_dir`` (the glue_data/ folder), runs
+    that do not record their task's majority class (finished before runs did) get it from the labels there."""
     cells: dict[tuple[str, str], Cell] = {}
     seen: dict[tuple[str, str, int], Path] = {}
     for folder in map(Path, folders):
@@ -174,7 +175,24 @@ def collect_finetune_cells(folders: list[str | Path]) -> list[Cell]:
                                                        explicit={"attention": mechanism})).results.append(results)
     for cell in cells.values():
         cell.results.sort(key=lambda r: r["seed"])
+    if glue_dir is not None:
+        _add_majority_class(list(cells.values()), Path(glue_dir))
     return list(cells.values())
+
+
+def _add_majority_class(cells: list[Cell], glue_dir: Path) -> None:
+    """The majority class's dev scores for the runs without them, from each task's full training labels (a run
+    trained on a subset recorded its subset's; the most frequent label is the same on these tasks)."""
+    floors: dict[str, dict[str, float] | None] = {}
+    for cell in cells:
+        task = cell.task.removeprefix("glue_")
+        for results in cell.results:
+            if "majority_class" in results:
+                continue
+            if task not in floors:
+                floors[task] = majority_class_scores(get_glue_task(task), read_glue(task, "train", glue_dir).labels,
+                                                     read_glue(task, "dev", glue_dir).labels)
+            results["majority_class"] = floors[task]
 
 
 def select_best(cells: list[Cell]) -> dict[tuple[str, str], dict[str, Any]]:

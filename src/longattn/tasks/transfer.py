@@ -230,19 +230,18 @@ class GlueFinetuneTask(Task):
         return {name: functools.partial(_glue_metric, name, regression) for name in self.glue.metrics}
 
     def describe(self, config: Any, data: TaskData, results: dict[str, Any]) -> dict[str, Any]:
-        return {"majority_class": self.majority_class_scores(data)}
+        return {"majority_class": majority_class_scores(self.glue, data.train.labels, data.val.labels)}
 
-    def majority_class_scores(self, data: TaskData) -> dict[str, float] | None:
-        """The dev metrics of always answering the training set's most frequent label: what a model that learned
-        nothing from the text scores (on MRPC, F1 81 by always answering "paraphrase"). None for STS-B: the
-        correlations of a constant are undefined, and 0 is their floor."""
-        if self.glue.is_regression:
-            return None
-        train, dev = data.train.labels, data.val.labels
-        majority = int(torch.as_tensor(train).bincount(minlength=self.glue.num_labels).argmax())
-        logits = F.one_hot(torch.full((len(dev),), majority), self.glue.num_labels).float()
-        targets = torch.as_tensor(dev)
-        return {name: _glue_metric(name, False, logits, targets) for name in self.glue.metrics}
+
+def majority_class_scores(task: glue.GlueTask, train_labels: Any, dev_labels: Any) -> dict[str, float] | None:
+    """The dev metrics of always answering the most frequent training label: what a model that learned nothing
+    from the text scores (on MRPC, F1 81 by always answering "paraphrase"). None for a regression (STS-B): the
+    correlations of a constant are undefined, and 0 is their floor."""
+    if task.is_regression:
+        return None
+    majority = int(torch.as_tensor(train_labels).bincount(minlength=task.num_labels).argmax())
+    logits = F.one_hot(torch.full((len(dev_labels),), majority), task.num_labels).float()
+    return {name: _glue_metric(name, False, logits, torch.as_tensor(dev_labels)) for name in task.metrics}
 
 
 for _name in glue.GLUE_TASKS.names():
