@@ -422,3 +422,52 @@ def test_group_by_length_batches_similar_lengths(tmp_path):
     with pytest.raises(ValueError, match="group_by_length needs a training set with lengths"):
         Trainer(Regressor(), [1, 2], None, None, list, regression_step, {"mse": mse}, **grouped_settings,
                 out_dir=tmp_path / "none")
+
+
+def test_a_step_reads_nothing_back_and_the_losses_are_read_at_each_log(tmp_path, monkeypatch):
+    """On a GPU a read-back per step stalls the queue of kernels: an optimiser step (forward, backward, clipping,
+    the update) reads nothing to the host; the steps' losses are read together at each log (here every 20 steps
+    of 40: two reads), and the logged means are those of the steps' losses. (torch's own scalar reads of
+    host-side state, AdamW's step count, are not the library's and are not counted.)"""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LibraryScalarReads(TorchDispatchMode):
+        """Counts the scalar reads (``.item()``, ``float(t)``, ``int(t)``) made by longattn's own code."""
+
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:  # the frame that asked, past torch's wrappers
+                caller = next(f for f in reversed(traceback.extract_stack()[:-1])
+                              if not any(part in f.filename for part in ("torch/_compile", "torch/_dynamo",
+                                                                         "torch/utils/_python_dispatch")))
+                self.count += "longattn" in caller.filename
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(3, 4, generator=g), torch.randn((), generator=g)) for _ in range(16)]
+    settings = loop_settings(max_steps=40, batch_size=4, lr=0.01, clip_norm=1.0, progress=False, log_every=20,
+                             select_metric="loss", select_mode="min")
+    trainer = Trainer(Regressor(), data, None, None, collate_regression, regression_step, {}, **settings,
+                      out_dir=tmp_path)
+    step, read = trainer._optimizer_step, trainer._read_losses
+    scalar_reads, reads, losses = [], [], []
+
+    def counted_step(stream):
+        with LibraryScalarReads() as reads_in_step:
+            out = step(stream)
+        scalar_reads.append(reads_in_step.count)
+        losses.append(float(out[0]))
+        return out
+
+    monkeypatch.setattr(trainer, "_optimizer_step", counted_step)
+    monkeypatch.setattr(trainer, "_read_losses", lambda *a, **k: reads.append(trainer.progress.step) or read(*a, **k))
+    trainer.fit()
+    assert scalar_reads == [0] * 40 and reads == [20, 40]
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in logged if r["split"] == "train"] == pytest.approx(
+        [sum(losses[:20]) / 20, sum(losses[20:]) / 20])

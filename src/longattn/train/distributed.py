@@ -103,13 +103,13 @@ def all_gather_objects(obj: Any, info: DistInfo) -> list[Any]:
     return gathered
 
 
-def all_reduce_mean(values: list[float], info: DistInfo, device: torch.device) -> list[float]:
-    """The mean over ranks of each of ``values`` (the values themselves without distribution)."""
+def all_reduce_mean(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The mean over ranks of every element of ``values`` (``values`` itself without distribution)."""
     if not info.enabled:
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return (tensor / info.world_size).tolist()
+        return values
+    values = values.contiguous()
+    dist.all_reduce(values)
+    return values / info.world_size
 
 
 def is_timeout(error: BaseException) -> bool:

@@ -469,6 +469,8 @@ class Trainer:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.finished_path = self.checkpoint_dir / "finished.json"
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
+        # (step, epoch, [task loss, aux loss, gradient norm] on the device) of the steps not yet read: see _read_losses
+        self._unread: list[tuple[int, int, Tensor]] = []
         self._lock = self._lock_out_dir()
 
     def _check_ranks_agree(self, train: TrainConfig, optim: OptimConfig) -> None:
@@ -783,27 +785,32 @@ class Trainer:
         lines = self._progress_lines()
         while p.step < s.max_steps and not p.stopped_early:
             started, cpu_started = time.perf_counter(), time.process_time()
-            loss_value, aux_value = self._optimizer_step(stream)
+            try:
+                losses = self._optimizer_step(stream)
+                self._unread.append((p.step + 1, p.epoch, losses))
+            except Exception:
+                self._read_losses(lines, after_error=True)  # a non-finite loss before it is the error to report
+                raise
             p.step += 1
-            p.window = [p.window[0] + loss_value, p.window[1] + aux_value, p.window[2] + 1]
-            p.since_eval = [p.since_eval[0] + loss_value, p.since_eval[1] + 1]
             bar.update(1)
-            if lines is not None:
-                lines.add(loss_value)
-            if p.step % s.log_every == 0 or p.step == s.max_steps:
+            logging = p.step % s.log_every == 0 or p.step == s.max_steps
+            validating = self.val_data is not None and (p.step % s.eval_every == 0 or p.step == s.max_steps)
+            every = s.checkpoint_every
+            saving = (validating and every is None) or (every is not None and p.step % every == 0) or \
+                p.step == s.max_steps
+            if logging or validating or saving:
+                self._read_losses(lines)
+            if logging:
                 record = {"split": "train", "step": p.step, "epoch": p.epoch, "loss": p.window[0] / p.window[2],
                           "aux_loss": p.window[1] / p.window[2], "lr": self.scheduler.get_last_lr()[0]}
                 self._log(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
                 p.window = [0.0, 0.0, 0]
             p.train_time_s += time.perf_counter() - started
-            evaluated = False
-            if self.val_data is not None and (p.step % s.eval_every == 0 or p.step == s.max_steps):
+            if validating:
                 self._validate()
-                evaluated = True
             p.cpu_time_s += time.process_time() - cpu_started
-            every = s.checkpoint_every
-            if (evaluated and every is None) or (every is not None and p.step % every == 0) or p.step == s.max_steps:
+            if saving:
                 self.save_checkpoint()
             last = p.step == s.max_steps or p.stopped_early
             if lines is not None and (p.step % s.log_every == 0 or last):
@@ -828,11 +835,12 @@ class Trainer:
               + (f"; a progress line every {s.progress_every_s:g} s" if s.progress_every_s else ""), flush=True)
         return ProgressLines(s.max_steps, p.step, examples, s.progress_every_s)
 
-    def _optimizer_step(self, stream: Iterator[Any]) -> tuple[float, float]:
-        """One optimiser step over ``grad_accum`` micro-batches; returns mean task and aux loss."""
+    def _optimizer_step(self, stream: Iterator[Any]) -> Tensor:
+        """One optimiser step over ``grad_accum`` micro-batches; returns [mean task loss, mean aux loss, gradient
+        norm (0 without clipping)] as a float64 tensor on the device, read later (:meth:`_read_losses`)."""
         s = self.settings
         self.optimizer.zero_grad(set_to_none=True)
-        total_task, total_aux = 0.0, 0.0
+        parts = []
         for micro in range(s.grad_accum):
             batch = to_device(next(stream), self.device)
             sync = micro == s.grad_accum - 1 or not self.dist.enabled
@@ -844,34 +852,56 @@ class Trainer:
                     aux_total = sum(aux.values()) if aux else None
                     loss = out.loss + aux_total if aux_total is not None else out.loss
                 self.scaler.scale(loss / s.grad_accum).backward()
-            total_task += float(out.loss.detach())
-            total_aux += float(aux_total.detach()) if aux_total is not None else 0.0
-        # The global batch's loss (mean over ranks, whose gradients DDP averages): logged, and the
-        # same on every rank, so a non-finite value stops every rank at the same step.
-        total_task, total_aux = all_reduce_mean([total_task, total_aux], self.dist, self.device)
-        if not math.isfinite(total_task + total_aux):
-            self._stop_non_finite("loss", total_task + total_aux)
+            parts += [out.loss.detach().double(),
+                      aux_total.detach().double() if aux_total is not None else out.loss.new_zeros((), dtype=torch.float64)]
+        losses = torch.stack(parts).view(s.grad_accum, 2).sum(0) / s.grad_accum
+        norm = losses.new_zeros(())
         if s.clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip_norm))
-            if not math.isfinite(norm) and not self.scaler.is_enabled():  # fp16's scaler skips such steps itself
-                self._stop_non_finite("gradient norm", norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip_norm).detach().double()
         self.progress.last_lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         if self.ema is not None:
             self.ema.update_parameters(self.model)
-        return total_task / s.grad_accum, total_aux / s.grad_accum
+        return torch.cat([losses, norm.view(1)])
 
-    def _stop_non_finite(self, what: str, value: float) -> None:
-        """Stop before the optimiser step, so no NaN reaches the weights or a checkpoint."""
+    def _read_losses(self, lines: ProgressLines | None, after_error: bool = False) -> None:
+        """The losses of the steps since the last read, brought to the host in one synchronisation (at each log,
+        validation and checkpoint, not per step: on a GPU a read per step would stall the queue of kernels), added
+        to the log window, the validation's running mean and the progress lines. A non-finite loss (or gradient
+        norm, with clipping) stops the run there, before anything after the step before it is logged or saved.
+
+        The global batch's loss is the mean over ranks (whose gradients DDP averages): the same on every rank, so
+        every rank stops at the same read. ``after_error``: reading after an exception, on this rank only."""
+        if not self._unread:
+            return
+        values = torch.stack([v for _, _, v in self._unread])
+        if not after_error:
+            values[:, :2] = all_reduce_mean(values[:, :2], self.dist)
+        p, check_norm = self.progress, self.settings.clip_norm is not None and not self.scaler.is_enabled()
+        unread, self._unread = self._unread, []
+        for (step, epoch, _), (task, aux, norm) in zip(unread, values.tolist()):
+            if not math.isfinite(task + aux):
+                self._stop_non_finite("loss", task + aux, step, epoch)
+            if check_norm and not math.isfinite(norm):  # fp16's scaler skips such steps itself
+                self._stop_non_finite("gradient norm", norm, step, epoch)
+            if after_error:
+                continue
+            p.window = [p.window[0] + task, p.window[1] + aux, p.window[2] + 1]
+            p.since_eval = [p.since_eval[0] + task, p.since_eval[1] + 1]
+            if lines is not None:
+                lines.add(task)
+
+    def _stop_non_finite(self, what: str, value: float, step: int, epoch: int) -> None:
+        """Stop before anything after ``step - 1`` is logged or saved: no NaN reaches a checkpoint."""
         kept = (f"the last checkpoint ({self.checkpoint_dir / 'last.pt'}, step {self._saved_step}) is intact"
                 if self._saved_step is not None else "no checkpoint was written yet")
         raise TrainingError(
-            f"non-finite training {what} ({value}) at step {self.progress.step + 1} (epoch {self.progress.epoch}); "
-            f"stopped before updating the weights; {kept}. Lower the learning rate, set gradient clipping, "
-            "or check the inputs for NaN/inf"
+            f"non-finite training {what} ({value}) at step {step} (epoch {epoch}); stopped at step "
+            f"{max(step, self.progress.step)} with nothing logged or saved after step {step - 1}; {kept}. Lower the "
+            "learning rate, set gradient clipping, or check the inputs for NaN/inf"
         )
 
     def _validate(self) -> None:
