@@ -48,9 +48,8 @@ from longattn.train.distributed import resolve_device
 from longattn.train.loop import precision_autocast, to_device
 from longattn.utils import optional_import
 
-__all__ = ["Arm", "RecallRow", "SweepPlan", "cost_estimate_text", "estimate_sweep_cost", "load_recall_sweep", "plan_sweep",
-           "recall_sweep_path",
-           "run_recall_sweep", "write_cost_estimate", "write_recall_outputs"]
+__all__ = ["Arm", "RecallRow", "SweepPlan", "cost_estimate_text", "estimate_sweep_cost", "load_recall_sweep",
+           "plan_sweep", "recall_sweep_path", "run_recall_sweep", "write_cost_estimate", "write_recall_outputs"]
 
 SWEEPS = MQAR_CONFIGS / "sweeps"
 _SPEC_KEYS = {"title", "description", "reference", "rows", "lengths", "long_context", "length_settings", "widths",
