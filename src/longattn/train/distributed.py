@@ -142,7 +142,17 @@ def run_finished() -> None:
 
 def _destroy_group_after_clean_run() -> None:
     """At exit: destroy the process group when every run of the process finished and no exception is escaping.
+
     After a failure (an uncaught exception, or a run that raised and whose error the command line reported) a
-    peer may be gone or mid-collective, and the backend's own teardown is the safer one."""
-    if dist.is_initialized() and _unfinished_runs == 0 and getattr(sys, "last_type", None) is None:
+    peer may be gone or mid-collective: destroying the group then, or leaving it to the interpreter's teardown,
+    sometimes aborts the process ("terminate called without an active exception", exit -6 instead of the
+    error's 1). The error has been printed by then, so the process leaves at once with status 1, past the
+    backend's teardown (the kernel releases its sockets, files and locks)."""
+    if not dist.is_initialized():
+        return
+    if _unfinished_runs == 0 and getattr(sys, "last_type", None) is None:
         dist.destroy_process_group()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
