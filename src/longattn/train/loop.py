@@ -813,7 +813,7 @@ class Trainer:
             if saving:
                 self.save_checkpoint()
             last = p.step == s.max_steps or p.stopped_early
-            if lines is not None and (p.step % s.log_every == 0 or last):
+            if lines is not None and (logging or last):
                 lines.maybe_write(p.step, p.history[-1] if p.history else None, self.select_metric, last)
             if self.on_step_end is not None:
                 self.on_step_end(self, p.step)
