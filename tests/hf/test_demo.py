@@ -2,20 +2,38 @@
 
 import pytest
 
-from longattn.hf.demo import embedding_table, finetune, read_sst2, table_markdown
+from longattn.config import ConfigError
+from longattn.hf.demo import embedding_table, finetune, main, parse_variant, read_sst2, table_markdown
 
 SENTENCES = ["a gripping, beautifully acted film", "dull, lifeless and far too long",
              "one of the best films of the year", "a tedious mess with no redeeming qualities"]
 
 
+ROWS_ONLY = "skeleton:smoother=false,column_attention=false,s1=128"
+
+
 def test_embedding_table_reports_cosine_and_path(minilm_path):
-    rows = {r["mechanism"]: r for r in embedding_table(SENTENCES, ["softmax", "linformer", "skeleton", "synthesizer"])}
+    names = ["softmax", "linformer", "skeleton", ROWS_ONLY, "synthesizer"]
+    rows = {r["mechanism"]: r for r in embedding_table(SENTENCES, names)}
     assert rows["softmax"]["cosine_mean"] > 0.99999 and rows["softmax"]["path"] == "function (register)"
     assert rows["linformer"]["path"] == "convert: model's q, k, v"
     assert rows["skeleton"]["path"] == "convert: hidden states, pretrained Q/K/V"
     assert rows["synthesizer"]["path"] == "convert, fresh projections"
     assert rows["skeleton"]["cosine_mean"] < 0.99  # random new parameters: not a zero-shot replacement
     assert "| `linformer` | convert: model's q, k, v |" in table_markdown(list(rows.values()))
+    # the options reach the mechanism: rows over every position and no Smoother keep far more of MiniLM
+    assert rows[ROWS_ONLY]["cosine_mean"] > rows["skeleton"]["cosine_mean"] + 0.2
+
+
+def test_mechanisms_with_options_are_parsed_and_bad_ones_named(minilm_path, tmp_path, capsys):
+    assert parse_variant("skeleton:smoother=false,s1=128") == ("skeleton", {"smoother": False, "s1": 128})
+    assert parse_variant("nystrom") == ("nystrom", {})
+    with pytest.raises(ConfigError, match="'s1' must look like option=value"):
+        parse_variant("skeleton:s1")
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\nit is good\t1\n")
+    with pytest.raises(SystemExit):
+        main(["table", "--data", str(tmp_path), "--mechanisms", "skeleton:smoothr=false"])
+    assert "unknown option(s) ['smoothr'] for attention 'skeleton'" in capsys.readouterr().err
 
 
 def test_finetune_reaches_both_parameter_groups(minilm_path):

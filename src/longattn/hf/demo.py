@@ -2,7 +2,8 @@
 
 ``python -m longattn.hf.demo table --data DIR`` prints, for every registered mechanism, the cosine of
 the mean-pooled MiniLM embedding of real sentences to the original model's, and the path it takes
-(register or convert); ``python -m longattn.hf.demo finetune --data DIR`` fine-tunes converted MiniLMs on
+(register or convert); ``--mechanisms skeleton skeleton:smoother=false,s1=128`` names mechanisms with
+options (ablations of one mechanism side by side); ``python -m longattn.hf.demo finetune --data DIR`` fine-tunes converted MiniLMs on
 SST-2 (``DIR/train.tsv``: ``sentence<TAB>label``) and reports the loss before and after, the dev
 accuracy, and the gradient norms of new and pretrained parameters after the first step.
 """
@@ -19,12 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from longattn.attention import available, capabilities, collect_aux_losses
+from longattn.attention import AttentionError, available, capabilities, collect_aux_losses
+from longattn.config import ConfigError, parse_value
 from longattn.hf.bridge import ModelProjections, attention_modules, enable, function_path_names, unregister
 from longattn.hf.convert import NO_QKV_MAPPING, convert
 from longattn.hf.minilm import load_bert, minilm_path
 
-__all__ = ["embedding_table", "finetune", "mean_pool", "read_sst2"]
+__all__ = ["embedding_table", "finetune", "mean_pool", "parse_variant", "read_sst2"]
 
 
 def mean_pool(hidden: Tensor, mask: Tensor) -> Tensor:
@@ -76,26 +78,42 @@ def _convert_path(model: nn.Module) -> str:
     return "hidden states, pretrained Q/K/V"
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``"skeleton:smoother=false,s1=128"`` -> ``("skeleton", {"smoother": False, "s1": 128})``; values as
+    ``--set`` reads them."""
+    name, _, listed = text.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, listed.split(",")):
+        key, equals, raw = item.partition("=")
+        if not equals or not key.strip():
+            raise ConfigError(f"mechanism {text!r}: {item!r} must look like option=value "
+                              "(e.g. skeleton:smoother=false,s1=128)")
+        options[key.strip()] = parse_value(raw)
+    return name.strip(), options
+
+
 @torch.no_grad()
 def embedding_table(sentences: list[str], names: list[str] | None = None, batch_size: int = 32,
                     seed: int = 0) -> list[dict[str, Any]]:
-    """Mean-pooled embedding cosine to the original MiniLM for each mechanism, with the path it used."""
+    """Mean-pooled embedding cosine to the original MiniLM for each mechanism (a name, or a name with options:
+    :func:`parse_variant`), with the path it used."""
+    variants = [(label, *parse_variant(label)) for label in names or available()]  # bad names before loading
     tokenizer = _tokenizer()
     batches = [tokenizer(sentences[i:i + batch_size], padding=True, truncation=True, max_length=128,
                          return_tensors="pt") for i in range(0, len(sentences), batch_size)]
     reference = load_bert()
     originals = [mean_pool(reference(**b).last_hidden_state, b["attention_mask"]) for b in batches]
     rows = []
-    for name in names or available():
+    for label, name, options in variants:
         torch.manual_seed(seed)  # stochastic mechanisms (skein, informer, ...) draw from the global RNG
-        model, path = with_mechanism(name, seed=seed)
+        model, path = with_mechanism(name, seed=seed, **options)
         cosines = torch.cat([
             torch.cosine_similarity(mean_pool(model(**b).last_hidden_state, b["attention_mask"]), e)
             for b, e in zip(batches, originals)
         ])
         if path == "convert":
             path = f"{path}: {_convert_path(model)}"
-        rows.append({"mechanism": name, "path": path, "cosine_mean": cosines.mean().item(),
+        rows.append({"mechanism": label, "path": path, "cosine_mean": cosines.mean().item(),
                      "cosine_min": cosines.min().item(), "stochastic": capabilities(name).stochastic_eval})
     return rows
 
@@ -187,14 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", choices=["table", "finetune"])
     parser.add_argument("--data", required=True, help="GLUE SST-2 folder (train.tsv, dev.tsv)")
     parser.add_argument("--sentences", type=int, default=128, help="dev sentences for the table")
-    parser.add_argument("--mechanisms", nargs="*", default=None)
+    parser.add_argument("--mechanisms", nargs="*", default=None,
+                        help="names, or names with options for the table (skeleton:smoother=false,s1=128)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.what == "table":
         sentences, _ = read_sst2(Path(args.data) / "dev.tsv", limit=args.sentences)
-        result: Any = embedding_table(sentences, args.mechanisms)
+        try:
+            result: Any = embedding_table(sentences, args.mechanisms)
+        except (ConfigError, AttentionError) as err:
+            parser.error(str(err))
         print(table_markdown(result))
     else:
         train = read_sst2(Path(args.data) / "train.tsv")
