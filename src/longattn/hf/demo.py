@@ -3,9 +3,10 @@
 ``python -m longattn.hf.demo table --data DIR`` prints, for every registered mechanism, the cosine of
 the mean-pooled MiniLM embedding of real sentences to the original model's, and the path it takes
 (register or convert); ``--mechanisms skeleton skeleton:smoother=false,s1=128`` names mechanisms with
-options (ablations of one mechanism side by side); ``python -m longattn.hf.demo finetune --data DIR`` fine-tunes converted MiniLMs on
-SST-2 (``DIR/train.tsv``: ``sentence<TAB>label``) and reports the loss before and after, the dev
-accuracy, and the gradient norms of new and pretrained parameters after the first step.
+options (ablations of one mechanism side by side); ``python -m longattn.hf.demo finetune --data DIR``
+fine-tunes converted MiniLMs on SST-2 (``DIR/train.tsv``: ``sentence<TAB>label``) and reports the loss
+before and after, the dev accuracy, and the gradient norms of new and pretrained parameters after the
+first step.
 """
 
 from __future__ import annotations
