@@ -120,6 +120,12 @@ def test_minilm_rewarm_then_finetune(tmp_path):
     encoder = model.mlm.bert.state_dict()
     assert all(torch.equal(encoder[k], v) for k, v in original.items() if k in encoder)  # pretrained weights kept
     assert any(".longattn." in k for k in encoder)  # and the mechanism's new ones
+    # optim.new_lr reaches exactly what the conversion added (the MLM head trains at lr, as BERT's heads do)
+    new = {id(t) for t in model.new_parameters()}
+    added = {n for n, t in model.named_parameters() if id(t) in new}
+    assert added and added == {n for n, _ in model.named_parameters() if ".longattn." in n}
+    assert not {n.removeprefix("mlm.bert.") for n in added} & set(original)
+    assert BertMLM(VOCAB, max_len=32, attention="skeleton", attention_options=options, **TINY).new_parameters() == []
     with pytest.raises(ValueError, match="from scratch"):
         BertMLM(30522, max_len=32, pretrained="bert-base-uncased")
     folder = tmp_path / "rewarm"
@@ -133,3 +139,4 @@ def test_minilm_rewarm_then_finetune(tmp_path):
                     pretrained=str(folder), pooling="mean")
     assert glue.bert.config.hidden_size == 384
     assert all(torch.equal(v, encoder[k]) for k, v in glue.bert.state_dict().items())
+    assert glue.new_parameters() == []  # the re-warm trained them: nothing starts from random any more

@@ -102,6 +102,16 @@ def use_mechanism(bert: nn.Module, name: str, options: dict[str, Any], max_len: 
             ignore_dropout=True, seed=seed, **options)
 
 
+# Parameters with no pretrained value when the encoder comes from MiniLM (the Trainer gives them optim.new_lr): a
+# converted mechanism's (under ``.longattn.``) or a token mixer's. A pretraining run trained its own, a scratch
+# model all; the heads (classifier, MLM) are new in every model and train at optim.lr, as in BERT's fine-tuning.
+_NEW_MARKS = (".longattn.", ".mixer.")
+
+
+def _added_by_conversion(model: nn.Module) -> list[nn.Parameter]:
+    return [t for name, t in model.named_parameters() if any(mark in f".{name}" for mark in _NEW_MARKS)]
+
+
 @register_model("bert_mlm", family="mlm", description="BERT (transformers) with any mechanism, MLM head")
 class BertMLM(nn.Module):
     """``transformers.BertForMaskedLM`` with mechanism ``attention``; see the module docstring."""
@@ -133,6 +143,11 @@ class BertMLM(nn.Module):
             raise ValueError(f"the encoder has a vocabulary of {self.mlm.config.vocab_size} words but the "
                              f"tokenizer has {vocab_size}")
         use_mechanism(self.mlm.bert, attention, dict(attention_options or {}), max_len, mechanism_seed)
+        self._from_minilm = pretrained == MINILM
+
+    def new_parameters(self) -> list[nn.Parameter]:
+        """What the conversion added to MiniLM in a re-warm (``optim.new_lr``); none in a model from scratch."""
+        return _added_by_conversion(self) if self._from_minilm else []
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None, predict: Tensor) -> Tensor:
         """Vocabulary logits [M, V] of the M positions where ``predict`` [B, N] is True."""
@@ -239,18 +254,15 @@ class BertGlue(nn.Module):
         if pooling == "mean":
             self.bert.pooler = None
         self.pooling = pooling
-        # Parameters with no pretrained value (optim.new_lr): a converted mechanism's (under ``.longattn.``) or a
-        # token mixer's, when the encoder comes from MiniLM; a pretraining run trained its own, a scratch model all.
-        self._new_marks = (".longattn.", ".mixer.") if pretrained == MINILM else ()
+        self._from_minilm = pretrained == MINILM
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(self.bert.config.hidden_size, num_labels)
         nn.init.normal_(self.head.weight, std=self.bert.config.initializer_range)  # as BERT's classifier
         nn.init.zeros_(self.head.bias)
 
     def new_parameters(self) -> list[nn.Parameter]:
-        """The encoder's parameters that start from random in a pretrained model (the Trainer gives them
-        ``optim.new_lr``); the head is new in every model and trains at ``optim.lr``, as in BERT's fine-tuning."""
-        return [t for name, t in self.named_parameters() if any(mark in f".{name}" for mark in self._new_marks)]
+        """The encoder's parameters that start from random when it comes from MiniLM (``optim.new_lr``)."""
+        return _added_by_conversion(self) if self._from_minilm else []
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None, attention_mask: Tensor | None) -> Tensor:
         out = self.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
