@@ -107,9 +107,9 @@ def all_reduce_mean(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """The mean over ranks of every element of ``values`` (``values`` itself without distribution)."""
     if not info.enabled:
         return values
-    values = values.contiguous()
-    dist.all_reduce(values)
-    return values / info.world_size
+    reduced = values.clone(memory_format=torch.contiguous_format)  # all_reduce works in place: not on the caller's
+    dist.all_reduce(reduced)
+    return reduced / info.world_size
 
 
 def is_timeout(error: BaseException) -> bool:

@@ -852,8 +852,9 @@ class Trainer:
                     aux_total = sum(aux.values()) if aux else None
                     loss = out.loss + aux_total if aux_total is not None else out.loss
                 self.scaler.scale(loss / s.grad_accum).backward()
-            no_aux = out.loss.new_zeros((), dtype=torch.float64)
-            parts += [out.loss.detach().double(), no_aux if aux_total is None else aux_total.detach().double()]
+            aux_value = (out.loss.new_zeros((), dtype=torch.float64) if aux_total is None
+                         else aux_total.detach().double())
+            parts += [out.loss.detach().double(), aux_value]
         losses = torch.stack(parts).view(s.grad_accum, 2).sum(0) / s.grad_accum
         norm = losses.new_zeros(())
         if s.clip_norm is not None:
