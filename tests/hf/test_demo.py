@@ -3,6 +3,7 @@
 import pytest
 
 from longattn.config import ConfigError
+from longattn.hf import demo
 from longattn.hf.demo import embedding_table, finetune, main, parse_variant, read_sst2, table_markdown
 
 SENTENCES = ["a gripping, beautifully acted film", "dull, lifeless and far too long",
@@ -34,6 +35,27 @@ def test_mechanisms_with_options_are_parsed_and_bad_ones_named(minilm_path, tmp_
     with pytest.raises(SystemExit):
         main(["table", "--data", str(tmp_path), "--mechanisms", "skeleton:smoothr=false"])
     assert "unknown option(s) ['smoothr'] for attention 'skeleton'" in capsys.readouterr().err
+
+
+def test_bad_names_and_options_fail_before_minilm_loads(tmp_path, capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("MiniLM loaded before the mechanisms were checked")
+
+    monkeypatch.setattr(demo, "load_bert", no_loading)
+    monkeypatch.setattr(demo, "_tokenizer", no_loading)
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\nit is good\t1\n")
+    for mechanisms, message in ((["softmax", "skeletn"], "unknown attention mechanism 'skeletn'; available:"),
+                                (["nystrom:num_landmark=8"], "unknown option(s) ['num_landmark'] for attention "
+                                                             "'nystrom' in 'nystrom:num_landmark=8'")):
+        with pytest.raises(SystemExit):
+            main(["table", "--data", str(tmp_path), "--mechanisms", *mechanisms])
+        assert message in capsys.readouterr().err
+
+
+def test_a_variants_seed_is_its_own_not_an_option_clash():
+    checked = demo._checked_variants(["bigbird:seed=3,block_size=4", "bigbird"], seed=0)
+    assert checked == [("bigbird:seed=3,block_size=4", "bigbird", 3, {"block_size": 4}),
+                       ("bigbird", "bigbird", 0, {})]
 
 
 def test_finetune_reaches_both_parameter_groups(minilm_path):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from longattn.attention import AttentionError, available, capabilities, collect_aux_losses
+from longattn.attention import AttentionError, available, capabilities, collect_aux_losses, get_spec
 from longattn.config import ConfigError, parse_value
 from longattn.hf.bridge import ModelProjections, attention_modules, enable, function_path_names, unregister
 from longattn.hf.convert import NO_QKV_MAPPING, convert
@@ -93,21 +93,37 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), options
 
 
+def _checked_variants(labels: list[str], seed: int) -> list[tuple[str, str, int, dict[str, Any]]]:
+    """(label, name, seed, options) per variant, every name and option checked before MiniLM loads; ``seed=``
+    in a variant is that variant's seed (the bridge's layer seed, which also draws BigBird's pattern)."""
+    variants = []
+    for label in labels:
+        name, options = parse_variant(label)
+        valid = get_spec(name).option_names  # an unknown name lists the registered ones
+        variant_seed = int(options.pop("seed", seed))
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise AttentionError(f"unknown option(s) {unknown} for attention {name!r} in {label!r}; valid options: "
+                                 f"{', '.join(valid) or '(none)'}, seed")
+        variants.append((label, name, variant_seed, options))
+    return variants
+
+
 @torch.no_grad()
 def embedding_table(sentences: list[str], names: list[str] | None = None, batch_size: int = 32,
                     seed: int = 0) -> list[dict[str, Any]]:
     """Mean-pooled embedding cosine to the original MiniLM for each mechanism (a name, or a name with options:
     :func:`parse_variant`), with the path it used."""
-    variants = [(label, *parse_variant(label)) for label in names or available()]  # bad names before loading
+    variants = _checked_variants(names or available(), seed)
     tokenizer = _tokenizer()
     batches = [tokenizer(sentences[i:i + batch_size], padding=True, truncation=True, max_length=128,
                          return_tensors="pt") for i in range(0, len(sentences), batch_size)]
     reference = load_bert()
     originals = [mean_pool(reference(**b).last_hidden_state, b["attention_mask"]) for b in batches]
     rows = []
-    for label, name, options in variants:
-        torch.manual_seed(seed)  # stochastic mechanisms (skein, informer, ...) draw from the global RNG
-        model, path = with_mechanism(name, seed=seed, **options)
+    for label, name, variant_seed, options in variants:
+        torch.manual_seed(variant_seed)  # stochastic mechanisms (skein, informer, ...) draw from the global RNG
+        model, path = with_mechanism(name, seed=variant_seed, **options)
         cosines = torch.cat([
             torch.cosine_similarity(mean_pool(model(**b).last_hidden_state, b["attention_mask"]), e)
             for b, e in zip(batches, originals)
