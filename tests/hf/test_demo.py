@@ -52,10 +52,11 @@ def test_bad_names_and_options_fail_before_minilm_loads(tmp_path, capsys, monkey
         assert message in capsys.readouterr().err
 
 
-def test_a_variants_seed_is_its_own_not_an_option_clash():
-    checked = demo._checked_variants(["bigbird:seed=3,block_size=4", "bigbird"], seed=0)
-    assert checked == [("bigbird:seed=3,block_size=4", "bigbird", 3, {"block_size": 4}),
-                       ("bigbird", "bigbird", 0, {})]
+def test_a_variants_seed_and_max_len_are_its_own_not_an_option_clash():
+    checked = demo._checked_variants(["bigbird:seed=3,block_size=4", "bigbird", "skeleton:max_len=64"], seed=1)
+    assert checked == [("bigbird:seed=3,block_size=4", "bigbird", {"seed": 3, "block_size": 4}),
+                       ("bigbird", "bigbird", {"seed": 1}),
+                       ("skeleton:max_len=64", "skeleton", {"seed": 1, "max_len": 64})]
 
 
 def test_finetune_reaches_both_parameter_groups(minilm_path):

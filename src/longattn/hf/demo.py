@@ -93,19 +93,19 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), options
 
 
-def _checked_variants(labels: list[str], seed: int) -> list[tuple[str, str, int, dict[str, Any]]]:
-    """(label, name, seed, options) per variant, every name and option checked before MiniLM loads; ``seed=``
-    in a variant is that variant's seed (the bridge's layer seed, which also draws BigBird's pattern)."""
+def _checked_variants(labels: list[str], seed: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, name, options) per variant, every name and option checked before MiniLM loads. ``seed=`` and
+    ``max_len=`` in a variant are :func:`with_mechanism`'s (the bridge's layer seed, which also draws BigBird's
+    pattern; the length a fixed-length map is built for); ``seed`` defaults to the table's."""
     variants = []
     for label in labels:
         name, options = parse_variant(label)
-        valid = get_spec(name).option_names  # an unknown name lists the registered ones
-        variant_seed = int(options.pop("seed", seed))
+        valid = (*get_spec(name).option_names, "seed", "max_len")  # an unknown name lists the registered ones
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise AttentionError(f"unknown option(s) {unknown} for attention {name!r} in {label!r}; valid options: "
-                                 f"{', '.join(valid) or '(none)'}, seed")
-        variants.append((label, name, variant_seed, options))
+                                 f"{', '.join(valid)}")
+        variants.append((label, name, {"seed": seed, **options}))
     return variants
 
 
@@ -121,9 +121,9 @@ def embedding_table(sentences: list[str], names: list[str] | None = None, batch_
     reference = load_bert()
     originals = [mean_pool(reference(**b).last_hidden_state, b["attention_mask"]) for b in batches]
     rows = []
-    for label, name, variant_seed, options in variants:
-        torch.manual_seed(variant_seed)  # stochastic mechanisms (skein, informer, ...) draw from the global RNG
-        model, path = with_mechanism(name, seed=variant_seed, **options)
+    for label, name, options in variants:
+        torch.manual_seed(options["seed"])  # stochastic mechanisms (skein, informer, ...) draw from the global RNG
+        model, path = with_mechanism(name, **options)
         cosines = torch.cat([
             torch.cosine_similarity(mean_pool(model(**b).last_hidden_state, b["attention_mask"]), e)
             for b, e in zip(batches, originals)
