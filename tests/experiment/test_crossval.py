@@ -14,7 +14,7 @@ import torch
 from longattn.cli import main
 from longattn.config import ConfigError
 from longattn.experiment.config import load_saved, resolve_config
-from longattn.experiment.crossval import PAPER_TABLE4, TABLE4_DATASETS, run_crossval
+from longattn.experiment.crossval import PAPER_TABLE4, TABLE4_DATASETS, cost_markdown, run_crossval
 from longattn.experiment.run import evaluate_run, run
 from longattn.tasks.base import get_task
 from longattn.tasks.doccls import DocClassificationTask
@@ -104,6 +104,11 @@ def test_crossval_layout_table_resume_and_command(tmp_path, monkeypatch, capsys)
         assert entry["paper"] == {"mean": PAPER_TABLE4[model]["r8"][0], "std": PAPER_TABLE4[model]["r8"][1]}
     table = (out / "table.md").read_text()
     assert "Post-LN Transformer" in table and "Singularformer" in table and "0.98145 ± 0.001" in table
+    assert all(f["cpu_time_s"] > 0 for e in summary["entries"] for f in e["folds"])
+    cost = table[table.index("### Cost per fold"):]
+    post_ln = next(line for line in cost.splitlines() if line.startswith("| Post-LN Transformer"))
+    steps = [f"{f['best_step']}/{f['steps']}" for f in summary["entries"][0]["folds"]]
+    assert "| R8 " in post_ln and "| 0, 1, 2 " in post_ln and ", ".join(steps) in post_ln
     assert (out / "table4.png").stat().st_size > 0
     saved = json.loads((out / "results.json").read_text())
     assert saved["entries"] == json.loads(json.dumps(summary["entries"])) and "provenance" in saved
@@ -136,6 +141,24 @@ def test_crossval_layout_table_resume_and_command(tmp_path, monkeypatch, capsys)
         main(["paper", "singularformer-table4", "--tasks", "r8", "--models", "post_lnn", "--out", str(out)])
     assert stop.value.code == 2 and "unknown model 'post_lnn' (did you mean 'post_ln'?)" in capsys.readouterr().err
     assert main(["paper", "singularformer-table4", "--tasks", "r8", "--only-folds", "7", "--out", str(out)]) == 2
+
+
+def test_cost_table_gives_median_and_range_per_model():
+    fold = {"best_step": 626, "steps": 1565, "peak_memory_mb": 2000.0}
+    summary = {"entries": [
+        {"model": "singularformer", "dataset": "imdb", "folds": [
+            {**fold, "fold": 0, "cpu_time_s": 1952.0, "train_time_s": 3478.0},
+            {**fold, "fold": 1, "cpu_time_s": 1610.0, "train_time_s": 1570.0, "best_step": 939},
+            {**fold, "fold": 3, "cpu_time_s": 1597.0, "train_time_s": 1547.0, "peak_memory_mb": 2076.4}]},
+        {"model": "post_ln", "dataset": "imdb", "folds": [
+            {**fold, "fold": 0, "cpu_time_s": 3645.0, "train_time_s": None}]},
+        {"model": "bigbird", "dataset": "imdb", "folds": []}]}
+    rows = [line for line in cost_markdown(summary).splitlines() if line.startswith("| ") and "IMDb" in line]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert cells == [
+        ["Singularformer", "IMDb", "0, 1, 3", "26 min 50 s (26 min 37 s-32 min 32 s)",
+         "26 min 10 s (25 min 47 s-57 min 58 s)", "626/1565, 939/1565, 626/1565", "2,076 MB"],
+        ["Post-LN Transformer", "IMDb", "0", "1 h 0 min", "-", "626/1565", "2,000 MB"]]
 
 
 def test_cifar100_patches_task_trains_a_fold(tmp_path):

@@ -12,7 +12,8 @@ others go on) into::
     <out>/<dataset>/<model>/fold<k>/checkpoints/best.pt       weights of the fold's best validation epoch
     <out>/<dataset>/<model>/fold<k>/results.json              val (best epoch) and test metrics, history, times
     <out>/results.json                                        every fold's numbers, mean ± std, the paper's
-    <out>/table.md                                            Table 4's layout, ours beside the paper's
+    <out>/table.md                                            Table 4's layout, ours beside the paper's; each
+                                                              fold's cost (CPU and wall time, best step, memory)
     <out>/table4.png                                          test accuracy per dataset, ours and the paper's
 
 With ``resume=True`` finished folds are reused and an interrupted fold continues from its last checkpoint;
@@ -24,6 +25,7 @@ The spread is the sample standard deviation over folds (the paper does not say w
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +38,9 @@ from longattn.models.doc_classifier import TABLE4_MODELS
 from longattn.models.registry import model_names
 from longattn.tasks.base import get_task
 from longattn.train.loop import run_convergence
+from longattn.utils import duration
 
-__all__ = ["PAPER_TABLE4", "TABLE4_DATASETS", "run_crossval", "table4_markdown"]
+__all__ = ["PAPER_TABLE4", "TABLE4_DATASETS", "cost_markdown", "run_crossval", "table4_markdown"]
 
 # Columns of Table 4: our task names, the paper's headers.
 TABLE4_DATASETS = {"r8": "R8", "bbc": "BBC", "20news": "20NG", "imdb": "IMDb", "mimic3_50": "MIMIC-III 50",
@@ -118,7 +121,7 @@ def run_crossval(datasets: list[str], models: list[str], out_dir: str | Path, *,
     summary.update(preset=str(preset) if preset else None, overrides=list(overrides))
     out_dir.mkdir(parents=True, exist_ok=True)
     write_results(out_dir / "results.json", summary, seeds=[seed], started=started)
-    text = table4_markdown(summary)
+    text = table4_markdown(summary) + "\n" + cost_markdown(summary)
     (out_dir / "table.md").write_text(text)
     plot_table4(summary, out_dir / "table4.png")
     print(text)
@@ -145,7 +148,8 @@ def summarize(cells: list[Cell], folders: dict[int, Path], datasets: list[str], 
                 "val": (result.get("val") or {}).get(metric),
                 "test": (result.get("test") or {}).get(metric),
                 "best_step": result.get("best_step"), "steps": result.get("steps"),
-                "train_time_s": result.get("train_time_s"), "parameters": result.get("parameters"),
+                "train_time_s": result.get("train_time_s"), "cpu_time_s": result.get("cpu_time_s"),
+                "parameters": result.get("parameters"),
                 "peak_memory_mb": result.get("peak_memory_mb"),
                 "convergence": run_convergence(result, metric),
             })
@@ -201,6 +205,37 @@ def table4_markdown(summary: dict[str, Any]) -> str:
     legend = convergence_legend(any(e["not_converged"] for e in summary["entries"]), "folds")
     return (f"### Test accuracy, mean ± std over {folds}-fold cross-validation (Singularformer Table 4 layout)\n\n"
             + markdown_table(headers, rows) + "\n" + legend + "".join(f"\n{note} (not accuracy)\n" for note in notes))
+
+
+def _spread(values: list[float]) -> str:
+    """``27 min 10 s`` for one value, else the median and the range: ``27 min 10 s (26 min 37 s-32 min 32 s)``."""
+    ordered = sorted(values)
+    middle = statistics.median(ordered)
+    if len(ordered) == 1:
+        return duration(middle)
+    return f"{duration(middle)} ({duration(ordered[0])}-{duration(ordered[-1])})"
+
+
+def cost_markdown(summary: dict[str, Any]) -> str:
+    """What each finished fold cost: process CPU time (all threads) of training and validation, the training's
+    wall time, where its best validation fell among its steps, and the peak memory; one row per (model, dataset)."""
+    rows = []
+    for entry in summary["entries"]:
+        folds = entry["folds"]
+        if not folds:
+            continue
+        cpu = [f["cpu_time_s"] for f in folds if f.get("cpu_time_s") is not None]
+        wall = [f["train_time_s"] for f in folds if f.get("train_time_s") is not None]
+        memory = [f["peak_memory_mb"] for f in folds if f.get("peak_memory_mb") is not None]
+        best = ", ".join(f"{f['best_step']}/{f['steps']}" for f in folds)
+        rows.append([LABELS.get(entry["model"], entry["model"]),
+                     TABLE4_DATASETS.get(entry["dataset"], entry["dataset"]), ", ".join(str(f["fold"]) for f in folds), _spread(cpu) if cpu else "-",
+                     _spread(wall) if wall else "-", best, f"{max(memory):,.0f} MB" if memory else "-"])
+    headers = ["Methods", "dataset", "folds done", "CPU time per fold", "training wall time per fold",
+               "best step / steps", "peak memory"]
+    return ("### Cost per fold (median and range over the folds done)\n\n" + markdown_table(headers, rows) +
+            "\n\nCPU time: the process's (all threads) for training and validation, not the test split; wall time: "
+            "training alone, which grows when the core is shared.\n")
 
 
 def plot_table4(summary: dict[str, Any], path: Path) -> None:
