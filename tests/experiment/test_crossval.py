@@ -105,6 +105,12 @@ def test_crossval_layout_table_resume_and_command(tmp_path, monkeypatch, capsys)
     table = (out / "table.md").read_text()
     assert "Post-LN Transformer" in table and "Singularformer" in table and "0.98145 ± 0.001" in table
     assert all(f["cpu_time_s"] > 0 for e in summary["entries"] for f in e["folds"])
+    # Singularformer minus Post-LN, paired by fold (the reference has no difference of its own)
+    post_ln, singular = (next(e for e in summary["entries"] if e["model"] == m) for m in ("post_ln", "singularformer"))
+    gaps = [a["test"] - b["test"] for a, b in zip(singular["folds"], post_ln["folds"])]
+    assert summary["reference"] == "post_ln" and post_ln["difference"] is None
+    assert singular["difference"]["n"] == 3 and singular["difference"]["mean"] == pytest.approx(statistics.mean(gaps))
+    assert "### Test score minus Post-LN Transformer's, paired by fold" in table and "(3 folds)" in table
     cost = table[table.index("### Cost per fold"):]
     post_ln = next(line for line in cost.splitlines() if line.startswith("| Post-LN Transformer"))
     steps = [f"{f['best_step']}/{f['steps']}" for f in summary["entries"][0]["folds"]]

@@ -13,7 +13,8 @@ others go on) into::
     <out>/<dataset>/<model>/fold<k>/results.json              val (best epoch) and test metrics, history, times
     <out>/results.json                                        every fold's numbers, mean ± std, the paper's
     <out>/table.md                                            Table 4's layout, ours beside the paper's; each
-                                                              fold's cost (CPU and wall time, best step, memory)
+                                                              model minus Post-LN paired by fold; each fold's
+                                                              cost (CPU and wall time, best step, memory)
     <out>/table4.png                                          test accuracy per dataset, ours and the paper's
 
 With ``resume=True`` finished folds are reused and an interrupted fold continues from its last checkpoint;
@@ -33,6 +34,8 @@ from longattn.config import ConfigError
 from longattn.experiment.grid import (Cell, collect_finished, convergence_legend, convergence_mark, markdown_table,
                                       run_cells)
 from longattn.experiment.results import now, write_results
+from longattn.experiment.stats import (CONFIDENCE, NOT_SIGNIFICANT, PairedDifference, format_difference,
+                                       paired_difference)
 from longattn.experiment.stats import summarize as summarize_values
 from longattn.models.doc_classifier import TABLE4_MODELS
 from longattn.models.registry import model_names
@@ -40,7 +43,8 @@ from longattn.tasks.base import get_task
 from longattn.train.loop import run_convergence
 from longattn.utils import duration
 
-__all__ = ["PAPER_TABLE4", "TABLE4_DATASETS", "cost_markdown", "run_crossval", "table4_markdown"]
+__all__ = ["PAPER_TABLE4", "TABLE4_DATASETS", "cost_markdown", "differences_markdown", "run_crossval",
+           "table4_markdown"]
 
 # Columns of Table 4: our task names, the paper's headers.
 TABLE4_DATASETS = {"r8": "R8", "bbc": "BBC", "20news": "20NG", "imdb": "IMDb", "mimic3_50": "MIMIC-III 50",
@@ -121,7 +125,8 @@ def run_crossval(datasets: list[str], models: list[str], out_dir: str | Path, *,
     summary.update(preset=str(preset) if preset else None, overrides=list(overrides))
     out_dir.mkdir(parents=True, exist_ok=True)
     write_results(out_dir / "results.json", summary, seeds=[seed], started=started)
-    text = table4_markdown(summary) + "\n" + cost_markdown(summary)
+    text = "\n".join(part for part in (table4_markdown(summary), differences_markdown(summary),
+                                        cost_markdown(summary)) if part)
     (out_dir / "table.md").write_text(text)
     plot_table4(summary, out_dir / "table4.png")
     print(text)
@@ -162,10 +167,48 @@ def summarize(cells: list[Cell], folders: dict[int, Path], datasets: list[str], 
         entry["test_std"] = None if math.isnan(spread.std) else spread.std
         paper = PAPER_TABLE4.get(entry["model"], {}).get(entry["dataset"])
         entry["paper"] = {"mean": paper[0], "std": paper[1]} if paper else None
+    reference = next((m for m in (*QUADRATIC, *models) if m in models), None)
+    for entry in entries.values():
+        entry["difference"] = _fold_difference(entry, entries.get((entry["dataset"], reference)))
     return {"protocol": f"{folds}-fold cross-validation on the training set (fold seed from data.fold_seed); "
                         "each fold keeps its best validation epoch; test score (entry 'metric') mean ± sample std over folds",
-            "num_folds": folds, "seed": seed, "datasets": datasets, "models": models,
+            "num_folds": folds, "seed": seed, "datasets": datasets, "models": models, "reference": reference,
             "entries": list(entries.values())}
+
+
+def _fold_difference(entry: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The test score minus the reference model's, paired by fold (the same training, validation and test
+    documents), over the folds both finished; None for the reference itself or with fewer than 2 shared folds."""
+    if reference is None or reference is entry:
+        return None
+    scores = [{f["fold"]: f["test"] for f in e["folds"] if f["test"] is not None} for e in (entry, reference)]
+    difference = paired_difference(*scores)
+    return difference.as_dict() if difference is not None and difference.n >= 2 else None
+
+
+def differences_markdown(summary: dict[str, Any]) -> str:
+    """Each model's test score minus the reference model's (a quadratic one: Post-LN in Table 4), paired by fold."""
+    reference, datasets = summary.get("reference"), summary["datasets"]
+    by_key = {(e["dataset"], e["model"]): e for e in summary["entries"]}
+    rows = []
+    for model in summary["models"]:
+        if model == reference:
+            continue
+        cells = []
+        for dataset in datasets:
+            found = (by_key.get((dataset, model)) or {}).get("difference")
+            cells.append("-" if found is None else format_difference(PairedDifference(
+                found["seeds"], found["mean"], found["low"], found["high"], found["p_value"], found["confidence"]), 4)
+                + f" ({found['n']} folds)")
+        rows.append([LABELS.get(model, model), *cells])
+    if reference is None or not rows:
+        return ""
+    label = LABELS.get(reference, reference)
+    return (f"### Test score minus {label}'s, paired by fold\n\n"
+            + markdown_table(["Methods", *(TABLE4_DATASETS.get(d, d) for d in datasets)], rows)
+            + f"\n\nOver the folds both models finished (the same training, validation and test documents), with "
+              f"its {100 * CONFIDENCE:g}% Student t interval; {NOT_SIGNIFICANT} = the interval contains 0; - = fewer "
+              "than 2 shared folds.\n")
 
 
 def _format(mean: float | None, std: float | None, count: int, folds: int, not_converged: int = 0) -> str:
@@ -228,8 +271,9 @@ def cost_markdown(summary: dict[str, Any]) -> str:
         wall = [f["train_time_s"] for f in folds if f.get("train_time_s") is not None]
         memory = [f["peak_memory_mb"] for f in folds if f.get("peak_memory_mb") is not None]
         best = ", ".join(f"{f['best_step']}/{f['steps']}" for f in folds)
-        rows.append([LABELS.get(entry["model"], entry["model"]),
-                     TABLE4_DATASETS.get(entry["dataset"], entry["dataset"]), ", ".join(str(f["fold"]) for f in folds), _spread(cpu) if cpu else "-",
+        dataset = TABLE4_DATASETS.get(entry["dataset"], entry["dataset"])
+        rows.append([LABELS.get(entry["model"], entry["model"]), dataset, ", ".join(str(f["fold"]) for f in folds),
+                     _spread(cpu) if cpu else "-",
                      _spread(wall) if wall else "-", best, f"{max(memory):,.0f} MB" if memory else "-"])
     headers = ["Methods", "dataset", "folds done", "CPU time per fold", "training wall time per fold",
                "best step / steps", "peak memory"]
