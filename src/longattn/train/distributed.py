@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longattn.train.checkpoint import first_line
+
 
 TIMEOUT_ENV = "LONGATTN_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 900.0
@@ -82,9 +84,7 @@ def init_distributed(device: torch.device) -> DistInfo:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds()))
-        # The group lives as long as the process (a grid trains several runs in it). Left to the interpreter's
-        # teardown after a finished run, a rank whose peer had already exited sometimes aborted ("terminate
-        # called without an active exception", exit -6): destroy it first.
+        # The group lives as long as the process (a grid trains several runs in it); see the handler for its end.
         atexit.register(_destroy_group_after_clean_run)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank)
 
@@ -140,19 +140,42 @@ def run_finished() -> None:
     _unfinished_runs = max(0, _unfinished_runs - 1)
 
 
-def _destroy_group_after_clean_run() -> None:
-    """At exit: destroy the process group when every run of the process finished and no exception is escaping.
+# The exit barrier's work (see :func:`_destroy_group_after_clean_run`): released with this module's globals.
+_held_to_the_end: list[Any] = []
 
-    After a failure (an uncaught exception, or a run that raised and whose error the command line reported) a
-    peer may be gone or mid-collective: destroying the group then, or leaving it to the interpreter's teardown,
-    sometimes aborts the process ("terminate called without an active exception", exit -6 instead of the
-    error's 1). The error has been printed by then, so the process leaves at once with status 1, past the
-    backend's teardown (the kernel releases its sockets, files and locks)."""
+
+def _destroy_group_after_clean_run() -> None:
+    """At exit: meet the other ranks and destroy the process group when every run of the process finished and
+    no exception is escaping; otherwise leave at once with status 1.
+
+    Clean path. Once DistributedDataParallel has wrapped a model, destroying the group no longer stops gloo's
+    worker threads (torch keeps the group alive until the process ends). A worker that releases the tensors of
+    the last collective after the interpreter began shutting down needs the interpreter's lock, cannot have it
+    then, and aborts the process ("terminate called without an active exception", exit -6 after a finished
+    run; 1 exit in 20-30 when the cores are oversubscribed). So the ranks meet in a barrier whose work this
+    process keeps to its end: the barrier holds every collective still in a worker's hands when it was issued,
+    so their tensors go with the barrier's work, released by this thread as the interpreter clears its modules,
+    never by a worker. A rank that left without meeting (its own output says why) turns the barrier into an
+    error, and this rank leaves with status 1 as well.
+
+    Failure path (an uncaught exception, or a run that raised and whose error the command line reported): a peer
+    may be gone or mid-collective, and destroying the group, or leaving it to the interpreter's teardown,
+    sometimes aborts the process (exit -6 instead of the error's 1). The error has been printed by then, so the
+    process leaves at once with status 1, past the backend's teardown (the kernel releases its sockets, files and
+    locks)."""
     if not dist.is_initialized():
         return
     if _unfinished_runs == 0 and getattr(sys, "last_type", None) is None:
-        dist.destroy_process_group()
-        return
+        try:
+            meeting = dist.barrier(async_op=True)
+            meeting.wait()
+        except RuntimeError as error:
+            print(f"rank {dist.get_rank()}: another rank left without finishing ({first_line(error)}); its own "
+                  "output says why", file=sys.stderr)
+        else:
+            _held_to_the_end.append(meeting)
+            dist.destroy_process_group()
+            return
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
