@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from longattn.experiment.stats import (
     NOT_SIGNIFICANT,
+    PairedDifference,
     format_difference,
     mean_std,
     mean_with_sem,
@@ -43,6 +45,9 @@ def test_paired_interval_is_the_student_t_interval_of_the_differences():
     # the shared part of the noise (reference spread of 15 points) cancels: the shift is significant
     assert difference.significant and NOT_SIGNIFICANT not in format_difference(difference)
     assert difference.p_value < 0.05
+    # what results.json holds reads back as the same difference
+    saved = json.loads(json.dumps(difference.as_dict()))
+    assert PairedDifference.from_dict(saved) == difference
 
 
 def test_a_difference_within_the_seed_noise_is_marked_not_significant():

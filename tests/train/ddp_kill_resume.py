@@ -32,6 +32,19 @@ def worker_env(src: Path = HERE.parents[1] / "src") -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
+def launch_two_ranks(script: Path, *args: str, env: dict[str, str]) -> list[subprocess.Popen]:
+    """Ranks 0 and 1 of ``script`` without torchrun (a free local port), so that a test sees each one's exit
+    status and decides when to kill one."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = {**worker_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", **env}
+    return [subprocess.Popen([sys.executable, str(script), *args], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+
+
 def worker_command(out_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             str(HERE / "ddp_reliability_worker.py"), str(out_dir), *args]

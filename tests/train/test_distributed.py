@@ -1,7 +1,6 @@
 """Distributed data parallel with two CPU processes (gloo) launched by torch.distributed.run."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,14 +8,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from ddp_kill_resume import launch_two_ranks, worker_env
+
 ROOT = Path(__file__).resolve().parents[2]
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is unavailable")
-
-
-def worker_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}
 
 
 @needs_gloo
@@ -37,18 +33,11 @@ def test_two_cpu_processes_train_in_sync(tmp_path):
 
 def two_ranks_exit(mode: str) -> list[subprocess.CompletedProcess]:
     """Both ranks of ddp_exit_worker.py, launched by hand so that each one's exit status is seen."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    base = {**worker_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-            "LONGATTN_DIST_TIMEOUT_S": "60"}
-    ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "train" / "ddp_exit_worker.py"), mode],
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    ranks = launch_two_ranks(ROOT / "tests" / "train" / "ddp_exit_worker.py", mode,
+                             env={"LONGATTN_DIST_TIMEOUT_S": "60"})
     try:
-        return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in ranks]
+        outputs = [process.communicate(timeout=120) for process in ranks]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(ranks, outputs)]
     finally:
         for process in ranks:
             process.kill()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from longattn.train.checkpoint import CheckpointError, load_checkpoint, previous_path, save_atomic
 from longattn.train.loop import Trainer, TrainingError
 from longattn.experiment.run import run
-from ddp_kill_resume import worker_command, worker_env
+from ddp_kill_resume import launch_two_ranks, worker_command, worker_env
 from reliability import CLEAR_ERROR, CORRECT_RESULT, RESUME, TRAINING, bad_input, cases
 from test_loop import Interrupt, final_state, interrupt_at, tiny_config
 
@@ -281,15 +281,7 @@ def test_ddp_log_reports_the_global_loss(tmp_path):
 
 def launch_by_hand(out_dir: Path, *args: str, env: dict) -> list[subprocess.Popen]:
     """Two ranks without torchrun, so the test decides when the hung one is killed."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    base = {**worker_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", **env}
-    return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "train" / "ddp_reliability_worker.py"),
-                              str(out_dir), *args], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    return launch_two_ranks(ROOT / "tests" / "train" / "ddp_reliability_worker.py", str(out_dir), *args, env=env)
 
 
 @needs_gloo

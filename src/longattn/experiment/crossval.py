@@ -197,9 +197,8 @@ def differences_markdown(summary: dict[str, Any]) -> str:
         cells = []
         for dataset in datasets:
             found = (by_key.get((dataset, model)) or {}).get("difference")
-            cells.append("-" if found is None else format_difference(PairedDifference(
-                found["seeds"], found["mean"], found["low"], found["high"], found["p_value"], found["confidence"]), 4)
-                + f" ({found['n']} folds)")
+            cells.append("-" if found is None
+                         else f"{format_difference(PairedDifference.from_dict(found), 4)} ({found['n']} folds)")
         rows.append([LABELS.get(model, model), *cells])
     if reference is None or not rows:
         return ""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
 from longattn.utils import optional_import
@@ -77,6 +77,11 @@ class PairedDifference:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "n": self.n, "significant": self.significant}
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> "PairedDifference":
+        """The difference :meth:`as_dict` wrote (results.json), without its derived ``n`` and ``significant``."""
+        return cls(**{f.name: saved[f.name] for f in fields(cls)})
 
 
 def paired_difference(candidate: Mapping[int, float], reference: Mapping[int, float],
