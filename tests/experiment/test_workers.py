@@ -131,7 +131,7 @@ def test_compare_with_workers_gives_the_sequential_results(tmp_path, torch_threa
 
     argv = ["compare", "--task", "listops", "--attentions", "softmax,skein", "--seeds", "0,1", *TINY]
     torch_threads(1)
-    assert main([*argv, "--out", str(tmp_path / "one")]) == 0
+    assert main([*argv, "--out", str(tmp_path / "one"), "--workers", "1"]) == 0
     torch_threads(2)
     assert main([*argv, "--out", str(tmp_path / "two"), "--workers", "2"]) == 0
     assert accuracies(tmp_path / "two") == accuracies(tmp_path / "one")

@@ -65,7 +65,7 @@ class LMBenchConfig:
     prefixes: list[int] = field(default_factory=lambda: list(DEFAULT_PREFIXES))
     decode_tokens: int = 32
     throughput_steps: int = 3
-    workers: int = 1
+    workers: int | None = 1
     device: str = "cpu"  # of the throughput and decoding measurements (training runs use train.device)
 
 

@@ -278,11 +278,13 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, task_required: bool = 
 
 
 def add_workers_argument(parser: argparse.ArgumentParser) -> None:
-    """--workers: how many of a grid's runs train at once (longattn.experiment.workers)."""
-    parser.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+    """--workers: how many of a grid's runs train at once (longattn.experiment.workers); not given (None), the
+    thread policy chooses (longattn.experiment.threads)."""
+    parser.add_argument("--workers", type=_positive_int, metavar="N",
                         help="train N runs at once, each in its own process with an even share of the threads "
-                        "(OMP_NUM_THREADS, else torch's default); each run's output goes to log.txt in its "
-                        "folder (default 1: one run at a time, output here)")
+                        "(OMP_NUM_THREADS, else the cores this process is given); each run's output then goes to "
+                        "log.txt in its folder (default: one run per core, one thread each; 1 on one core, "
+                        "output here; the first line printed says the choice)")
 
 
 def add_resume_argument(parser: argparse.ArgumentParser,

@@ -21,6 +21,7 @@ from longattn.experiment.grid import (DEMO_SEEDS, PAPER_SEEDS, Cell, convergence
                                       difference_record, load_sweep, paired_against, run_cells, run_sweep,
                                       shipped_sweeps)
 from longattn.experiment.results import markdown_table, now, write_results
+from longattn.experiment.threads import plan_threads
 from longattn.experiment.stats import format_difference, format_sem, legend, mean_std, summarize
 from longattn.tasks.base import get_task, task_names
 
@@ -35,10 +36,10 @@ DEFAULT_REFERENCE = "softmax"
 
 def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: str | None = "demo",
                 config_file: str | None = None, overrides: list[str] = (), seeds: list[int] | None = None,
-                resume: bool = False, reference: str | None = None, workers: int = 1,
+                resume: bool = False, reference: str | None = None, workers: int | None = 1,
                 overwrite: bool = False) -> dict[str, Any]:
     """Train every mechanism of ``attentions`` on ``task`` into ``out_dir/<mechanism>/seed<k>`` (seeds default to
-    :func:`default_seeds` of the preset; ``workers`` runs at once; runs already there: refused, or ``resume``d,
+    :func:`default_seeds` of the preset; ``workers`` runs at once, None: the thread policy's choice; runs already there: refused, or ``resume``d,
     or trained again with ``overwrite``); table (mean, std, standard error, paired
     difference from ``reference``), plot with error bars, learning curves."""
     started = now()
@@ -49,17 +50,18 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
     if reference not in attentions:
         raise ConfigError(f"--reference {reference!r} is not among the compared mechanisms ({', '.join(attentions)})")
     cells = [Cell(name, task, task, preset, config_file, list(overrides), {"attention": name}) for name in attentions]
+    plan = plan_threads(len(cells) * len(seeds), workers=workers)
     run_cells(cells, seeds, out_dir, run_dir=lambda cell, seed: out_dir / cell.row / f"seed{seed}", resume=resume,
-              overwrite=overwrite,
-              workers=workers)
+              overwrite=overwrite, plan=plan)
     base = next(cell for cell in cells if cell.attention == reference)
     table = compare_table(task, cells, base, seeds)
-    if workers > 1:  # the time and memory columns are then not each mechanism's alone
-        table += (f"\nTrain time, steps/s and peak memory were measured with up to {workers} runs training at once, "
-                  "each beside the others: compare speed with `longattn bench`, not with these columns.\n")
+    if plan.workers > 1:  # the time and memory columns are then not each mechanism's alone
+        table += (f"\nTrain time, steps/s and peak memory were measured with up to {plan.workers} runs training at "
+                  "once, each beside the others: compare speed with `longattn bench`, not with these columns.\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(table)
-    summary = {"task": task, "preset": preset, "seeds": seeds, "overrides": list(overrides), "workers": workers,
+    summary = {"task": task, "preset": preset, "seeds": seeds, "overrides": list(overrides),
+               "workers": plan.workers, "threads_per_run": plan.threads,
                "metric": get_task(task).select_metric, "reference": reference,
                "runs": [{"attention": c.attention, "error": c.error, "test_summary": c.summary(),
                          "val_summary": c.summary(split="val"), "difference": difference_record(c, base),

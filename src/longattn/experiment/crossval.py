@@ -84,7 +84,7 @@ def fold_dir(out_dir: Path, dataset: str, model: str, fold: int) -> Path:
 def run_crossval(datasets: list[str], models: list[str], out_dir: str | Path, *, preset: str | None = "cpu",
                  config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                  folds: int = 5, only_folds: list[int] | None = None, seed: int = 0,
-                 resume: bool = False, report_only: bool = False, workers: int = 1,
+                 resume: bool = False, report_only: bool = False, workers: int | None = 1,
                  overwrite: bool = False) -> dict[str, Any]:
     """Cross-validate every model on every dataset (layout in the module docstring); returns the summary.
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from longattn import attention as attention_registry
 from longattn.config import ConfigError, read_yaml
 from longattn.registry import nearest
@@ -27,6 +29,7 @@ from longattn.experiment.config import RunConfig, resolve_config
 from longattn.experiment.results import markdown_table, now, write_results
 from longattn.experiment.progress import GridProgress, score
 from longattn.experiment.run import RunStatus, run, run_status
+from longattn.experiment.threads import ThreadPlan, plan_threads
 from longattn.experiment.workers import RUN_ERRORS, Job, Outcome, run_jobs
 from longattn.train.outputs import OutputFolderError, check_not_in_use
 from longattn.experiment.curves import curve_groups, write_learning_curves
@@ -189,20 +192,36 @@ def _refuse_held_runs(held: dict[str, list[tuple[Path, RunStatus]]], resume: boo
 
 def run_cells(cells: list[Cell], seeds: list[int], out_dir: str | Path, *,
               run_dir: Callable[[Cell, int], Path] | None = None, resume: bool = False, overwrite: bool = False,
-              log: Callable[[str], Any] | None = None, plots: bool = True, workers: int = 1) -> list[Cell]:
+              log: Callable[[str], Any] | None = None, plots: bool = True, workers: int | None = 1,
+              plan: ThreadPlan | None = None) -> list[Cell]:
     """Train every cell for every seed; runs that share data (same task, seed and data settings) build it once.
 
     What happens to runs already in the folders is decided first, for the whole grid (:func:`plan_runs`):
     ``resume`` reuses finished runs and continues interrupted ones, ``overwrite`` trains them again, and
     without either a grid whose folders hold runs is refused before anything trains.
     ``workers`` > 1 trains that many runs at once, each in its own process with an even share of the threads
-    (:mod:`longattn.experiment.workers`); the runs and their results are the same as with one worker.
+    (:mod:`longattn.experiment.workers`); the runs and their results are the same as with one worker. None:
+    the thread policy chooses (:func:`longattn.experiment.threads.plan_threads`), unless ``plan`` is that choice
+    already made; the choice is the first line printed.
     """
     out_dir = Path(out_dir)
     run_dir = run_dir or (lambda cell, seed: out_dir / _slug(cell.row) / _slug(cell.column) / f"seed{seed}")
     planned = plan_runs(cells, seeds, run_dir, resume=resume, overwrite=overwrite)
-    if workers > 1:
-        return _run_cells_in_workers(cells, planned, log, plots, workers)
+    plan = plan or plan_threads(sum(1 for entry in planned if entry.reuse is None), workers=workers)
+    print(plan.describe(), flush=True)
+    if plan.workers > 1:
+        return _run_cells_in_workers(cells, planned, log, plots, plan)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(plan.threads)
+    try:
+        return _run_cells_in_turn(cells, planned, log, plots)
+    finally:  # a caller's own thread setting is back once the grid is done
+        torch.set_num_threads(threads_before)
+
+
+def _run_cells_in_turn(cells: list[Cell], planned: list[_PlannedRun], log: Callable[[str], Any] | None,
+                       plots: bool) -> list[Cell]:
+    """:func:`run_cells` in this process, one run after the other."""
     cache: dict[Any, Any] = {}
     by_cell: dict[int, list[_PlannedRun]] = {}
     for entry in planned:
@@ -252,7 +271,7 @@ def _cell_config(cell: Cell, seed: int) -> RunConfig:
 
 
 def _run_cells_in_workers(cells: list[Cell], planned: list[_PlannedRun], log: Callable[[str], Any] | None,
-                          plots: bool, workers: int) -> list[Cell]:
+                          plots: bool, plan: ThreadPlan) -> list[Cell]:
     """:func:`run_cells` with the runs spread over worker processes; each cell's results in seed order, up to
     its first failed seed (as the sequential runner, which stops a cell there: its seeds not started by then
     are skipped; those already training finish)."""
@@ -268,7 +287,7 @@ def _run_cells_in_workers(cells: list[Cell], planned: list[_PlannedRun], log: Ca
         else:
             jobs.append(Job(key, f"{cell.row} / {cell.column} seed {entry.seed}", entry.config, entry.folder,
                             group=entry.cell_index, resume=entry.resume, overwrite=entry.overwrite))
-    outcomes.update(run_jobs(jobs, workers, log=log is not None, plots=plots))
+    outcomes.update(run_jobs(jobs, plan.workers, log=log is not None, plots=plots, threads=plan.threads))
     for entry in planned:
         cell, outcome = cells[entry.cell_index], outcomes[(entry.cell_index, entry.seed)]
         if cell.error is not None:
@@ -498,8 +517,9 @@ def _metric_label(cells: list[Cell]) -> str:
 
 def run_sweep(spec: dict[str, Any], out_dir: str | Path, preset: str | None = None, tasks: list[str] | None = None,
               extra_overrides: list[str] = (), seeds: list[int] | None = None, resume: bool = False,
-              reference: str | None = None, workers: int = 1, overwrite: bool = False) -> dict[str, Any]:
-    """Train every (row, column) cell of a sweep spec (``workers`` runs at once); write ``table.md``,
+              reference: str | None = None, workers: int | None = 1, overwrite: bool = False) -> dict[str, Any]:
+    """Train every (row, column) cell of a sweep spec (``workers`` runs at once; None: the thread policy's
+    choice); write ``table.md``,
     ``results.json`` and learning curves."""
     started = now()
     seeds = seeds or list(spec.get("seeds") or default_seeds(preset or spec.get("preset", "standard")))

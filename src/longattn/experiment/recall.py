@@ -328,7 +328,7 @@ def _choose(search: dict[float, Cell]) -> float | None:
     return max(scored)[-1] if scored else None
 
 
-def run_recall_sweep(plan: SweepPlan, out_dir: str | Path, *, resume: bool = False, workers: int = 1,
+def run_recall_sweep(plan: SweepPlan, out_dir: str | Path, *, resume: bool = False, workers: int | None = 1,
                      log: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Train ``plan`` into ``out_dir`` (see the module docstring) and write its table, results and plot."""
     started = now()

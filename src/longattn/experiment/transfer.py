@@ -106,7 +106,7 @@ def _slug(text: str) -> str:
 
 
 def pretrain_grid(spec: dict[str, Any], out_dir: Path, data_overrides: list[str], resume: bool = False,
-                  workers: int = 1, overwrite: bool = False) -> dict[str, Path]:
+                  workers: int | None = 1, overwrite: bool = False) -> dict[str, Path]:
     """MLM-pretrain every mechanism of ``spec`` into ``out_dir/pretrain/<mechanism>`` (``workers`` at once);
     their folders."""
     part = spec.get("pretrain", {})
@@ -121,7 +121,7 @@ def pretrain_grid(spec: dict[str, Any], out_dir: Path, data_overrides: list[str]
 
 
 def finetune_grid(spec: dict[str, Any], out_dir: Path, starts: dict[str, str], data_overrides: list[str],
-                  resume: bool = False, extra_overrides: list[str] = (), workers: int = 1,
+                  resume: bool = False, extra_overrides: list[str] = (), workers: int | None = 1,
                   overwrite: bool = False) -> list[Cell]:
     """Fine-tune each mechanism (from ``starts[mechanism]``: a pretraining folder or ``minilm``) on every
     task and search point of ``spec`` for every seed (``workers`` runs at once); one :class:`Cell` per
@@ -342,7 +342,7 @@ def _plot(best: dict[tuple[str, str], dict[str, Any]], mechanisms: list[str], me
 
 
 def run_table3(spec: dict[str, Any], out_dir: str | Path, corpus_overrides: list[str], glue_overrides: list[str],
-               resume: bool = False, workers: int = 1, overwrite: bool = False) -> dict[str, Any]:
+               resume: bool = False, workers: int | None = 1, overwrite: bool = False) -> dict[str, Any]:
     """The whole Table 3 grid: pretrain every mechanism, fine-tune each with the search (``workers`` runs at
     once), write the table."""
     started = now()

@@ -36,7 +36,7 @@ def candidates(grid: list[str]) -> list[list[str]]:
 
 def select_settings(dataset: str, data_dir: str | None, model: str, pred_len: int, grid: list[str],
                     out: str | Path, overrides: list[str] = (), seeds: list[int] = (0,), attention: str | None = None,
-                    log: Any = print, workers: int = 1, overwrite: bool = False) -> dict[str, Any]:
+                    log: Any = print, workers: int | None = 1, overwrite: bool = False) -> dict[str, Any]:
     """Train every candidate without a test split (``workers`` runs at once); the one with the lowest mean
     validation MSE wins."""
     name = dataset_name(dataset)

@@ -77,7 +77,7 @@ def _rows(cells: list[Cell], seeds: list[int]) -> list[dict[str, Any]]:
 def run_table(data_dir: str | Path | None, datasets: list[str], models: list[str], out: str | Path,
               horizons: list[int] | None = None, overrides: list[str] = (), seeds: list[int] | None = None,
               device: str | None = None, log: Any = print, collect_only: bool = False,
-              workers: int = 1, overwrite: bool = False) -> list[dict[str, Any]]:
+              workers: int | None = 1, overwrite: bool = False) -> list[dict[str, Any]]:
     """Run every (dataset, horizon, model, seed) cell not already finished (its finished run is reused, an
     interrupted one continued; ``overwrite`` trains them all again), ``workers`` at once; the rows.
 
