@@ -1,8 +1,10 @@
 """The ``longattn`` command line: a few verbs, some with their own subcommands.
 
-Every module of :mod:`longattn.commands` is imported (so a module that registers a ``bench`` or ``paper`` entry
-plugs in by existing); the modules named in :data:`VERBS` add the top-level verbs through their
-``register(subparsers)``, in the order ``longattn --help`` lists them. The command names of earlier versions are
+The modules named in :data:`VERBS` add the top-level verbs through their ``register(subparsers)``, in the order
+``longattn --help`` lists them. Only the module of the verb that is run is imported (``longattn --help`` and
+``--version`` import none: they list each verb's line of :data:`longattn.commands.VERB_HELP` and answer before
+torch could load); for the verbs of :data:`PLUGGED_VERBS` every module of :mod:`longattn.commands` is imported,
+so that a module that registers a ``bench``, ``paper`` or ``report`` entry plugs in by existing. The command names of earlier versions are
 kept in :data:`ALIASES`: they still work and say, in one line, what replaced them.
 """
 
@@ -16,6 +18,7 @@ import sys
 
 import longattn.commands
 from longattn import __version__
+from longattn.commands import VERB_HELP
 from longattn.commands._args import HelpFormatter, note
 
 # module of longattn.commands -> the verbs it registers, in the order of `longattn --help` (at most 10 verbs)
@@ -50,6 +53,9 @@ ALIASES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("bench", "incoherence"): ("paper", "s3-table14"),
 }
 
+# Verbs whose subcommands any module of longattn.commands may add (an entry registered on import).
+PLUGGED_VERBS = frozenset({"bench", "paper", "report"})
+
 # Verbs whose bare form runs one of their subcommands: `longattn compare` is `longattn compare mechanisms`.
 DEFAULT_SUBCOMMANDS = {"compare": "mechanisms"}
 
@@ -72,23 +78,31 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verbs: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of ``verbs`` (None: every verb), each with its options; the other verbs are listed by their
+    line of help only, and their modules are not imported."""
     parser = Parser(prog="longattn", description="Efficient attention for long sequences: train, compare, "
                     "benchmark, and reproduce the papers' tables. `longattn VERB --help` says more.")
     parser.add_argument("--version", action="version", version=f"longattn {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="VERB", required=True)
+    wanted = {name for name, names in VERBS.items() if verbs is None or set(names) & set(verbs)}
+    if wanted and (verbs is None or PLUGGED_VERBS & set(verbs)):
+        wanted |= {info.name for info in pkgutil.iter_modules(longattn.commands.__path__)}
     modules, failed = {}, {}
-    for info in sorted(pkgutil.iter_modules(longattn.commands.__path__), key=lambda i: i.name):
-        try:  # every module: those with entries (bench, paper) register them on import
-            modules[info.name] = importlib.import_module(f"longattn.commands.{info.name}")
+    for name in sorted(wanted):
+        try:  # with a plugged verb every module: those with entries (bench, paper) register them on import
+            modules[name] = importlib.import_module(f"longattn.commands.{name}")
         except ImportError as err:  # an optional package of the experiments is not installed
-            failed[info.name] = err
-    for name, verbs in VERBS.items():
+            failed[name] = err
+    for name, names in VERBS.items():
         if name in modules:
             modules[name].register(subparsers)
-        else:
-            for verb in verbs:
+        elif name in failed:
+            for verb in names:
                 _unavailable(subparsers, verb, failed[name])
+        else:
+            for verb in names:  # listed in `longattn --help`; main() never parses a verb it did not import
+                subparsers.add_parser(verb, help=VERB_HELP[verb], add_help=False)
     return parser
 
 
@@ -128,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"longattn: error: {err}", file=sys.stderr)
         return 2
-    parser = build_parser()
-    args = parser.parse_args(resolve_aliases(list(sys.argv[1:] if argv is None else argv)))
+    argv = resolve_aliases(list(sys.argv[1:] if argv is None else argv))
+    verb = argv[0] if argv and argv[0] in VERB_HELP else None
+    args = build_parser([verb] if verb else []).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError, KeyError, ImportError) as err:

@@ -13,8 +13,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-import torch
+# numpy and torch are imported where they are used: the command line reads note() and duration() from here
+# before any command runs, and `longattn --help` must not wait for torch (tests/commands/test_cli_startup.py).
 
 
 def optional_import(module: str, extra: str = "experiments") -> ModuleType:
@@ -52,6 +52,9 @@ def duration(seconds: float) -> str:
 
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and every CUDA device)."""
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -59,6 +62,9 @@ def seed_everything(seed: int) -> None:
 
 def rng_state() -> dict[str, Any]:
     """All RNG states, so a resumed run draws exactly the numbers an uninterrupted one would."""
+    import numpy as np
+    import torch
+
     kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
@@ -72,6 +78,9 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     random.setstate(state["python"])
     kind, keys, *rest = state["numpy"]
     keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
@@ -88,9 +97,10 @@ def strict_json(obj: Any) -> Any:
         return {key: strict_json(value) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [strict_json(value) for value in obj]
-    if isinstance(obj, (float, np.floating)):
+    numpy = sys.modules.get("numpy")  # a numpy scalar exists only once numpy is imported
+    if isinstance(obj, float) or (numpy is not None and isinstance(obj, numpy.floating)):
         return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, np.integer):
+    if numpy is not None and isinstance(obj, numpy.integer):
         return int(obj)
     return obj
 

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from longattn.cli import ALIASES, build_parser, main, resolve_aliases
-from longattn.commands._args import ListAction, add_list_argument
+from longattn.commands._args import ListAction, add_list_argument, help_text
 from longattn.experiment.progress import GridProgress, duration
 
 # Options that hold several values: each must take them space-separated (nargs + or *).
@@ -61,7 +61,7 @@ def test_every_subcommand_and_option_has_help():
 def test_one_list_syntax():
     for where, action in OPTIONS:
         flag = f"{where} {action.option_strings[0]}"
-        assert "comma" not in (action.help or "").lower(), f"{flag} describes a comma list"
+        assert "comma" not in (help_text(action) or "").lower(), f"{flag} describes a comma list"
         assert not (isinstance(action.default, str) and "," in action.default), f"{flag} defaults to a comma list"
         if action.dest in LIST_OPTIONS:
             assert action.nargs in ("+", "*"), f"{flag} takes one value, not a space-separated list"

@@ -23,17 +23,23 @@ from longattn.utils import note
 
 __all__ = ["HelpFormatter", "ListAction", "add_config_arguments", "add_data_dir_argument", "add_list_argument",
            "add_renamed_argument", "add_run_arguments", "add_set_argument", "add_workers_argument", "attention_names", "deprecated_alias",
-           "length", "name_type", "no_progress", "note", "preset_help", "task_data_dirs"]
+           "help_text", "length", "name_type", "no_progress", "note", "preset_help", "task_data_dirs", "task_names"]
 
 Names = Callable[[], Iterable[str]]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's help with every option's default shown (lists space-separated, as they are typed); an option
-    whose help already says what its default is, or that has none (None, off), is left as written."""
+    whose help already says what its default is, or that has none (None, off), is left as written.
+
+    A help given as a callable is called when the help is printed: a text that names a registry's entries
+    (tasks, mechanisms) imports them, and torch with them, only for the --help that shows it."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        return super()._format_action(_resolved(action))
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
+        text = _resolved(action).help or ""
         default = action.default
         if (default in (None, False, argparse.SUPPRESS) or default == [] or "default" in text.lower()
                 or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
@@ -52,6 +58,20 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             action = copy.copy(action)
             action.default = " ".join(map(str, action.default))
         return super()._expand_help(action)
+
+
+def _resolved(action: argparse.Action) -> argparse.Action:
+    """``action`` with a callable help replaced by its text (a copy; the parser keeps the callable)."""
+    if not callable(action.help):
+        return action
+    action = copy.copy(action)
+    action.help = action.help()
+    return action
+
+
+def help_text(action: argparse.Action) -> str | None:
+    """The help of ``action`` as printed (a callable help called)."""
+    return _resolved(action).help
 
 
 def _check_names(kind: str, values: list[str], names: Names | None) -> str | None:
@@ -144,6 +164,13 @@ def add_list_argument(parser: argparse.ArgumentParser, *flags: str, item: Any = 
     kwargs.setdefault("metavar", kind.upper().replace(" ", "_"))
     return parser.add_argument(*flags, action=ListAction, item=ITEM_TYPES.get(item, item), names=names, kind=kind,
                                **kwargs)
+
+
+def task_names(family: str | None = None) -> list[str]:
+    """The registered tasks (of ``family``), read when a name is checked or a help text printed."""
+    from longattn.tasks.base import task_names as registered
+
+    return registered(family) if family else registered()
 
 
 def attention_names() -> list[str]:
@@ -260,7 +287,7 @@ def preset_help(tasks: list[str] | None = None) -> str:
 def add_config_arguments(parser: argparse.ArgumentParser, tasks: list[str] | None = None) -> None:
     """--config / --preset / --set: the layers of a run config (see longattn.experiment.config)."""
     parser.add_argument("--config", help="YAML config file (applied after the preset)")
-    parser.add_argument("--preset", help=preset_help(tasks))
+    parser.add_argument("--preset", help=lambda: preset_help(tasks))
     add_set_argument(parser)
 
 

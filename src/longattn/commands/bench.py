@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from longattn.commands import VERB_HELP
 from longattn import attention
 from longattn.commands._args import (add_attentions_argument, add_data_dir_argument, add_list_argument,
                                     add_set_argument, attention_names)
@@ -246,7 +247,7 @@ register_analysis("forecast-step", "CPU time of a forecaster's training step or 
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="measurements: time, memory, FLOPs, approximation error",
+    bench = subparsers.add_parser("bench", help=VERB_HELP["bench"],
                                   description="Measured cost of the mechanisms and models, each written as JSON, a "
                                   "markdown table and a plot into --out. The papers' own measurements are also "
                                   "under `longattn paper`.")

@@ -8,22 +8,21 @@ import argparse
 import math
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from longattn.commands import VERB_HELP
 from longattn.commands._args import (add_attentions_argument, add_config_arguments, add_data_dir_argument,
                                     add_list_argument, add_no_progress_argument, add_overwrite_argument,
                                     add_resume_argument, add_set_argument, add_workers_argument, attention_names,
-                                    name_type, no_progress, preset_help)
+                                    name_type, no_progress, preset_help, task_names)
 from longattn.config import ConfigError
-from longattn.data.timeseries import SERIES
-from longattn.experiment.curves import CurveGroup, curve_groups, learning_curves, write_learning_curves
-from longattn.experiment.grid import (DEMO_SEEDS, PAPER_SEEDS, Cell, convergence_legend, default_seeds,
-                                      difference_record, load_sweep, paired_against, run_cells, run_sweep,
-                                      shipped_sweeps)
-from longattn.experiment.results import markdown_table, now, write_results
-from longattn.experiment.threads import plan_threads
-from longattn.experiment.stats import format_difference, format_sem, legend, mean_std, summarize
-from longattn.tasks.base import get_task, task_names
+
+if TYPE_CHECKING:
+    from longattn.experiment.grid import Cell
+
+# The experiment modules (and torch with them) are imported by the functions that run a grid, not here:
+# `longattn compare --help` answers without them (tests/commands/test_cli_startup.py). Help texts that name the
+# registries' entries are callables, read only when that help is printed (longattn.commands._args.HelpFormatter).
 
 # The README's main job: the papers' mechanisms and two baselines.
 DEFAULT_ATTENTIONS = ("softmax", "skeleton", "singular", "fsat", "skein", "nystrom", "linformer")
@@ -42,6 +41,12 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
     :func:`default_seeds` of the preset; ``workers`` runs at once, None: the thread policy's choice; runs already there: refused, or ``resume``d,
     or trained again with ``overwrite``); table (mean, std, standard error, paired
     difference from ``reference``), plot with error bars, learning curves."""
+    from longattn.experiment.curves import curve_groups, write_learning_curves
+    from longattn.experiment.grid import Cell, default_seeds, difference_record, run_cells
+    from longattn.experiment.results import now, write_results
+    from longattn.experiment.threads import plan_threads
+    from longattn.tasks.base import get_task
+
     started = now()
     out_dir = Path(out_dir)
     seeds = list(seeds) if seeds else default_seeds(preset)
@@ -79,6 +84,11 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
 def compare_table(task: str, cells: list[Cell], base: Cell, seeds: list[int]) -> str:
     """One row per mechanism: the metric's mean ± std on validation and test, the test standard error, the
     paired difference from ``base`` with its interval (marked when not significant), time and memory."""
+    from longattn.experiment.grid import convergence_legend
+    from longattn.experiment.results import markdown_table
+    from longattn.experiment.stats import legend
+    from longattn.tasks.base import get_task
+
     task_obj = get_task(task)
     metric = task_obj.select_metric + (" (%)" if task_obj.table_scale == 100 else "")
     headers = ["attention", "params", f"val {metric}", f"test {metric}", "s.e.",
@@ -92,6 +102,9 @@ def compare_table(task: str, cells: list[Cell], base: Cell, seeds: list[int]) ->
 
 
 def _row(cell: Cell, base: Cell) -> list[Any]:
+    from longattn.experiment.grid import paired_against
+    from longattn.experiment.stats import format_difference, format_sem, mean_std
+
     if cell.error or not cell.results:
         return [cell.attention, "-", "failed", cell.error or "no result", "-", "-", "-", "-", "-"]
     first = cell.results[0]
@@ -112,6 +125,10 @@ def plot_compare(cells: list[Cell], path: Path, task: str) -> None:
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
+
+    from longattn.experiment.curves import CurveGroup, learning_curves
+    from longattn.experiment.stats import summarize
+    from longattn.tasks.base import get_task
 
     task_obj = get_task(task)
     metric, unit = task_obj.select_metric, " (%)" if task_obj.table_scale == 100 else ""
@@ -153,12 +170,21 @@ def _mechanisms(args: argparse.Namespace) -> int:
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
+def _grid() -> Any:
+    """:mod:`longattn.experiment.grid`, imported when a help text or a run needs it."""
+    from longattn.experiment import grid
+
+    return grid
+
+
 def _data_dir(args: argparse.Namespace) -> list[str]:
     """--data-dir as the override it stands for (first: a --set of the same key wins)."""
     return [f"data.data_dir={args.data_dir}"] if args.data_dir else []
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from longattn.experiment.grid import load_sweep, run_sweep
+
     spec = load_sweep(args.config)
     summary = run_sweep(spec, args.out, preset=args.preset, tasks=args.tasks,
                         extra_overrides=_data_dir(args) + args.overrides, seeds=args.seeds, resume=args.resume,
@@ -169,18 +195,18 @@ def _sweep(args: argparse.Namespace) -> int:
 def sweep_arguments(parser: argparse.ArgumentParser, config: str | None = None) -> None:
     """The options of a sweep; ``config`` fixes the sweep file (a paper's table) instead of --config."""
     if config is None:
-        parser.add_argument("--config", required=True, help="sweep file, or the name of a shipped one "
-                            f"({', '.join(shipped_sweeps())})")
+        parser.add_argument("--config", required=True, help=lambda: "sweep file, or the name of a shipped one "
+                            f"({', '.join(_grid().shipped_sweeps())})")
     else:
         parser.set_defaults(config=config)
-    parser.add_argument("--preset", help="task preset to use instead of the sweep file's (e.g. demo for a quick "
-                        "check); " + preset_help(task_names("lra")))
+    parser.add_argument("--preset", help=lambda: "task preset to use instead of the sweep file's (e.g. demo for a "
+                        "quick check); " + preset_help(task_names("lra")))
     add_list_argument(parser, "--tasks", names=task_names, kind="task", help="subset of the sweep's tasks")
     add_data_dir_argument(parser, help="data folder of every run (same as --set data.data_dir=DIR)")
     add_set_argument(parser, help="override for every run, e.g. --set train.max_steps=100 (repeatable)")
     add_list_argument(parser, "--seeds", item=int, kind="seed",
-                      help=f"seeds of every row (default: the sweep file's, else {DEMO_SEEDS} for the demo preset "
-                      f"and {PAPER_SEEDS} for the papers')")
+                      help=lambda: f"seeds of every row (default: the sweep file's, else {_grid().DEMO_SEEDS} for "
+                      f"the demo preset and {_grid().PAPER_SEEDS} for the papers')")
     parser.add_argument("--reference", help="row the others are compared with, paired by seed (default: the sweep "
                         "file's `reference`, else its first row)")
     parser.add_argument("--out", required=True, help="output folder (one folder per row, task and seed)")
@@ -198,13 +224,20 @@ def _settings(args: argparse.Namespace) -> int:
 
 
 def _settings_arguments(parser: argparse.ArgumentParser) -> None:
-    from longattn.models.registry import model_names
+    def forecasters() -> list[str]:
+        from longattn.models.registry import model_names
 
-    forecasters = lambda: model_names("forecaster")  # noqa: E731
-    parser.add_argument("--dataset", required=True, help=f"{', '.join(SERIES)} or a path to a CSV with a date column")
+        return model_names("forecaster")
+
+    def series() -> str:
+        from longattn.data.timeseries import SERIES
+
+        return f"{', '.join(SERIES)} or a path to a CSV with a date column"
+
+    parser.add_argument("--dataset", required=True, help=series)
     add_data_dir_argument(parser, help="folder holding the benchmark CSV files")
     parser.add_argument("--model", required=True, type=name_type("forecaster", forecasters), metavar="MODEL",
-                        help=f"registered forecaster: {', '.join(forecasters())}")
+                        help=lambda: f"registered forecaster: {', '.join(forecasters())}")
     parser.add_argument("--attention", type=name_type("mechanism", attention_names), metavar="MECHANISM",
                         help="registered attention for models that take one (default: the config's)")
     parser.add_argument("--pred-len", type=int, required=True, help="the horizon, in time steps")
@@ -221,8 +254,7 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser(
-        "compare", help="grids of training runs: mechanisms x seeds (the default), a sweep or ablation file, "
-        "a settings search", description="Grids of training runs, each run in its own folder under --out, with "
+        "compare", help=VERB_HELP["compare"], description="Grids of training runs, each run in its own folder under --out, with "
         "a table (mean ± std over seeds, paired differences) and plots. `longattn compare` alone is "
         "`longattn compare mechanisms`: the README's main job.")
     sub = group.add_subparsers(dest="grid", metavar="GRID", required=True)
@@ -230,14 +262,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "(the default)", description="Train each mechanism with the same config, budget and seeds; "
                        "write table.md, results.json, compare.png and the learning curves to --out.")
     p.add_argument("--task", default="listops", type=name_type("task", task_names), metavar="TASK",
-                   help=f"registered task: {', '.join(task_names())}")
+                   help=lambda: f"registered task: {', '.join(task_names())}")
     add_attentions_argument(p, default=list(DEFAULT_ATTENTIONS), help="the mechanisms compared")
     add_config_arguments(p)
     p.set_defaults(preset="demo")
     add_data_dir_argument(p, help="the task's data folder (same as --set data.data_dir=DIR; generated tasks need "
                           "none)")
-    add_list_argument(p, "--seeds", item=int, kind="seed", help=f"seeds of every mechanism (default: {DEMO_SEEDS} "
-                      f"for the demo preset, {PAPER_SEEDS} for the papers' presets)")
+    add_list_argument(p, "--seeds", item=int, kind="seed", help=lambda: "seeds of every mechanism (default: "
+                      f"{_grid().DEMO_SEEDS} for the demo preset, {_grid().PAPER_SEEDS} for the papers' presets)")
     p.add_argument("--reference", help=f"mechanism the others are compared with, paired by seed (default: "
                    f"{DEFAULT_REFERENCE} when compared, else the first)")
     p.add_argument("--out", default="runs/compare", help="output folder")

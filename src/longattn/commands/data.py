@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from longattn.commands import VERB_HELP
 from longattn.commands._args import add_data_dir_argument, add_list_argument
 from longattn.data.download import ARCHIVES, download
 from longattn.data.glue import GLUE_TASKS, download_glue
@@ -49,7 +50,7 @@ def _download(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    data = subparsers.add_parser("data", help="download datasets into a data folder",
+    data = subparsers.add_parser("data", help=VERB_HELP["data"],
                                  description="Datasets: `longattn data download NAME ... --data-dir DIR`. Generated "
                                  "tasks (ListOps, Pathfinder) need no download.")
     sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from longattn.commands import VERB_HELP
 from longattn import attention
 from longattn.commands._args import add_attentions_argument
 from longattn.experiment.results import write_results
@@ -60,8 +61,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="run every mechanism once on generated data: output shape, parameters, "
-                              "time, finiteness", description="Forward and backward of each mechanism once (after a "
+    p = subparsers.add_parser("demo", help=VERB_HELP["demo"], description="Forward and backward of each mechanism once (after a "
                               "warm-up) on random data with one padded sequence; prints a table.")
     add_attentions_argument(p, help="mechanisms (default: all registered)")
     p.add_argument("--length", type=int, default=1023, help="sequence length N")

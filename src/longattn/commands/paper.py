@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from longattn.commands import VERB_HELP
 from longattn.experiment.analyses import PAPERS
 
 
@@ -22,8 +23,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    paper = subparsers.add_parser("paper", help="reproduce the papers' tables and figures (`longattn paper` lists "
-                                  "them)", description="Each entry runs one table or figure of a paper with the "
+    paper = subparsers.add_parser("paper", help=VERB_HELP["paper"], description="Each entry runs one table or figure of a paper with the "
                                   "paper's settings by default; `longattn paper` alone lists them.")
     sub = paper.add_subparsers(dest="paper_command", metavar="NAME")
     for name in PAPERS.names():

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from longattn.commands import VERB_HELP
 from longattn.experiment.analyses import REPORTS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    report = subparsers.add_parser("report", help="tables and plots rebuilt from finished output folders: "
-                                   + ", ".join(REPORTS.names()),
+    report = subparsers.add_parser("report", help=VERB_HELP["report"],
                                    description="Rebuild a table or plots from the runs finished in a folder "
                                    "(--run); nothing is trained.")
     sub = report.add_subparsers(dest="report_command", metavar="REPORT", required=True)

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from longattn.commands import VERB_HELP
 from longattn.commands._args import (add_config_arguments, add_data_dir_argument, add_no_progress_argument,
                                     add_resume_argument, add_renamed_argument, add_run_arguments, no_progress)
 from longattn.config import merge, parse_set
@@ -44,7 +45,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "train", help="one training run of any task: LRA, forecasting, MLM pretraining, document classification",
+        "train", help=VERB_HELP["train"],
         description="Train one model on one registered task. Writes config.yaml, metrics.jsonl, checkpoints/ and "
         "results.json to --out. Config layers: the task's defaults, --preset, --config, --set, then the flags "
         "below. Run under torchrun for DDP. Forecasting: --task forecasting --dataset ETTm2 --model skt "
@@ -64,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-plot", action="store_true", help="no plots of the run (e.g. forecasting's forecast.png)")
     p.set_defaults(func=_train)
 
-    e = subparsers.add_parser("eval", help="re-evaluate a finished run's checkpoint on a split",
+    e = subparsers.add_parser("eval", help=VERB_HELP["eval"],
                               description="Re-evaluate the best (or last, or any) checkpoint of a `longattn train` "
                               "run, in eval mode, on every example of the split; writes "
                               "eval_<split>_<checkpoint>.json into the run's folder.")

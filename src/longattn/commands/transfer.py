@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from longattn.commands import VERB_HELP
 from longattn.commands._args import (add_attentions_argument, add_config_arguments, add_data_dir_argument,
                                     add_list_argument, add_no_progress_argument, add_resume_argument, add_set_argument,
                                     add_workers_argument, attention_names, deprecated_alias, name_type, no_progress,
@@ -150,7 +151,7 @@ register_paper("sktformer-table3", "SKTformer / S^3", "Table 3", "transfer learn
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("pretrain", help="MLM-pretrain a BERT encoder with one mechanism (then `finetune`)",
+    p = subparsers.add_parser("pretrain", help=VERB_HELP["pretrain"],
                               description="BERT masked-language-model pretraining (task mlm) on a text corpus "
                               "(WikiText-2 layout by default). Writes config.yaml, metrics.jsonl, checkpoints/ and "
                               "results.json to --out; `longattn finetune --pretrained OUT` continues from it.")
@@ -163,7 +164,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_no_progress_argument(p)
     p.set_defaults(func=_pretrain)
 
-    f = subparsers.add_parser("finetune", help="fine-tune pretrained encoders on GLUE with a search (Table 3 layout)",
+    f = subparsers.add_parser("finetune", help=VERB_HELP["finetune"],
                               description="Fine-tune on GLUE tasks with the spec's search and seeds; report the best "
                               "point per task (mean ± std over seeds) in the layout of SKTformer Table 3; write "
                               "table.md, results.json and table3.png to --out.")
