@@ -18,6 +18,7 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -304,38 +305,93 @@ def run_convergence(results: dict[str, Any], metric: str) -> dict[str, Any] | No
 
 class ProgressLines:
     """What the progress bar shows, as lines on stdout for output that goes to a file (nohup, a batch
-    scheduler, CI): a line at a log step when ``every_s`` seconds have passed since the last one, and at the
-    last step: step, mean training loss since the previous line, throughput, elapsed time and time left."""
+    scheduler, CI): a line once ``every_s`` seconds have passed since the last one, and at the last step: step,
+    mean training loss since the previous line, throughput, elapsed time and time left.
+
+    The loop asks after every step (:meth:`due`, a clock read), not only at its log steps, so that slow steps do
+    not stretch the promised interval; a step (or a validation) longer than ``every_s`` is covered by
+    :meth:`beat`, which a heartbeat thread calls (:meth:`start_heartbeat`): a line that says which step is under way. The
+    clock is :attr:`clock`, replaced by a fake one in the tests."""
+
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
+    poll_s = 1.0  # how often the heartbeat thread looks at the clock
 
     def __init__(self, total: int, start: int, examples_per_step: int, every_s: float,
                  write: Callable[[str], Any] | None = None) -> None:
         self.total, self.start, self.examples_per_step, self.every_s = total, start, examples_per_step, every_s
         self.write = write or (lambda line: print(line, flush=True))
-        self.started = self.last_time = time.perf_counter()
-        self.last_step = start
+        self.started = self.last_time = self.last_line = self.clock()
+        self.last_step = self.step = start
+        self.step_ended = self.started  # when the last step ended: the next one has been under way since
         self.loss_sum, self.loss_count = 0.0, 0
+        self._lock = threading.Lock()  # the heartbeat thread and the loop write lines
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def add(self, loss: float) -> None:
         self.loss_sum, self.loss_count = self.loss_sum + loss, self.loss_count + 1
 
+    def stepped(self, step: int) -> None:
+        """The loop ended step ``step`` (what the heartbeat names as done)."""
+        self.step, self.step_ended = step, self.clock()
+
+    def due(self) -> bool:
+        """Whether ``every_s`` (when not 0) has passed since the last line."""
+        return self.every_s > 0 and self.clock() - self.last_line >= self.every_s
+
+    def _left(self, now: float, step: int) -> str:
+        done = step - self.start
+        return f"about {duration((now - self.started) / done * (self.total - step))} left" if done else ""
+
     def maybe_write(self, step: int, validation: dict[str, Any] | None, metric: str, last: bool = False) -> None:
         """A line if ``every_s`` has passed since the previous one, or if this is the ``last`` step of the run."""
-        now = time.perf_counter()
-        if not last and now - self.last_time < self.every_s:
-            return
-        rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
-        elapsed, done = now - self.started, step - self.start
-        left = ("done" if step >= self.total else "stopped early" if last
-                else f"about {duration(elapsed / done * (self.total - step))} left" if done else "")
-        loss = f"{self.loss_sum / self.loss_count:.4g}" if self.loss_count else "-"
-        line = (f"train step {step}/{self.total} ({100 * step / self.total:.0f}%): loss {loss}, {rate:.3g} steps/s "
-                f"({rate * self.examples_per_step:.3g} examples/s), elapsed {duration(elapsed)}, {left}")
-        if validation is not None and isinstance(validation.get(metric), (int, float)):
-            line += (f"; validation at step {validation['step']}: {metric} {validation[metric]:.4g}"
-                     f"{' (best so far)' if validation.get('best') else ''}")
-        self.write(line)
-        self.last_time, self.last_step = now, step
-        self.loss_sum, self.loss_count = 0.0, 0
+        with self._lock:
+            self.step = step
+            now = self.clock()
+            if not last and now - self.last_line < self.every_s:
+                return
+            rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
+            left = "done" if step >= self.total else "stopped early" if last else self._left(now, step)
+            loss = f"{self.loss_sum / self.loss_count:.4g}" if self.loss_count else "-"
+            line = (f"train step {step}/{self.total} ({100 * step / self.total:.0f}%): loss {loss}, {rate:.3g} "
+                    f"steps/s ({rate * self.examples_per_step:.3g} examples/s), elapsed "
+                    f"{duration(now - self.started)}, {left}")
+            if validation is not None and isinstance(validation.get(metric), (int, float)):
+                line += (f"; validation at step {validation['step']}: {metric} {validation[metric]:.4g}"
+                         f"{' (best so far)' if validation.get('best') else ''}")
+            self.write(line)
+            self.last_time = self.last_line = now
+            self.last_step = step
+            self.loss_sum, self.loss_count = 0.0, 0
+
+    def beat(self) -> None:
+        """A line when none was written for ``every_s``: the step under way and for how long (the loop is inside
+        one long step or a validation)."""
+        with self._lock:
+            now = self.clock()
+            if self.every_s <= 0 or now - self.last_line < self.every_s or self.step >= self.total:
+                return
+            self.write(f"train step {self.step}/{self.total} ({100 * self.step / self.total:.0f}%): step "
+                       f"{self.step + 1} (or its validation) under way for {duration(now - self.step_ended)}, elapsed "
+                       f"{duration(now - self.started)}" + (f", {self._left(now, self.step)}"
+                                                            if self.step > self.start else ""))
+            self.last_line = now
+
+    def start_heartbeat(self) -> None:
+        """The heartbeat thread: :meth:`beat` every :attr:`poll_s` seconds until :meth:`stop_heartbeat`."""
+        if self.every_s > 0 and self._thread is None:
+            def run() -> None:
+                while not self._stop.wait(self.poll_s):
+                    self.beat()
+
+            self._thread = threading.Thread(target=run, name="progress-lines", daemon=True)
+            self._thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 @dataclass
@@ -783,6 +839,17 @@ class Trainer:
         stream = self._train_batches()
         bar = optional_import("tqdm.auto").tqdm(total=s.max_steps, initial=p.step, desc="train", disable=not self._show_progress())
         lines = self._progress_lines()
+        if lines is not None:
+            lines.start_heartbeat()
+        try:
+            self._train_steps(stream, bar, lines)
+        finally:
+            if lines is not None:
+                lines.stop_heartbeat()
+        bar.close()
+
+    def _train_steps(self, stream: Iterator[Any], bar: Any, lines: ProgressLines | None) -> None:
+        s, p = self.settings, self.progress
         while p.step < s.max_steps and not p.stopped_early:
             started, cpu_started = time.perf_counter(), time.process_time()
             try:
@@ -813,11 +880,14 @@ class Trainer:
             if saving:
                 self.save_checkpoint()
             last = p.step == s.max_steps or p.stopped_early
-            if lines is not None and (logging or last):
+            if lines is not None:
+                lines.stepped(p.step)
+            if lines is not None and (logging or last or lines.due()):
+                if not (logging or validating or saving or self.dist.enabled):
+                    self._read_losses(lines)  # a line due between log steps (one rank alone: no all-reduce)
                 lines.maybe_write(p.step, p.history[-1] if p.history else None, self.select_metric, last)
             if self.on_step_end is not None:
                 self.on_step_end(self, p.step)
-        bar.close()
 
     def _progress_lines(self) -> ProgressLines | None:
         """Off a terminal (stdout is a file or a pipe): progress lines on stdout, with a first line that says what
