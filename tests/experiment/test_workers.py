@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from longattn.cli import main
+from longattn.experiment.progress import GridProgress
 from longattn.experiment.workers import LOG_NAME, threads_per_worker
 
 from tests.forecast.test_train import write_periodic_csv
@@ -121,7 +122,7 @@ def test_workers_must_be_a_positive_whole_number(tmp_path, capsys, value):
     assert "expected a whole number of at least 1" in capsys.readouterr().err
 
 
-def test_compare_with_workers_gives_the_sequential_results(tmp_path, torch_threads):
+def test_compare_with_workers_gives_the_sequential_results(tmp_path, torch_threads, monkeypatch, capsys):
     pytest.importorskip("longattn.data.lra", reason="the LRA data module is not available")
     from tests.commands.test_lra_generated_data import TINY
 
@@ -133,7 +134,13 @@ def test_compare_with_workers_gives_the_sequential_results(tmp_path, torch_threa
     torch_threads(1)
     assert main([*argv, "--out", str(tmp_path / "one"), "--workers", "1"]) == 0
     torch_threads(2)
+    monkeypatch.setattr(GridProgress, "every_s", 0.0)  # a line of the runs under way at every poll of the pool
+    capsys.readouterr()
     assert main([*argv, "--out", str(tmp_path / "two"), "--workers", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("threads: 2 runs at once, 1 thread each")
+    assert re.search(r"^\[\d/4\] running: \w+ / listops seed \d \((?:step \d+/\d+, \d+%|starting, \d+ s)\)", printed,
+                     re.M)
     assert accuracies(tmp_path / "two") == accuracies(tmp_path / "one")
     assert len(accuracies(tmp_path / "two")) == 4
     assert (tmp_path / "two" / "skein" / "seed1" / LOG_NAME).is_file()

@@ -7,7 +7,8 @@ checkpoint). The workers are a ``spawn`` process pool from the standard library 
 holds torch's thread pools); the machine's thread budget, ``torch.get_num_threads()`` of the calling process
 (``OMP_NUM_THREADS``), is split evenly among them. A run's own output (its validation lines, warnings,
 traceback) goes to ``log.txt`` in its folder; the calling process prints one line per finished run (its result,
-the time elapsed and an estimate of the time left: :class:`longattn.experiment.progress.GridProgress`). As with any spawn pool, a script that calls the grid with workers must do so under
+the time elapsed and an estimate of the time left: :class:`longattn.experiment.progress.GridProgress`), and
+at least once a minute a line with each running run's latest step. As with any spawn pool, a script that calls the grid with workers must do so under
 ``if __name__ == "__main__":`` (the workers import the script); the ``longattn`` commands need nothing.
 """
 
@@ -34,6 +35,9 @@ from longattn.utils import optional_import
 __all__ = ["Job", "Outcome", "run_jobs", "threads_per_worker", "LOG_NAME"]
 
 LOG_NAME = "log.txt"
+
+# How often the waiting pool looks at the clock for the progress line of the runs under way (GridProgress.beat)
+POLL_S = 1.0
 
 # The errors a run may raise for its own settings or data (a bad option, a missing file, a NaN loss): one run
 # fails and the grid goes on. Anything else is a bug or a broken pool and stops the grid. The sequential runner
@@ -129,7 +133,7 @@ def run_jobs(jobs: list[Job], workers: int, *, log: bool, plots: bool,
     others = set(multiprocessing.active_children())  # the caller's own child processes, not ours to stop
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start_worker, initargs=(threads,))
-    progress = GridProgress(len(jobs))
+    progress = GridProgress(len(jobs), workers=workers)
     pending: dict[Future, Job] = {}
     queued, failed_groups = deque(jobs), set()
 
@@ -144,13 +148,15 @@ def run_jobs(jobs: list[Job], workers: int, *, log: bool, plots: bool,
                 progress.skipped(job.label, reason)
                 continue
             pending[pool.submit(_train, job.config, job.folder, job.resume, job.overwrite, log, plots)] = job
+            progress.began(job.label, job.folder / LOG_NAME)
             return
 
     try:
         for _ in range(workers):
             start_next()
         while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            done, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            progress.beat()  # the runs under way, once a minute
             for future in done:
                 job = pending.pop(future)
                 outcome = future.result()  # a crashed worker or a bug raises here and stops the grid
@@ -159,7 +165,8 @@ def run_jobs(jobs: list[Job], workers: int, *, log: bool, plots: bool,
                     progress.done(job.label, outcome.seconds, score(job.config.task, outcome.results))
                 else:
                     failed_groups.add(job.group)
-                    progress.failed(job.label, f"{outcome.error} (traceback in {job.folder / LOG_NAME})")
+                    progress.failed(job.label, f"{outcome.error} (traceback in {job.folder / LOG_NAME})",
+                                    outcome.seconds)
             for _ in done:  # after every finished run is recorded: a failure among them skips its group
                 start_next()
     except KeyboardInterrupt:
