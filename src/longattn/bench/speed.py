@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from longattn.bench.targets import SDPA, SDPA_MATH, math_backend, make_target
+from longattn.utils import duration
 
 if TYPE_CHECKING:
     from torch.utils.flop_counter import FlopCounterMode
@@ -372,11 +373,56 @@ def child_env(config: SpeedConfig) -> dict[str, str]:
 MEMORY_PROCESS_MMAP_THRESHOLD = 1 << 20
 
 
+class RowProgress:
+    """Progress of a grid of measurements by the clock: while a row's process runs, :meth:`beat` (called about
+    every second) writes a line once ``every_s`` seconds passed since the last one (the bar alone moves only
+    when a row ends, and one row may take minutes): the row under way, elapsed time and time left."""
+
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
+    every_s = 60.0
+
+    def __init__(self, total: int, write: Callable[[str], Any] | None = None) -> None:
+        self.total, self.ended = total, 0
+        self.write = write or (lambda line: print(line, flush=True))
+        self.started = self.last_line = self.row_started = self.clock()
+        self.row = ""
+
+    def begin(self, row: str, ended: int) -> None:
+        """Row ``row`` starts, ``ended`` rows before it done."""
+        self.row, self.row_started, self.ended = row, self.clock(), ended
+
+    def beat(self) -> None:
+        now = self.clock()
+        if now - self.last_line < self.every_s:
+            return
+        elapsed = now - self.started
+        left = f", about {duration(elapsed / self.ended * (self.total - self.ended))} left" if self.ended else ""
+        self.write(f"bench: row {self.ended + 1}/{self.total} ({self.row}) under way for "
+                   f"{duration(now - self.row_started)}; elapsed {duration(elapsed)}{left}")
+        self.last_line = now
+
+
+def _communicate(proc: subprocess.Popen, timeout_s: float, beat: Callable[[], None]) -> tuple[str, str]:
+    """``proc.communicate`` within ``timeout_s``, calling ``beat`` about every second while it waits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return proc.communicate(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                proc.kill()
+                proc.communicate()
+                raise
+            beat()
+
+
 def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes: int | None,
-                      parts: tuple[str, ...] = ("memory", "time")) -> dict[str, Any]:
+                      parts: tuple[str, ...] = ("memory", "time"),
+                      beat: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Measure ``config`` in fresh Python processes, the peak memory in one (CPU: glibc's mmap
     threshold fixed, see MEMORY_PROCESS_MMAP_THRESHOLD) and the times in another (the default
-    allocator behaviour), or only the ``parts`` asked for; out-of-memory and time-outs become statuses."""
+    allocator behaviour), or only the ``parts`` asked for; out-of-memory and time-outs become statuses.
+    ``beat`` is called about every second while a process runs (:class:`RowProgress`)."""
     row: dict[str, Any] = asdict(config)
     env = child_env(config)
     if memory_limit_bytes:
@@ -386,15 +432,16 @@ def run_in_subprocess(config: SpeedConfig, timeout_s: float, memory_limit_bytes:
         if part not in parts:
             continue
         cmd = [sys.executable, "-m", "longattn.bench.speed", json.dumps(asdict(config)), part]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=part_env)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=part_env)
+            stdout, stderr = _communicate(proc, timeout_s, beat)
         except subprocess.TimeoutExpired:
             return {**row, "status": "timeout"}
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
-            err = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+            err = stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
             oom = proc.returncode in (-9, 137) or any(
-                s in proc.stderr for s in ("can't allocate memory", "out of memory", "OutOfMemoryError", "MemoryError")
+                s in stderr for s in ("can't allocate memory", "out of memory", "OutOfMemoryError", "MemoryError")
             )
             return {**row, "status": "oom" if oom else "error", "error": err[0]}
         row.update(json.loads(lines[-1]))
@@ -493,7 +540,10 @@ def run_speed(
     rows = []
     grid = [(t, n) for n in lengths for t in targets]
     skip: set[str] = set()  # once a target runs out of memory or time, longer lengths will too
-    for target, length in tqdm(grid, desc="bench speed", disable=not progress):
+    bar = tqdm(grid, desc="bench speed", disable=not progress)
+    lines = RowProgress(len(grid), write=tqdm.write if progress else lambda line: None)
+    for target, length in bar:
+        lines.begin(f"{target} at N={length}", len(rows))
         beyond_reference = length > reference_max_length
         config = SpeedConfig(**{**asdict(base), "target": target, "length": length,
                                 "reference": base.reference and not beyond_reference})
@@ -503,7 +553,7 @@ def run_speed(
         if target in (SDPA, SDPA_MATH) and beyond_reference:
             rows.append({**asdict(config), "status": f"skipped (N > {reference_max_length})"})
             continue
-        row = run_in_subprocess(config, timeout_s, memory_limit_bytes)
+        row = run_in_subprocess(config, timeout_s, memory_limit_bytes, beat=lines.beat)
         if row["status"] == "ok" and config.kind == "layer":
             add_floor(row, config, rates)
             row.update(rates)
