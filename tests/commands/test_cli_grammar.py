@@ -191,3 +191,21 @@ def test_data_dir_is_made_absolute_so_a_resume_from_another_directory_is_the_sam
     monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(["train", "--task", "listops", "--data-dir", "data/lra", "--out", "o"])
     assert args.data_dir == str(tmp_path / "data" / "lra")
+
+
+def test_negative_switches_say_what_the_default_does():
+    """``--no-X`` stores False: its help must not read "(default: True)", as if skipping were the default."""
+    switches = [(where, action) for where, action in OPTIONS if isinstance(action, argparse._StoreFalseAction)]
+    assert switches
+    formatter = build_parser()._get_formatter()
+    for where, action in switches:
+        shown = formatter._expand_help(action)
+        assert "default: True" not in shown, f"{where} {action.option_strings[0]}: {shown}"
+        assert "without it" in shown, f"{where} {action.option_strings[0]} does not say what its absence does"
+
+
+def test_demo_names_its_clock_and_threads():
+    from longattn.commands.demo import clock_label
+
+    assert clock_label(3).startswith("fwd_bwd_ms: wall time of one forward + backward after a warm-up, 3 torch threads")
+    assert "1 torch thread on" in clock_label(1)

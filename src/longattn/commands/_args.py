@@ -41,7 +41,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = _resolved(action).help or ""
         default = action.default
+        # a switch (--no-X stores False; its default True would read as if skipping were the default) says in
+        # its own help what happens without it
         if (default in (None, False, argparse.SUPPRESS) or default == [] or "default" in text.lower()
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
                 or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"

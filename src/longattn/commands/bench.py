@@ -162,11 +162,14 @@ def _speed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference-max-length", type=int, default=speed_defaults.DEFAULT_REFERENCE_MAX_LENGTH,
                         help="longest N at which SDPA runs (rows and in-process baseline)")
     parser.add_argument("--no-reference", dest="reference", action="store_false",
-                        help="do not re-measure SDPA inside each row's process")
+                        help="do not re-measure SDPA inside each row's process (without it, each row's process "
+                        "also times SDPA, for the speed-up column)")
     parser.add_argument("--memory-limit-gb", type=float, default=None,
                         help="address-space cap per configuration on CPU (default: none)")
-    parser.add_argument("--no-math", dest="math", action="store_false", help="skip SDPA's forced math path")
-    parser.add_argument("--no-peers", dest="peers", action="store_false", help="skip installed peer packages")
+    parser.add_argument("--no-math", dest="math", action="store_false",
+                        help="skip SDPA's forced math path (without it, the math path is a row of its own)")
+    parser.add_argument("--no-peers", dest="peers", action="store_false",
+                        help="skip installed peer packages (without it, every installed peer is a row)")
     parser.add_argument("--out", default="runs/bench-speed", help="output folder")
 
 

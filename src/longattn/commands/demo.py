@@ -42,6 +42,14 @@ def run_demo(names: list[str], length: int, dim: int, heads: int, batch: int, se
     return rows
 
 
+def clock_label(threads: int | None = None) -> str:
+    """What the ms column is: wall time of one call, at this process's torch thread count."""
+    threads = torch.get_num_threads() if threads is None else threads
+    return (f"fwd_bwd_ms: wall time of one forward + backward after a warm-up, {threads} torch "
+            f"thread{'s' if threads != 1 else ''} on the CPU (OMP_NUM_THREADS sets them); one call on random data, "
+            "not a benchmark: `longattn bench speed` measures cost")
+
+
 def format_table(rows: list[dict], columns: list[str]) -> str:
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
     lines = [" | ".join(c.ljust(widths[c]) for c in columns)]
@@ -54,6 +62,7 @@ def _cmd(args: argparse.Namespace) -> int:
     names = args.attentions or attention.available()
     rows = run_demo(names, args.length, args.dim, args.heads, args.batch, args.seed)
     print(format_table(rows, ["attention", "output_shape", "parameters", "fwd_bwd_ms", "finite"]))
+    print(clock_label())
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_results(Path(args.out) / "demo.json", {"rows": rows})
