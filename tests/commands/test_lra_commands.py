@@ -62,7 +62,7 @@ def test_compare_writes_table_results_and_plot(tmp_path, capsys):
     out = tmp_path / "cmp"
     code = main(["compare", "--task", "listops", "--attentions", "softmax", "--preset", "demo",
                  "--out", str(out), *TINY, "--set", "data.max_len=null", "--set", "data.train.num_examples=12",
-                 "--set", "data.val.num_examples=6", "--set", "data.test.num_examples=5"])
+                 "--set", "data.val.num_examples=6", "--set", "data.test.num_examples=5", "--no-cost"])
     assert code == 0
     table = (out / "table.md").read_text()
     assert "| softmax" in table and "test accuracy" in table
@@ -103,7 +103,7 @@ def test_compare_pairs_seeds_that_see_the_same_data_order_and_writes_learning_cu
     out = tmp_path / "cmp"
     # no --seeds: the demo preset's default of 3 seeds
     assert main(["compare", "--task", "listops", "--attentions", "skein,softmax", "--preset", "demo",
-                 "--out", str(out), *TINY, "--set", "data.train.num_examples=12"]) == 0
+                 "--out", str(out), *TINY, "--set", "data.train.num_examples=12", "--no-cost"]) == 0
     # runs in order skein s0, s1, s2, softmax s0, s1, s2; each draws 2 batches of 4 training examples
     runs = [log[i:i + 8] for i in range(0, len(log), 8)]
     assert len(runs) == 6

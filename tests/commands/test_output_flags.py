@@ -55,7 +55,7 @@ def test_train(tmp_path, capsys):
 def test_compare(tmp_path, capsys):
     out = tmp_path / "compare"
     refused_then_overwritten(["compare", "--task", "listops", "--attentions", "softmax", "linear", "--seeds", "0",
-                              "--out", str(out), *TINY], out, capsys)
+                              "--out", str(out), *TINY, "--no-cost"], out, capsys)
 
 
 @bad_input(OUTPUT_FOLDERS, CLEAR_ERROR)

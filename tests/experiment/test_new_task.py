@@ -35,7 +35,8 @@ def test_new_task_is_listed_trained_and_compared(plugin, tmp_path, capsys):
                  "--out", str(tmp_path / "one")]) == 0
     results = json.loads((tmp_path / "one" / "results.json").read_text())
     assert results["task"] == "majority" and results["test"]["examples"] == 32
-    assert main(["compare", "--task", "majority", "--attentions", "softmax,skein", "--out", str(tmp_path / "cmp")]) == 0
+    assert main(["compare", "--task", "majority", "--attentions", "softmax,skein", "--out", str(tmp_path / "cmp"),
+                 "--no-cost"]) == 0
     table = (tmp_path / "cmp" / "table.md").read_text()
     assert "| softmax" in table and "| skein" in table
 

@@ -130,7 +130,7 @@ def test_compare_with_workers_gives_the_sequential_results(tmp_path, torch_threa
         runs = json.loads((out / "results.json").read_text())["runs"]
         return {(run["attention"], result["seed"]): result["test"] for run in runs for result in run["results"]}
 
-    argv = ["compare", "--task", "listops", "--attentions", "softmax,skein", "--seeds", "0,1", *TINY]
+    argv = ["compare", "--task", "listops", "--attentions", "softmax,skein", "--seeds", "0,1", *TINY, "--no-cost"]
     torch_threads(1)
     assert main([*argv, "--out", str(tmp_path / "one"), "--workers", "1"]) == 0
     torch_threads(2)

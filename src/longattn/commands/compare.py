@@ -15,6 +15,9 @@ from longattn.commands._args import (add_attentions_argument, add_config_argumen
                                     add_list_argument, add_no_progress_argument, add_overwrite_argument,
                                     add_resume_argument, add_set_argument, add_workers_argument, attention_names,
                                     name_type, no_progress, preset_help, task_names)
+from longattn.bench.cost import (DEFAULT_COST_LENGTHS, CostSettings, cost_cells, cost_columns, length_label,
+                                 measure_costs, settings_record)
+from longattn.commands._args import _positive_int
 from longattn.config import ConfigError
 
 if TYPE_CHECKING:
@@ -32,15 +35,21 @@ DEFAULT_ATTENTIONS = ("softmax", "skeleton", "singular", "fsat", "skein", "nystr
 # without it, the first mechanism.
 DEFAULT_REFERENCE = "softmax"
 
+# The frontier picture under the table (accuracy against cost at the longest cost length)
+FRONTIER_NAME = "frontier.png"
+
 
 def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: str | None = "demo",
                 config_file: str | None = None, overrides: list[str] = (), seeds: list[int] | None = None,
                 resume: bool = False, reference: str | None = None, workers: int | None = 1,
-                overwrite: bool = False) -> dict[str, Any]:
+                overwrite: bool = False, cost: CostSettings | None = None) -> dict[str, Any]:
     """Train every mechanism of ``attentions`` on ``task`` into ``out_dir/<mechanism>/seed<k>`` (seeds default to
     :func:`default_seeds` of the preset; ``workers`` runs at once, None: the thread policy's choice; runs already there: refused, or ``resume``d,
     or trained again with ``overwrite``); table (mean, std, standard error, paired
-    difference from ``reference``), plot with error bars, learning curves."""
+    difference from ``reference``), plot with error bars, learning curves. With ``cost``, each mechanism's
+    forward+backward time and peak memory at long lengths are measured after the training (one thread, in
+    this run: :mod:`longattn.bench.cost`) as columns of the table, and the frontier picture (accuracy against
+    the time at the longest length) is drawn under it."""
     from longattn.experiment.curves import curve_groups, write_learning_curves
     from longattn.experiment.grid import Cell, default_seeds, difference_record, run_cells
     from longattn.experiment.results import now, write_results
@@ -58,16 +67,23 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
     plan = plan_threads(len(cells) * len(seeds), workers=workers)
     run_cells(cells, seeds, out_dir, run_dir=lambda cell, seed: out_dir / cell.row / f"seed{seed}", resume=resume,
               overwrite=overwrite, plan=plan)
+    costs = measure_costs(attentions, cost) if cost else None
     base = next(cell for cell in cells if cell.attention == reference)
-    table = compare_table(task, cells, base, seeds)
+    table = compare_table(task, cells, base, seeds, costs=costs, cost=cost)
     if plan.workers > 1:  # the time and memory columns are then not each mechanism's alone
         table += (f"\nTrain time, steps/s and peak memory were measured with up to {plan.workers} runs training at "
                   "once, each beside the others: compare speed with `longattn bench`, not with these columns.\n")
     out_dir.mkdir(parents=True, exist_ok=True)
+    figures = [out_dir / "compare.png"]
+    if costs:
+        figures.append(out_dir / FRONTIER_NAME)
+        plot_frontier(cells, costs, cost, figures[-1], task)
+        table += f"\n![accuracy against cost at N={length_label(max(cost.lengths))}]({FRONTIER_NAME})\n"
     (out_dir / "table.md").write_text(table)
     summary = {"task": task, "preset": preset, "seeds": seeds, "overrides": list(overrides),
                "workers": plan.workers, "threads_per_run": plan.threads,
                "metric": get_task(task).select_metric, "reference": reference,
+               "cost": None if cost is None else {"settings": settings_record(cost), "measured": costs},
                "runs": [{"attention": c.attention, "error": c.error, "test_summary": c.summary(),
                          "val_summary": c.summary(split="val"), "difference": difference_record(c, base),
                          "not_converged": c.not_converged(),
@@ -76,14 +92,17 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
     plot_compare(cells, out_dir / "compare.png", task)
     written = write_learning_curves(curve_groups(cells), out_dir)
     print(table)
-    files = [out_dir / "table.md", out_dir / "results.json", out_dir / "compare.png", *written]
+    files = [out_dir / "table.md", out_dir / "results.json", *figures, *written]
     print(f"wrote {', '.join(str(path) for path in files)}")
     return summary
 
 
-def compare_table(task: str, cells: list[Cell], base: Cell, seeds: list[int]) -> str:
+def compare_table(task: str, cells: list[Cell], base: Cell, seeds: list[int],
+                  costs: dict[str, dict[int, dict[str, Any]]] | None = None, cost: CostSettings | None = None) -> str:
     """One row per mechanism: the metric's mean ± std on validation and test, the test standard error, the
-    paired difference from ``base`` with its interval (marked when not significant), time and memory."""
+    paired difference from ``base`` with its interval (marked when not significant), time and memory; with
+    ``costs`` (measured with ``cost``), the cost columns at long lengths and the sentence that says what they
+    are."""
     from longattn.experiment.grid import convergence_legend
     from longattn.experiment.results import markdown_table
     from longattn.experiment.stats import legend
@@ -93,9 +112,15 @@ def compare_table(task: str, cells: list[Cell], base: Cell, seeds: list[int]) ->
     metric = task_obj.select_metric + (" (%)" if task_obj.table_scale == 100 else "")
     headers = ["attention", "params", f"val {metric}", f"test {metric}", "s.e.",
                f"Δ test vs {base.attention}", "train time (s)", "steps/s", "peak mem (MB)"]
+    rows = [_row(cell, base) for cell in cells]
+    if costs is not None and cost is not None:
+        headers += cost_columns(cost)
+        rows = [row + cost_cells(costs.get(cell.attention), cost) for row, cell in zip(rows, cells)]
     table = (f"### {task}: test {task_obj.select_metric} of the best validation checkpoint, mean ± std over "
-             f"seeds {seeds}\n\n" + markdown_table(headers, [_row(cell, base) for cell in cells]) + "\n"
+             f"seeds {seeds}\n\n" + markdown_table(headers, rows) + "\n"
              + convergence_legend(any(cell.not_converged() for cell in cells)))
+    if costs is not None and cost is not None:
+        table += f"\n{cost.describe()}\n"
     if len(cells) > 1:
         table += f"\n{legend(base.attention)}\n"
     return table
@@ -163,10 +188,55 @@ def plot_compare(cells: list[Cell], path: Path, task: str) -> None:
     plt.close(fig)
 
 
+def plot_frontier(cells: list[Cell], costs: dict[str, dict[int, dict[str, Any]]], cost: CostSettings, path: Path,
+                  task: str) -> None:
+    """The frontier picture: each mechanism's test metric (mean ± std over seeds) against its forward+backward
+    time at the longest cost length (log scale), the peak memory beside its name; a mechanism that ran out of
+    time or memory there is drawn at the right edge, marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    from longattn.experiment.stats import summarize
+    from longattn.tasks.base import get_task
+
+    task_obj = get_task(task)
+    length = max(cost.lengths)
+    points = [(cell, costs.get(cell.attention, {}).get(length, {})) for cell in cells if cell.results]
+    measured = [c["forward_backward_s"] for _, c in points if c.get("status") == "ok"]
+    edge = max(measured, default=1.0) * 2  # where the mechanisms without a time at this length are drawn
+    fig, axes = plt.subplots(figsize=(6.5, 4.5))
+    for index, (cell, point) in enumerate(points):
+        summary = summarize(cell.values())
+        ok = point.get("status") == "ok"
+        x = point["forward_backward_s"] if ok else edge
+        axes.errorbar(x, summary.mean, yerr=0.0 if math.isnan(summary.std) else summary.std, fmt="o" if ok else "x",
+                      color=f"C{index}", capsize=3)
+        label = (f"{cell.attention} ({point['peak_memory_mb']:.0f} MB)" if ok
+                 else f"{cell.attention} ({point.get('status', 'not measured')})")
+        axes.annotate(label, (x, summary.mean), textcoords="offset points", xytext=(5, 4), fontsize="small")
+    unit = " (%)" if task_obj.table_scale == 100 else ""
+    axes.set_xscale("log")
+    axes.set(xlabel=f"forward+backward at N={length_label(length)}, one layer (s of CPU, 1 thread)",
+             ylabel=f"test {task_obj.select_metric}{unit}",
+             title=f"{task}: accuracy against cost at N={length_label(length)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _cost_settings(args: argparse.Namespace) -> CostSettings | None:
+    if args.no_cost:
+        return None
+    return CostSettings(lengths=tuple(args.cost_lengths), repeats=args.cost_repeats)
+
+
 def _mechanisms(args: argparse.Namespace) -> int:
     summary = run_compare(args.task, args.attentions, args.out, preset=args.preset, config_file=args.config,
                           overrides=_data_dir(args) + no_progress(args), seeds=args.seeds, resume=args.resume,
-                          reference=args.reference, workers=args.workers, overwrite=args.overwrite)
+                          reference=args.reference, workers=args.workers, overwrite=args.overwrite,
+                          cost=_cost_settings(args))
     return 1 if any(run["error"] for run in summary["runs"]) else 0
 
 
@@ -276,6 +346,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_resume_argument(p)
     add_no_progress_argument(p)
     add_workers_argument(p)
+    add_list_argument(p, "--cost-lengths", item="length", kind="length", default=list(DEFAULT_COST_LENGTHS),
+                      help="lengths of the cost columns: each mechanism's forward+backward time and peak memory, "
+                      "one layer, one thread, measured after the training")
+    p.add_argument("--cost-repeats", type=_positive_int, default=CostSettings.repeats,
+                   help="timed calls per cost measurement (the median is kept)")
+    p.add_argument("--no-cost", action="store_true", help="no cost columns and no frontier picture (without it, "
+                   "the cost at --cost-lengths is measured after the training)")
     p.set_defaults(func=_mechanisms)
 
     s = sub.add_parser("sweep", help="the rows of a sweep file (a config grid or named ablations) on its tasks",
