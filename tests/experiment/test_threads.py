@@ -66,3 +66,8 @@ def test_given_cores_never_below_one():
     assert given_cores(4, 0.5) == 1
     assert given_cores(4, None) == 4
     assert given_cores(4, 8.0) == 4
+
+
+def test_a_single_run_uses_the_whole_budget():
+    assert (plan_threads(1, grid=False, environ={}, affinity=8, quota=6.0).threads) == 6
+    assert (plan_threads(1, grid=False, environ={"OMP_NUM_THREADS": "3"}, affinity=8, quota=None).threads) == 3

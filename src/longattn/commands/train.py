@@ -7,13 +7,17 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from longattn.commands import VERB_HELP
 from longattn.commands._args import (add_config_arguments, add_data_dir_argument, add_no_progress_argument,
-                                    add_resume_argument, add_renamed_argument, add_run_arguments, no_progress)
+                                    add_resume_argument, add_renamed_argument, add_run_arguments, no_progress,
+                                    note)
 from longattn.config import merge, parse_set
 from longattn.experiment.config import resolve_config
 from longattn.experiment.results import write_results
 from longattn.experiment.run import evaluate_run, run
+from longattn.experiment.threads import plan_threads
 from longattn.data.timeseries import SERIES
 from longattn.tasks.base import get_task
 from longattn.tasks.forecasting import find_preset
@@ -26,7 +30,16 @@ def _train(args: argparse.Namespace) -> int:
     data = {"dataset": args.dataset, "data_dir": args.data_dir, "pred_len": args.pred_len}
     config = resolve_config(args.task, preset, args.config, no_progress(args), attention=args.attention,
                             model_name=args.model_name, seed=args.seed, data=data, train={"device": args.device})
-    results = run(config, args.out, resume=args.resume, overwrite=args.overwrite, log=print, plots=not args.no_plot)
+    threads_before = torch.get_num_threads()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # torchrun's ranks share the machine as it set them up
+        plan = plan_threads(1, grid=False)  # a single run: every core it is given (OMP_NUM_THREADS: its budget)
+        torch.set_num_threads(plan.threads)
+        note(plan.describe())
+    try:
+        results = run(config, args.out, resume=args.resume, overwrite=args.overwrite, log=print,
+                      plots=not args.no_plot)
+    finally:  # a caller's own thread setting is back once the run is done
+        torch.set_num_threads(threads_before)
     if results.get("world_size", 1) == 1 or os.environ.get("RANK", "0") == "0":
         print(json.dumps(get_task(config.task).summary(results), indent=2, default=str))
     return 0
