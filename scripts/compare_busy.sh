@@ -12,7 +12,8 @@ timed() {
     local name="$1" started
     shift
     started=$(date +%s)
-    "$python" -c "import sys; from longattn.cli import main; sys.exit(main())" compare --out "$out/$name" --overwrite "$@"
+    "$python" -c "import sys; from longattn.cli import main; sys.exit(main())" \
+        compare --out "$out/$name" --overwrite "$@"
     times+=("$name: $(( $(date +%s) - started )) s wall")
 }
 timed quiet "$@"

@@ -3,9 +3,10 @@
 The modules named in :data:`VERBS` add the top-level verbs through their ``register(subparsers)``, in the order
 ``longattn --help`` lists them. Only the module of the verb that is run is imported (``longattn --help`` and
 ``--version`` import none: they list each verb's line of :data:`longattn.commands.VERB_HELP` and answer before
-torch could load); for the verbs of :data:`PLUGGED_VERBS` every module of :mod:`longattn.commands` is imported,
-so that a module that registers a ``bench``, ``paper`` or ``report`` entry plugs in by existing. The command names of earlier versions are
-kept in :data:`ALIASES`: they still work and say, in one line, what replaced them.
+torch could load); for the verbs of :data:`PLUGGED_VERBS` every module of :mod:`longattn.commands` is
+imported, so that a module that registers a ``bench``, ``paper`` or ``report`` entry plugs in by existing. The
+command names of earlier versions are kept in :data:`ALIASES`: they still work and say, in one line, what
+replaced them.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
                 resume: bool = False, reference: str | None = None, workers: int | None = 1,
                 overwrite: bool = False, cost: CostSettings | None = None) -> dict[str, Any]:
     """Train every mechanism of ``attentions`` on ``task`` into ``out_dir/<mechanism>/seed<k>`` (seeds default to
-    :func:`default_seeds` of the preset; ``workers`` runs at once, None: the thread policy's choice; runs already there: refused, or ``resume``d,
-    or trained again with ``overwrite``); table (mean, std, standard error, paired
+    :func:`default_seeds` of the preset; ``workers`` runs at once, None: the thread policy's choice; runs
+    already there: refused, or ``resume``d, or trained again with ``overwrite``); table (mean, std, standard error, paired
     difference from ``reference``), plot with error bars, learning curves. With ``cost``, each mechanism's
     forward+backward time and peak memory at long lengths are measured after the training (one thread, in
     this run: :mod:`longattn.bench.cost`) as columns of the table, and the frontier picture (accuracy against
@@ -324,7 +324,8 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser(
-        "compare", help=VERB_HELP["compare"], description="Grids of training runs, each run in its own folder under --out, with "
+        "compare", help=VERB_HELP["compare"],
+        description="Grids of training runs, each run in its own folder under --out, with "
         "a table (mean ± std over seeds, paired differences) and plots. `longattn compare` alone is "
         "`longattn compare mechanisms`: the README's main job.")
     sub = group.add_subparsers(dest="grid", metavar="GRID", required=True)

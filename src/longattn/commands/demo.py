@@ -70,7 +70,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help=VERB_HELP["demo"], description="Forward and backward of each mechanism once (after a "
+    p = subparsers.add_parser("demo", help=VERB_HELP["demo"],
+                              description="Forward and backward of each mechanism once (after a "
                               "warm-up) on random data with one padded sequence; prints a table.")
     add_attentions_argument(p, help="mechanisms (default: all registered)")
     p.add_argument("--length", type=int, default=1023, help="sequence length N")

@@ -23,7 +23,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    paper = subparsers.add_parser("paper", help=VERB_HELP["paper"], description="Each entry runs one table or figure of a paper with the "
+    paper = subparsers.add_parser("paper", help=VERB_HELP["paper"],
+                                  description="Each entry runs one table or figure of a paper with the "
                                   "paper's settings by default; `longattn paper` alone lists them.")
     sub = paper.add_subparsers(dest="paper_command", metavar="NAME")
     for name in PAPERS.names():

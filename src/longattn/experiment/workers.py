@@ -4,11 +4,12 @@ Each (cell, seed) run is still an ordinary :func:`longattn.experiment.run.run` i
 trained in a worker is the run the sequential grid would have trained with the same thread count, and resume
 works the same way (a finished ``results.json`` is reused, an interrupted run continues from its last
 checkpoint). The workers are a ``spawn`` process pool from the standard library (no fork of a process that
-holds torch's thread pools); the machine's thread budget, ``torch.get_num_threads()`` of the calling process
-(``OMP_NUM_THREADS``), is split evenly among them. A run's own output (its validation lines, warnings,
+holds torch's thread pools); each worker runs the threads the grid's thread plan gives it
+(:mod:`longattn.experiment.threads`), else an even share of ``torch.get_num_threads()`` of the calling process. A run's own output (its validation lines, warnings,
 traceback) goes to ``log.txt`` in its folder; the calling process prints one line per finished run (its result,
 the time elapsed and an estimate of the time left: :class:`longattn.experiment.progress.GridProgress`), and
-at least once a minute a line with each running run's latest step. As with any spawn pool, a script that calls the grid with workers must do so under
+at least once a minute a line with each running run's latest step.
+As with any spawn pool, a script that calls the grid with workers must do so under
 ``if __name__ == "__main__":`` (the workers import the script); the ``longattn`` commands need nothing.
 """
 
