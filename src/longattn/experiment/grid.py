@@ -243,7 +243,7 @@ def _run_cells_in_turn(cells: list[Cell], planned: list[_PlannedRun], log: Calla
             except (*RUN_ERRORS, _PlannedFailure) as err:
                 # One broken mechanism or option must not lose the other cells of the table.
                 cell.error = str(err) if isinstance(err, _PlannedFailure) else f"{type(err).__name__}: {err}"
-                progress.failed(label, cell.error)
+                progress.failed(label, cell.error, time.perf_counter() - started)
                 for later in entries[position + 1:]:  # a cell stops at its first failed seed
                     if later.reuse is None:
                         progress.skipped(f"{cell.row} / {cell.column} seed {later.seed}", "an earlier seed of its "
