@@ -103,7 +103,8 @@ def test_compare_pairs_seeds_that_see_the_same_data_order_and_writes_learning_cu
     out = tmp_path / "cmp"
     # no --seeds: the demo preset's default of 3 seeds
     assert main(["compare", "--task", "listops", "--attentions", "skein,softmax", "--preset", "demo",
-                 "--out", str(out), *TINY, "--set", "data.train.num_examples=12", "--no-cost"]) == 0
+                 "--out", str(out), *TINY, "--set", "data.train.num_examples=12", "--no-cost",
+                 "--workers", "1"]) == 0  # in this process: the recording dataset is patched here
     # runs in order skein s0, s1, s2, softmax s0, s1, s2; each draws 2 batches of 4 training examples
     runs = [log[i:i + 8] for i in range(0, len(log), 8)]
     assert len(runs) == 6
