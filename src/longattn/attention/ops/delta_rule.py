@@ -26,7 +26,7 @@ running [Dk, Dv] state, never a tensor of every token's state). The GPU path (:f
 the chunks' affine state maps S -> M_c S + B_c (M_c = exp(gamma_L) I - (exp(gamma_L - gamma) K)^T W,
 B_c = (exp(gamma_L - gamma) K)^T U_wy) by a doubling (Hillis-Steele) scan with a fixed number of levels, so
 its launches do not depend on N, then applies all chunks' states at once; on CUDA tensors with
-flash-linear-attention installed it calls fla's chunk kernels instead.
+flash-linear-attention installed it calls fla's chunk kernels instead (half inputs only: they refuse float32).
 
 Padding: a padded token must leave the state unchanged, so callers give it beta = 0 and g = 0 (then
 S_t = S_{t-1} whatever its key and value); the tail that rounds N up to whole chunks is padded so.
@@ -185,8 +185,10 @@ def _chunk_start_states(maps: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
     return starts, offsets[:, :, -1]
 
 
-def _fla_runs_on(t: Tensor) -> bool:
-    return t.device.type == "cuda" and importlib.util.find_spec("fla") is not None
+def _fla_runs_on(t: Tensor, dtype: torch.dtype) -> bool:
+    """fla's chunk kernels take half inputs on CUDA only (they refuse float32)."""
+    return (t.device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and importlib.util.find_spec("fla") is not None)
 
 
 def _fla_chunk(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, log_decay: Tensor | None,
@@ -208,14 +210,14 @@ def _fla_chunk(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, log_deca
 
 def delta_rule_gpu(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, log_decay: Tensor | None = None,
                    *, scale: float, chunk: int = DELTA_CHUNK) -> tuple[Tensor, Tensor]:
-    """The GPU path: fla's chunk kernels on CUDA when fla is installed, else a batched tensor program (the chunk
-    factors of all chunks, the doubling scan of their state maps, then every chunk's output at once). The
-    factors, the triangular solve and the states are computed in the accumulation dtype (float32 for half
-    inputs: the solve has no half kernel and the state sums need its range); the output comes back in the
-    autocast dtype, or the input's."""
+    """The GPU path: fla's chunk kernels on CUDA in half precision when fla is installed, else a batched tensor
+    program (the chunk factors of all chunks, the doubling scan of their state maps, then every chunk's output
+    at once). The factors, the triangular solve and the states are computed in the accumulation dtype (float32
+    for half inputs: the solve has no half kernel and the state sums need its range); the output comes back in
+    the autocast dtype, or the input's."""
     _check(query, key, value, beta, log_decay, chunk)
     dtype = output_dtype(query)
-    if _fla_runs_on(query):
+    if _fla_runs_on(query, dtype):
         out, state = _fla_chunk(*(t.to(dtype) for t in (query, key, value, beta)), log_decay, scale)
         return out.to(dtype), state
     work = compute_dtype(dtype)
