@@ -127,15 +127,18 @@ def _chunk_factors(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, log_
     q, k, v = (t.reshape(b, h, count, chunk, t.shape[-1]) for t in (query, key, value))
     beta, g = beta.reshape(b, h, count, chunk), g.reshape(b, h, count, chunk)
     gamma = g.cumsum(-1)
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril()
-    # Gamma_ri = exp(gamma_r - gamma_i) for i <= r; the exponent is masked before exp (above it may overflow)
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-    strict = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
-    eye = torch.eye(chunk, dtype=key.dtype, device=key.device)
-    rhs = beta[..., None] * torch.cat([v, gamma.exp()[..., None] * k], dim=-1)
-    solved = torch.linalg.solve_triangular(eye + strict, rhs, upper=False, unitriangular=True)  # eq. 8-9
+    k_beta = k * beta[..., None]
+    rhs = torch.cat([v, gamma.exp()[..., None] * k], dim=-1) * beta[..., None]
+    if log_decay is None:  # Gamma = 1 on and below the diagonal
+        a_full, scores = k_beta @ k.transpose(-1, -2), ((q * scale) @ k.transpose(-1, -2)).tril_()
+    else:
+        lower = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril()
+        # Gamma_ri = exp(gamma_r - gamma_i) for i <= r; the exponent is masked before exp (above it may overflow)
+        decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+        a_full, scores = (k_beta @ k.transpose(-1, -2)) * decay, ((q * scale) @ k.transpose(-1, -2)) * decay
+    # I + A with A the strictly lower part of a_full: a unit-triangular solve reads only that part (eq. 8-9)
+    solved = torch.linalg.solve_triangular(a_full, rhs, upper=False, unitriangular=True)
     u_wy, w = solved[..., :dv], solved[..., dv:]
-    scores = (q @ k.transpose(-1, -2)) * decay * scale  # decay is 0 above the diagonal
     q_decayed = q * (gamma.exp()[..., None] * scale)
     last = gamma[..., -1:]
     k_to_end = k * (last - gamma).exp()[..., None]
@@ -158,10 +161,14 @@ def delta_rule_chunked(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, 
             chunk, scale)
         state = q_decayed.new_zeros(b, h, dk, value.shape[-1])
         outputs = []
-        for c in range(q_decayed.shape[2]):
-            u = u_wy[:, :, c] - w[:, :, c] @ state
-            outputs.append(q_decayed[:, :, c] @ state + scores[:, :, c] @ u)
-            state = chunk_decay[:, :, c, None, None] * state + k_to_end[:, :, c].transpose(-1, -2) @ u
+        # unbind once: indexing chunk c in the loop would give each chunk's backward a zero-filled gradient of
+        # the whole tensor, O(N^2 / L) work in all
+        per_chunk = zip(*(t.unbind(2) for t in (q_decayed, scores, u_wy, w, k_to_end.transpose(-1, -2),
+                                               chunk_decay[..., None, None])))
+        for q_c, scores_c, u_wy_c, w_c, k_end_t_c, decay_c in per_chunk:
+            u = u_wy_c - w_c @ state
+            outputs.append(q_c @ state + scores_c @ u)
+            state = decay_c * state + k_end_t_c @ u
     return torch.cat(outputs, dim=2)[:, :, :n].to(dtype), state
 
 
