@@ -154,22 +154,56 @@ def delta_rule_chunked(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, 
     _check(query, key, value, beta, log_decay, chunk)
     dtype = output_dtype(query)
     work = compute_dtype(dtype)
-    b, h, n, dk = key.shape
+    b, h, n = key.shape[:3]
     with autocast_disabled(query.device):
         q_decayed, scores, u_wy, w, k_to_end, chunk_decay = _chunk_factors(
             *(t.to(work) for t in (query, key, value, beta)), None if log_decay is None else log_decay.to(work),
             chunk, scale)
-        state = q_decayed.new_zeros(b, h, dk, value.shape[-1])
-        outputs = []
-        # unbind once: indexing chunk c in the loop would give each chunk's backward a zero-filled gradient of
-        # the whole tensor, O(N^2 / L) work in all
-        per_chunk = zip(*(t.unbind(2) for t in (q_decayed, scores, u_wy, w, k_to_end.transpose(-1, -2),
-                                               chunk_decay[..., None, None])))
-        for q_c, scores_c, u_wy_c, w_c, k_end_t_c, decay_c in per_chunk:
-            u = u_wy_c - w_c @ state
-            outputs.append(q_c @ state + scores_c @ u)
-            state = decay_c * state + k_end_t_c @ u
-    return torch.cat(outputs, dim=2)[:, :, :n].to(dtype), state
+        starts, u, final = _RunningState.apply(u_wy, w, k_to_end.transpose(-1, -2), chunk_decay)
+        out = q_decayed @ starts + scores @ u
+    return out.reshape(b, h, -1, value.shape[-1])[:, :, :n].to(dtype), final
+
+
+class _RunningState(torch.autograd.Function):
+    """The sequential part of the CPU path, chunk by chunk with one running state:
+    u_c = U_c - W_c S_c and S_{c+1} = d_c S_c + K_c'^T u_c (K_c' the keys decayed to the chunk's end, d_c its
+    total decay). Returns every chunk's start state S_c [B, H, C, Dk, Dv], its pseudo-values u_c [B, H, C, L, Dv]
+    and the final state. Its backward is the reverse recurrence (two products per chunk; the other gradients
+    are batched over the chunks afterwards): the loop runs outside autograd, which would otherwise record and
+    replay every small product of every chunk."""
+
+    @staticmethod
+    def forward(ctx, u_wy: Tensor, w: Tensor, k_end_t: Tensor, decay: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, h, count, _, dv = u_wy.shape
+        starts = u_wy.new_empty(b, h, count, w.shape[-1], dv)
+        u = torch.empty_like(u_wy)
+        state = u_wy.new_zeros(b, h, w.shape[-1], dv)
+        for c in range(count):
+            starts[:, :, c] = state
+            u[:, :, c] = u_wy[:, :, c] - w[:, :, c] @ state
+            state = decay[:, :, c, None, None] * state + k_end_t[:, :, c] @ u[:, :, c]
+        ctx.save_for_backward(w, k_end_t, decay, starts, u)
+        return starts, u, state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_starts: Tensor | None, d_u: Tensor | None,
+                 d_final: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        w, k_end_t, decay, starts, u = ctx.saved_tensors
+        d_starts = torch.zeros_like(starts) if d_starts is None else d_starts
+        d_u = torch.zeros_like(u) if d_u is None else d_u
+        grad = torch.zeros_like(starts[:, :, 0]) if d_final is None else d_final  # dL / dS_{c+1}
+        d_u_total = torch.empty_like(u)
+        d_next = torch.empty_like(starts)  # dL / dS_{c+1} for every chunk
+        for c in reversed(range(u.shape[2])):
+            d_next[:, :, c] = grad
+            d_u_total[:, :, c] = d_u[:, :, c] + k_end_t[:, :, c].transpose(-1, -2) @ grad
+            grad = (d_starts[:, :, c] + decay[:, :, c, None, None] * grad
+                    - w[:, :, c].transpose(-1, -2) @ d_u_total[:, :, c])
+        d_w = -(d_u_total @ starts.transpose(-1, -2))
+        d_k_end_t = d_next @ u.transpose(-1, -2)
+        d_decay = (d_next * starts).sum((-1, -2))
+        return d_u_total, d_w, d_k_end_t, d_decay
 
 
 def _chunk_start_states(maps: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
