@@ -103,6 +103,9 @@ def _direct_call(name, layer, x, mask):
         options = {"random_idx": layer.random_idx(-(-x.shape[1] // layer.block_size)), "block_size": layer.block_size}
     elif name in ("local", "longformer"):  # their module forms project inside the chunks
         options = {}
+    elif name in ("deltanet", "gated_deltanet"):  # called from their shared layer, attention/ops/delta_layer.py
+        b, n = x.shape[:2]
+        options = {"beta": torch.rand(b, HEADS, n, dtype=x.dtype), "log_decay": -torch.rand(b, HEADS, n, dtype=x.dtype)}
     elif name == "fsat":  # its module form projects K and V inside the edge blocks
         b, n = x.shape[:2]
         options = {"dominant_index": torch.rand(b, HEADS, n, layer.num_dominant, dtype=x.dtype) * n}

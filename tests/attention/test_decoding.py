@@ -15,7 +15,9 @@ DIM, HEADS = 32, 2
 # options that make each mechanism's windows, chunks and features small next to the sequence
 OPTIONS = {
     "cosformer": {"max_positions": 64},
+    "deltanet": {"chunk_size": 8},
     "flash": {"chunk_size": 4, "query_key_dim": 8},
+    "gated_deltanet": {"chunk_size": 8},
     "local": {"window_size": 4},
     "longformer": {"attention_window": 4, "dilation": 2, "global_positions": (0, 5, 13)},
     "luna": {"pack_length": 4},
@@ -30,7 +32,9 @@ OPTIONS = {
 VARIANTS = [
     ("cosformer", {"max_positions": 64, "feature_map": "elu"}),
     ("cosformer", {"reweight": False}),
+    ("deltanet", {"short_conv": False, "sigmoid_beta": False, "output_norm": False, "output_gate": True}),
     ("flash", {"chunk_size": 5, "query_key_dim": 8, "scaling": "none"}),
+    ("gated_deltanet", {"conv_size": 2, "l2_norm": False, "output_gate": False, "chunk_size": 5}),
     ("local", {"window_size": 3, "exact_window": False, "look_backward": 2}),
     ("longformer", {"attention_window": 6, "global_positions": (3, 20), "separate_global_projections": False}),
     ("longformer", {"attention_window": 2, "global_positions": ()}),

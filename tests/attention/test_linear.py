@@ -6,12 +6,8 @@ from gpu_path_checks import assert_gpu_result_close, kernel_dtype, running_kerne
 
 from longattn import attention
 from longattn.attention import AttentionError, force_path
-from longattn.attention.linear import (
-    causal_kernel_attention,
-    elu_feature_map,
-    linear_attention,
-    linear_attention_reference,
-)
+from longattn.attention.linear import linear_attention, linear_attention_reference
+from longattn.attention.ops.linear_scan import causal_kernel_attention, elu_feature_map
 from longattn.testing import random_qkv, scattered_mask
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from gpu_path_checks import assert_close_rms, needs_triton, running_kernels, skip_float64_kernels_on_cuda
 
-from longattn.attention.linear import causal_scan, causal_scan_chunked
+from longattn.attention.ops.linear_scan import causal_scan, causal_scan_chunked
 
 
 def features(n, k_dim=20, v_dim=9, dtype=torch.float64, seed=0, batch=1, heads=2):

@@ -18,6 +18,8 @@ ROUTES = {
     "linear": ("llama", "enable", {}),
     "performer": ("llama", "enable", {"nb_features": 16}),
     "cosformer": ("llama", "enable", {}),  # M = max_position_embeddings in a causal model
+    "deltanet": ("llama", "convert", {"chunk_size": 8}),
+    "gated_deltanet": ("llama", "convert", {"chunk_size": 8}),
     "local": ("llama", "enable", {"window_size": 4}),
     "longformer": ("llama", "enable", {"attention_window": 4, "global_positions": (0, 12, 20)}),
     "realformer": ("llama", "convert", {}),

@@ -13,7 +13,7 @@ so memory stays O(N C + (N / C) d^2).
 
 GPU path (:func:`~longattn.attention.base.uses_gpu_path`): the same features (angles and cos / sin
 in float32, the products in the autocast dtype) through
-:func:`~longattn.attention.linear.kernel_sums_gpu`: batched GEMMs, causal by the chunked scan
+:func:`~longattn.attention.ops.linear_scan.kernel_sums_gpu`: batched GEMMs, causal by the chunked scan
 (Triton kernels where they run) with its running state in float32.
 """
 
@@ -37,7 +37,7 @@ from longattn.attention.base import (
     uses_gpu_path,
 )
 from longattn.attention.decoding import RecurrentState, kernel_state_sums, kernel_step_output
-from longattn.attention.linear import causal_kernel_sums, elu_feature_map, kernel_sums, kernel_sums_gpu, normalised
+from longattn.attention.ops.linear_scan import causal_kernel_sums, elu_feature_map, kernel_sums, kernel_sums_gpu, normalised
 
 __all__ = [
     "CosformerAttention",

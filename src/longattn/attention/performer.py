@@ -18,7 +18,7 @@ the constant carries no gradient because it cancels exactly.
 GPU path (:func:`~longattn.attention.base.uses_gpu_path`): the same features and sums as batched
 tensor programs in the autocast dtype (no loop over batch rows, heads, groups or chunks); not
 causal, :class:`_FavorGPU` keeps only the [F, Dv + 1] context and recomputes the features in the
-backward pass; causal, the chunked scan of :func:`~longattn.attention.linear.causal_scan` (Triton
+backward pass; causal, the chunked scan of :func:`~longattn.attention.ops.linear_scan.causal_scan` (Triton
 kernels where they run) on the features, its running state in float32.
 """
 
@@ -46,7 +46,7 @@ from longattn.attention.base import (
     uses_gpu_path,
 )
 from longattn.attention.decoding import RecurrentState, kernel_state_sums, kernel_step_output
-from longattn.attention.linear import causal_chunks, causal_kernel_attention, kernel_sums_gpu, normalised
+from longattn.attention.ops.linear_scan import causal_chunks, causal_kernel_attention, kernel_sums_gpu, normalised
 
 
 def orthogonal_random_features(
@@ -293,7 +293,7 @@ class _GroupedFavor(torch.autograd.Function):
     The numbers are those of :func:`_favor`: phi(Q) with a per-row stabiliser, phi(K) with one per (batch, head)
     over its real keys (both within one pair, so a group computes what the whole batch would); not causal, the
     context phi(K)^T [V, 1] and S = phi(Q) phi(K)^T [V, 1] (:class:`_FavorGroup`); causal, the chunks of
-    :func:`~longattn.attention.linear.causal_chunks`, within a chunk the masked product, across chunks the
+    :func:`~longattn.attention.ops.linear_scan.causal_chunks`, within a chunk the masked product, across chunks the
     exclusive prefix sum of the states phi(K_c)^T [V_c, 1] (the normaliser is the numerator of a value column of
     ones). With S = [num, den] per query: S_c = phi(Q_c) P_c + tril(phi(Q_c) phi(K_c)^T) V1_c, P_c = sum_{c' < c}
     phi(K_c')^T V1_c', out = num / (den + eps); the backward pass is the chain rule of these products."""

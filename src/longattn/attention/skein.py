@@ -48,7 +48,7 @@ from longattn.attention.base import (
     register_attention,
     uses_gpu_path,
 )
-from longattn.attention.linear import normalised
+from longattn.attention.ops.linear_scan import normalised
 
 ColumnSampling = Literal["importance", "uniform"]
 RowNormalization = Literal["adaptive", "simple", "none"]

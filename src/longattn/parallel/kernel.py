@@ -17,7 +17,7 @@ from torch import Tensor
 
 from longattn.attention.base import AttentionBase
 from longattn.attention.cosformer import cosformer_features
-from longattn.attention.linear import CAUSAL_CHUNK, _mask_keys, causal_kernel_sums, elu_feature_map, kernel_sums
+from longattn.attention.ops.linear_scan import CAUSAL_CHUNK, causal_kernel_sums, elu_feature_map, kernel_sums, mask_keys
 from longattn.attention.performer import favor_features
 from longattn.parallel.api import register_form
 from longattn.parallel.comm import Shard, _nbytes, _record, all_gather, all_reduce_max, all_reduce_sum, broadcast
@@ -53,7 +53,7 @@ def _kernel_form(layer: AttentionBase, phi_q: Tensor, phi_k: Tensor, value: Tens
 @register_form("linear")
 def linear_form(layer: AttentionBase, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None, shard: Shard) -> Tensor:
     q, k, v = layer.proj.qkv(x)
-    phi_k, v = _mask_keys(elu_feature_map(k), v, attention_mask)
+    phi_k, v = mask_keys(elu_feature_map(k), v, attention_mask)
     return layer.proj.out(_kernel_form(layer, elu_feature_map(q), phi_k, v, layer.eps, shard))
 
 

@@ -1,0 +1,209 @@
+"""The layer around the delta rule that DeltaNet and Gated DeltaNet share (their module forms subclass it).
+
+Per token x (Yang et al., NeurIPS 2024, Sec. 3.4 and Fig. 1 of Yang, Kautz, Hatamizadeh, ICLR 2025):
+
+* q, k, v = the projections of x, each through a short causal depthwise convolution (4 taps) and SiLU
+  (``short_conv``); keys, and queries, L2-normalised per head (``l2_norm``);
+* beta_t = sigmoid(W_beta x_t) per head (``sigmoid_beta``; off: beta = 1, the plain delta rule);
+* Gated DeltaNet's decay g_t = -exp(A) softplus(W_alpha x_t + dt_bias) per head (alpha_t = exp(g_t), the
+  Mamba-2 parametrisation of its decay, eq. 10 of Yang et al. 2025);
+* o_t from the (gated) delta rule (:mod:`longattn.attention.ops.delta_rule`), then per head RMSNorm
+  (``output_norm``) and the output gate o * SiLU(W_g x) (``output_gate``), then the output projection.
+
+Causal by nature; built with ``causal=False`` the layer is bidirectional (the encoder tasks): the rule over the
+sequence plus the rule over the reversed sequence, the convolutions anti-causal in the second. Padded tokens
+enter nothing: their projections are zero before the convolutions and their beta and g are zero, so a padded
+token leaves the state as it is (left padding gives what the unpadded sequence gives).
+
+Decoding (``recurrent``): the state S [B, H, Dk, Dv] and the last three inputs of each convolution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from longattn.attention.base import (
+    AttentionBase,
+    AttentionError,
+    QKVProjection,
+    autocast_disabled,
+    compute_dtype,
+    output_dtype,
+    split_heads,
+)
+from longattn.attention.decoding import DecodingState, ones_or
+from longattn.attention.ops.delta_rule import (
+    delta_rule,
+    delta_rule_attention,
+    delta_rule_step,
+    l2_normalised,
+    rule_inputs,
+)
+
+__all__ = ["DeltaRuleLayer", "DeltaRuleState", "causal_short_conv"]
+
+
+def causal_short_conv(x: Tensor, weight: Tensor) -> Tensor:
+    """Depthwise causal convolution of [B, H, N, Dh] along N with ``weight`` [H, Dh, K] (tap K - 1 the current
+    token), as K shifted products: a few taps need no cuDNN (whose float32 is TF32 by default), and the
+    decoding step applies the same weights to its window."""
+    taps = weight.shape[-1]
+    n = x.shape[2]
+    padded = F.pad(x, (0, 0, taps - 1, 0))
+    w = weight[:, None]  # [H, 1, Dh, K]
+    return sum(w[..., i] * padded[:, :, i:i + n] for i in range(taps))
+
+
+def _linear(layer: nn.Linear, x: Tensor) -> Tensor:
+    """``layer(x)`` in x's dtype."""
+    bias = None if layer.bias is None else layer.bias.to(x.dtype)
+    return F.linear(x, layer.weight.to(x.dtype), bias)
+
+
+def _window_conv(window: Tensor, weight: Tensor) -> Tensor:
+    """The causal convolution's output at the last of ``window``'s K tokens ([B, H, K, Dh] -> [B, H, 1, Dh])."""
+    return (window * weight.transpose(-1, -2)).sum(2, keepdim=True)
+
+
+@dataclass
+class DeltaRuleState(DecodingState):
+    """The delta rule's state ``rule`` [B, H, Dk, Dv] and, with the short convolutions, ``windows``: the last
+    K - 1 inputs of the q, k and v convolutions, each [B, H, K - 1, Dh] (zeros before the sequence start)."""
+
+    rule: Tensor | None = None
+    windows: list[Tensor] = field(default_factory=list)
+
+
+class DeltaRuleLayer(AttentionBase):
+    """Module form shared by ``deltanet`` and ``gated_deltanet`` (``gated``: the data-dependent decay)."""
+
+    gated: bool = False
+
+    def __init__(self, dim: int, heads: int, max_len: int | None, causal: bool, *, short_conv: bool,
+                 conv_size: int, l2_norm: bool, sigmoid_beta: bool, output_norm: bool, output_gate: bool,
+                 chunk_size: int, bias: bool) -> None:
+        super().__init__(dim, heads, max_len, causal)
+        for label, value in (("conv_size", conv_size), ("chunk_size", chunk_size)):
+            if not isinstance(value, int) or value < 1:
+                raise AttentionError(f"{label} must be a positive int, got {value!r}")
+        self.l2_norm, self.chunk_size = l2_norm, chunk_size
+        self.proj = QKVProjection(dim, heads, bias=bias)
+        # q, k, v convolutions; initialised as PyTorch's Conv1d (uniform in +-1/sqrt(fan_in), fan_in = K)
+        bound = 1.0 / math.sqrt(conv_size)
+        self.conv_weight = (nn.Parameter(torch.empty(3, heads, self.head_dim, conv_size).uniform_(-bound, bound))
+                            if short_conv else None)
+        self.to_beta = nn.Linear(dim, heads, bias=bias) if sigmoid_beta else None
+        if self.gated:
+            self.to_decay = nn.Linear(dim, heads, bias=False)
+            # A ~ U(1, 16) and dt ~ logU(1e-3, 1e-1) (dt_bias = softplus^-1(dt)), the Mamba-2 initialisation
+            self.decay_log_scale = nn.Parameter(torch.empty(heads).uniform_(1, 16).log())
+            dt = torch.empty(heads).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+            self.decay_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.norm_weight = nn.Parameter(torch.ones(self.head_dim)) if output_norm else None
+        self.to_gate = nn.Linear(dim, dim, bias=bias) if output_gate else None
+
+    # -- per-token pieces ---------------------------------------------------------------------------------
+    def _split(self, t: Tensor) -> Tensor:
+        """[B, N, H] -> [B, H, N]."""
+        return t.transpose(1, 2)
+
+    def _gates(self, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """(beta, g) [B, H, N] of tokens x [B, N, dim]; None where the option is off. Their projections (dim ->
+        heads, cheap) run in the accumulation dtype outside autocast: g enters the state through its cumulative
+        sums, where a bfloat16 pre-activation's rounding would compound."""
+        work = compute_dtype(x.dtype)
+        with autocast_disabled(x.device):
+            xw = x.to(work)
+            beta = None if self.to_beta is None else self._split(torch.sigmoid(_linear(self.to_beta, xw)))
+            if not self.gated:
+                return beta, None
+            rate = F.softplus(_linear(self.to_decay, xw) + self.decay_bias.to(work))
+            return beta, self._split(-self.decay_log_scale.to(work).exp() * rate)
+
+    def _features(self, q: Tensor, k: Tensor, v: Tensor, convolve: Callable[[Tensor, Tensor], Tensor]
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+        """The short convolutions (``convolve(input, weight [H, Dh, K])``) and SiLU, then L2-normalised queries
+        (keys: :func:`rule_inputs`); in the accumulation dtype, which the rule works in: no rounding before."""
+        q, k, v = (t.to(compute_dtype(t.dtype)) for t in (q, k, v))
+        if self.conv_weight is not None:
+            weights = self.conv_weight.to(q.dtype)
+            q, k, v = (F.silu(convolve(t, w)) for t, w in zip((q, k, v), weights))
+        return (l2_normalised(q) if self.l2_norm else q), k, v
+
+    def _output(self, o: Tensor, x: Tensor) -> Tensor:
+        """Per-head RMSNorm, the output gate, the output projection: [B, H, N, Dv] -> [B, N, dim]. The norm and
+        the gate in the accumulation dtype, rounded once before the projection (each rounding in between
+        would add its own relative error, 2^-8 in bfloat16)."""
+        o = o.to(compute_dtype(o.dtype))
+        if self.norm_weight is not None:
+            o = F.rms_norm(o, (o.shape[-1],), self.norm_weight.to(o.dtype), eps=1e-6)
+        if self.to_gate is not None:
+            o = o * F.silu(split_heads(self.to_gate(x), self.heads).to(o.dtype))
+        return self.proj.out(o.to(output_dtype(x)))
+
+    def _inputs(self, x: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.proj.qkv(x)
+        if attention_mask is not None:  # the convolutions must read zeros, not the biases, at padded tokens
+            keep = attention_mask[:, None, :, None]
+            q, k, v = (t.masked_fill(~keep, 0.0) for t in (q, k, v))
+        return q, k, v
+
+    def _mix(self, q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, g: Tensor | None,
+             attention_mask: Tensor | None) -> Tensor:
+        q, k, v = self._features(q, k, v, causal_short_conv)
+        return delta_rule_attention(q, k, v, attention_mask, beta=beta, log_decay=g, is_causal=True,
+                                    l2_norm=self.l2_norm, chunk_size=self.chunk_size)
+
+    def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
+        q, k, v = self._inputs(x, attention_mask)
+        beta, g = self._gates(x)
+        o = self._mix(q, k, v, beta, g, attention_mask)
+        if not self.causal:  # the backward scan: the same layer over the reversed sequence, reversed back
+            flip = [None if t is None else t.flip(2) for t in (q, k, v, beta, g)]
+            mask = None if attention_mask is None else attention_mask.flip(1)
+            o = o + self._mix(*flip, mask).flip(2)
+        return self._output(o, x)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, causal={self.causal}, short_conv={self.conv_weight is not None}, "
+                f"l2_norm={self.l2_norm}, sigmoid_beta={self.to_beta is not None}, "
+                f"output_norm={self.norm_weight is not None}, output_gate={self.to_gate is not None}, "
+                f"chunk_size={self.chunk_size}")
+
+    # -- decoding: the rule's state and the convolutions' windows -------------------------------------------
+    decode_state = "recurrent"
+
+    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
+                       layer_state: dict | None) -> tuple[Tensor, DeltaRuleState]:
+        q, k, v = self._inputs(x, attention_mask)
+        beta, g = self._gates(x)
+        windows = []
+        if self.conv_weight is not None:
+            taps = self.conv_weight.shape[-1]
+            windows = [F.pad(t, (0, 0, taps - 1, 0))[:, :, t.shape[2]:] for t in (q, k, v)]
+        q, k, v = self._features(q, k, v, causal_short_conv)
+        k, beta, g = rule_inputs(k, beta, g, attention_mask, self.l2_norm)
+        o, rule = delta_rule(q, k, v, beta, g, scale=k.shape[-1] ** -0.5, chunk=self.chunk_size)
+        return self._output(o, x), DeltaRuleState(length=x.shape[1], rule=rule, windows=windows)
+
+    def step_attend(self, x: Tensor, state: DeltaRuleState, real: Tensor | None,
+                    layer_state: dict | None) -> tuple[Tensor, DeltaRuleState]:
+        """One token of the recurrence (:func:`delta_rule_step`) after its convolutions over the window."""
+        real = ones_or(real, x.shape[0], x.device)
+        q, k, v = self._inputs(x, real[:, None])
+        beta, g = self._gates(x)
+        if self.conv_weight is not None:  # the window and the new token: [B, H, K, Dh]
+            q, k, v = (torch.cat([w, t], dim=2) for w, t in zip(state.windows, (q, k, v)))
+            state.windows = [t[:, :, 1:] for t in (q, k, v)]
+        q, k, v = self._features(q, k, v, _window_conv)
+        k, beta, g = rule_inputs(k, beta, g, real[:, None], self.l2_norm)
+        o, state.rule = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0],
+                                        None if g is None else g[:, :, 0], state.rule, k.shape[-1] ** -0.5)
+        return self._output(o[:, :, None], x), state
+
