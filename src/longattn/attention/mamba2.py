@@ -51,6 +51,7 @@ from longattn.attention.ops.gated_scan import (
 CONV_SIZE = 4  # mamba_ssm's d_conv
 DT_RANGE = (1e-3, 1e-1)  # dt_min, dt_max: dt is initialised log-uniformly in it
 A_RANGE = (1.0, 16.0)  # A_init_range: -A uniformly in it
+NORM_EPS = 1e-5  # mamba_ssm's RMSNormGated eps: fixed, so that float32 and float64 normalise alike
 
 
 @padding_safe
@@ -140,7 +141,7 @@ class Mamba2(AttentionBase):
         self.a_log = nn.Parameter(torch.empty(heads).uniform_(*a_range).log())  # A = -exp(A_log)
         self.d_skip = nn.Parameter(torch.ones(heads)) if d_skip else None
         self.to_output_gate = nn.Linear(dim, dim) if output_gate else None  # z
-        self.head_norm = nn.RMSNorm(self.head_dim) if norm else None
+        self.head_norm = nn.RMSNorm(self.head_dim, eps=NORM_EPS) if norm else None
         self.conv_size = conv_size
         self.chunk_size = chunk_size
 
@@ -152,7 +153,13 @@ class Mamba2(AttentionBase):
             return channels
         history = channels.new_zeros(channels.shape[0], self.conv_size - 1, channels.shape[2]) if past is None else past
         padded = torch.cat([history.to(channels.dtype), channels], dim=1)
-        return F.silu(self.conv(padded.transpose(1, 2)).transpose(1, 2))
+        # the taps as shifted products, summed in order: exact float32 on CUDA (cuDNN's default would be TF32) and
+        # the same arithmetic in the forward and in a decoding step
+        n = channels.shape[1]
+        weight = self.conv.weight[:, 0].to(channels.dtype)  # [3 dim, conv_size]
+        mixed = self.conv.bias.to(channels.dtype) + sum(padded[:, tap:tap + n] * weight[:, tap]
+                                                        for tap in range(self.conv_size))
+        return F.silu(mixed)
 
     def scan_inputs(self, x: Tensor, attention_mask: Tensor | None, past: Tensor | None = None
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
