@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from fla_peer import KeepFloat64, fla_naive, to_fla
+from fla_peer import KeepFloat64, fla_naive, per_row_without_padding, to_fla
 from gpu_path_checks import assert_gpu_result_close
 
 from longattn import attention
@@ -28,18 +28,6 @@ def log_decays(batch, heads, n, dk, seed=2, strength=1.0):
     """log alpha <= 0 per key channel, leaves that require gradients (strength scales how fast the state forgets)."""
     g = torch.randn(batch, heads, n, dk, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     return (F.logsigmoid(g) * strength).detach().requires_grad_()
-
-
-def per_row_without_padding(fn, mask, *tensors):
-    """``fn`` on each row's real tokens alone ([1, H, n_real, *]), scattered back to [B, H, N, *] (zeros at padding)."""
-    rows = []
-    for b in range(mask.shape[0]):
-        real = mask[b]
-        out = fn(*(t[b:b + 1, :, real] for t in tensors))
-        rows.append(out.new_zeros(1, out.shape[1], mask.shape[1], out.shape[-1]).index_put((
-            torch.arange(1)[:, None, None], torch.arange(out.shape[1])[None, :, None], real.nonzero()[:, 0][None, None]),
-            out))
-    return torch.cat(rows)
 
 
 @pytest.mark.parametrize("n", [1, 37, 130])
@@ -200,7 +188,7 @@ def test_bf16_autocast_trains_on_the_cpu_path():
         loss.backward()
         optimiser.step()
         losses.append(loss.item())
-    assert out.dtype == torch.bfloat16 and all(map(lambda value: value == value, losses))
+    assert out.dtype == torch.bfloat16 and all(value == value for value in losses)
     assert losses[-1] < losses[0]
 
 
