@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 SCAN_CHUNK = 64  # fla's chunk size for both kernels
+SUB_CHUNK = 16  # fla's sub-chunk of chunk_gla (BC): the per-channel weights inside a chunk go through it
 
 Scan = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
@@ -94,15 +95,48 @@ def gated_scan_reference(query: Tensor, key: Tensor, value: Tensor, log_decay: T
 
 def _within_chunk_weights(query: Tensor, key: Tensor, cumulative: Tensor, scalar: bool) -> Tensor:
     """[..., C, C] weights of key j for query i inside a chunk: (q_i . k_j) exp(G_i - G_j) for j <= i, with G the
-    inclusive cumulative log decay (the scalar case) or sum_d q_id k_jd exp(G_id - G_jd) (per channel). The upper
-    triangle is masked before the exponential: there G_i - G_j >= 0 could overflow."""
+    inclusive cumulative log decay (the scalar case), or sum_d q_id k_jd exp(G_id - G_jd) (per channel: see
+    :func:`_channel_weights`). The upper triangle is masked before the exponential: there G_i - G_j >= 0 could
+    overflow."""
     c = query.shape[-2]
     upper = torch.ones(c, c, dtype=torch.bool, device=query.device).triu_(1)
     if scalar:
         gaps = (cumulative - cumulative.transpose(-1, -2)).masked_fill(upper, float("-inf"))
         return (query @ key.transpose(-1, -2)) * gaps.exp().to(query.dtype)
+    if c % SUB_CHUNK or c == SUB_CHUNK:
+        return _channel_weights_explicit(query, key, cumulative)
+    return _channel_weights(query, key, cumulative)
+
+
+def _channel_weights_explicit(query: Tensor, key: Tensor, cumulative: Tensor) -> Tensor:
+    """sum_d q_id k_jd exp(G_id - G_jd) for j <= i from the [..., C, C, K] exponents themselves."""
+    c = query.shape[-2]
+    upper = torch.ones(c, c, dtype=torch.bool, device=query.device).triu_(1)
     gaps = (cumulative[..., :, None, :] - cumulative[..., None, :, :]).masked_fill(upper[..., None], float("-inf"))
     return (query[..., :, None, :] * key[..., None, :, :] * gaps.exp().to(query.dtype)).sum(dim=-1)
+
+
+def _channel_weights(query: Tensor, key: Tensor, cumulative: Tensor) -> Tensor:
+    """The per-channel weights of :func:`_within_chunk_weights` through sub-chunks of SUB_CHUNK tokens (GLA's
+    secondary chunking, Section 4.3): inside a sub-chunk from the exponents themselves; between query sub-chunk s
+    and an earlier key sub-chunk t factorised as q_i exp(G_i - B_s) . exp(B_s - E_t) . k_j exp(E_t - G_j), with B_s
+    the cumulative decay before s and E_t at the end of t. Each exponent is <= 0 (nothing overflows), and the
+    [C, C, K] tensor becomes [C, SUB_CHUNK, K] plus [C, C / SUB_CHUNK, K]."""
+    *lead, c, dk = query.shape
+    count, size = c // SUB_CHUNK, SUB_CHUNK
+    q_s, k_s, g_s = (t.unflatten(-2, (count, size)) for t in (query, key, cumulative))  # [..., S, c, K]
+    inside = _channel_weights_explicit(q_s, k_s, g_s)  # [..., S, c, c]
+    ends = g_s[..., -1:, :]  # E_t [..., S, 1, K]
+    befores = torch.cat([torch.zeros_like(ends[..., :1, :, :]), ends[..., :-1, :, :]], dim=-3)  # B_s
+    q_hat = q_s * (g_s - befores).exp().to(query.dtype)
+    k_hat = k_s * (ends - g_s).exp().to(key.dtype)
+    not_before = torch.ones(count, count, dtype=torch.bool, device=query.device).triu_()  # t >= s
+    between = (befores[..., :, None, :, :] - ends[..., None, :, :, :]).masked_fill(not_before[..., None, None],
+                                                                                   float("-inf"))
+    across = (q_hat[..., :, None, :, :] * between.exp().to(query.dtype)) @ k_hat[..., None, :, :, :].transpose(-1, -2)
+    eye = torch.eye(count, dtype=query.dtype, device=query.device)[..., None, None]
+    blocks = across + eye * inside[..., :, None, :, :]  # [..., S (queries), S (keys), c, c]
+    return blocks.transpose(-3, -2).reshape(*lead, c, c)
 
 
 def _chunk_parts(query: Tensor, key: Tensor, value: Tensor, log_decay: Tensor, scalar: bool
