@@ -7,7 +7,16 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from fla_peer import KeepFloat64, fla_naive, per_row_without_padding, to_fla
+from gated_scan_checks import (
+    KeepFloat64,
+    assert_causal_form_is_subquadratic,
+    assert_equals_peer_without_padding,
+    assert_never_looks_ahead,
+    assert_scan_equals_recurrence,
+    assert_trains_under_bf16_autocast,
+    fla_naive,
+    to_fla,
+)
 from gpu_path_checks import assert_gpu_result_close
 
 from longattn import attention
@@ -19,7 +28,7 @@ from longattn.attention.ops.gated_scan import (
     gated_scan_chunked,
     gated_scan_reference,
 )
-from longattn.testing import LargestTensorRecorder, random_qkv, scattered_mask
+from longattn.testing import random_qkv, scattered_mask
 
 DIM, HEADS = 32, 2
 
@@ -45,30 +54,15 @@ def test_equals_fla_naive_recurrence_in_float64_with_padding(n):
             out, _ = naive.naive_recurrent_gla(*to_fla(q_, k_, v_, g_))
         return to_fla(out)[0]
 
-    out = gated_linear_attention(q, k, v, g, mask, is_causal=True)
-    want = per_row_without_padding(peer, mask, q, k, v, g)
-    assert want.dtype == torch.float64
-    torch.testing.assert_close(out, want)
-    upstream = torch.randn_like(out)
-    for got, expected in zip(torch.autograd.grad(out, (q, k, v, g), upstream),
-                             torch.autograd.grad(want, (q, k, v, g), upstream)):
-        torch.testing.assert_close(got, expected)
+    assert_equals_peer_without_padding(gated_linear_attention(q, k, v, g, mask, is_causal=True), peer, mask,
+                                       [q, k, v, g])
 
 
 @pytest.mark.parametrize("scan", [gated_scan_chunked, gated_scan_batched], ids=["chunked", "batched"])
 @pytest.mark.parametrize("chunk", [1, 16, 64])
 def test_chunked_scan_equals_the_step_by_step_recurrence(scan, chunk):
-    n = 100  # not a multiple of 16 or 64
-    q, k, v = random_qkv(2, 2, n, 8)
-    g = log_decays(2, 2, n, 8, strength=3.0)  # strong decay: the exponents stay <= 0 all the same
-    out, state = scan(q, k, v, g, chunk)
-    want, want_state = gated_scan_reference(q, k, v, g)
-    torch.testing.assert_close(out, want)
-    torch.testing.assert_close(state, want_state)
-    upstream = torch.randn_like(out)
-    for got, expected in zip(torch.autograd.grad(out, (q, k, v, g), upstream),
-                             torch.autograd.grad(want, (q, k, v, g), upstream)):
-        torch.testing.assert_close(got, expected)
+    # N = 100 is not a multiple of 16 or 64; a strong decay: the exponents stay <= 0 all the same
+    assert_scan_equals_recurrence(scan, [*random_qkv(2, 2, 100, 8), log_decays(2, 2, 100, 8, strength=3.0)], chunk)
 
 
 def test_a_chunked_scan_continues_from_a_state():
@@ -145,12 +139,7 @@ def test_every_component_can_be_switched(options):
 
 
 def test_causal_module_never_looks_ahead():
-    layer = attention.build("gla", dim=16, heads=2, causal=True).double()
-    x = torch.randn(2, 50, 16, dtype=torch.float64)
-    out = layer(x)
-    x2 = x.clone()
-    x2[:, 30:] += torch.randn_like(x2[:, 30:]) * 10
-    torch.testing.assert_close(layer(x2)[:, :30], out[:, :30])
+    assert_never_looks_ahead("gla")
 
 
 def test_bad_options_and_inputs_raise():
@@ -165,31 +154,11 @@ def test_bad_options_and_inputs_raise():
 
 
 def test_causal_form_builds_no_quadratic_intermediate():
-    n = 4096
-    layer = attention.build("gla", dim=32, heads=1, causal=True)
-    x = torch.randn(1, n, 32, requires_grad=True)
-    with LargestTensorRecorder() as rec:
-        layer(x).sum().backward()
-    assert rec.max_numel <= n * n // 8, (rec.max_shape, rec.max_op)
+    assert_causal_form_is_subquadratic("gla")
 
 
 def test_bf16_autocast_trains_on_the_cpu_path():
-    torch.manual_seed(0)
-    layer = attention.build("gla", dim=DIM, heads=HEADS, causal=True)
-    optimiser = torch.optim.Adam(layer.parameters(), lr=1e-2)
-    x, target = torch.randn(2, 33, DIM), torch.randn(2, 33, DIM)
-    mask = scattered_mask(2, 33)
-    losses = []
-    for _ in range(10):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = layer(x, mask)
-            loss = (out.float() - target)[mask].square().mean()
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-        losses.append(loss.item())
-    assert out.dtype == torch.bfloat16 and all(value == value for value in losses)
-    assert losses[-1] < losses[0]
+    assert_trains_under_bf16_autocast("gla")
 
 
 def test_fla_kernels_are_only_taken_on_cuda():

@@ -39,6 +39,7 @@ from longattn.attention.ops.gated_scan import (
     gated_parallel_reference,
     gated_scan_step,
     masked_gated_scan,
+    without_padding,
 )
 
 GATE_RANK = 16  # Section 4.4: W_a1 W_a2 of rank 16
@@ -82,9 +83,7 @@ def gated_linear_attention_reference(
     chunk_size: int = SCAN_CHUNK,
 ) -> Tensor:
     """The parallel form of eq. 4 with the [N, N, Dh] decay weights; for tests only (``chunk_size`` is ignored)."""
-    if attention_mask is not None:
-        pad = ~attention_mask[:, None, :, None]
-        key, value, log_decay = key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
+    key, value, log_decay = without_padding(attention_mask, key, value, log_decay)
     return gated_parallel_reference(query * _scale_of(scale, key.shape[-1]), key, value, log_decay,
                                     is_causal=is_causal)
 
@@ -164,8 +163,6 @@ class GatedLinearAttention(AttentionBase):
                     layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
         q, k, v = self.proj.qkv(x)
         log_decay = self.log_decay(x)
-        if real is not None:  # a padded token leaves the state as it is
-            pad = ~real[:, None, None, None]
-            k, v, log_decay = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
+        k, v, log_decay = without_padding(None if real is None else real[:, None], k, v, log_decay)
         out, state.sums = gated_scan_step(q * _scale_of(self.scale, self.head_dim), k, v, log_decay, state.sums)
         return self.finish(x, out), state

@@ -46,6 +46,7 @@ from longattn.attention.ops.gated_scan import (
     gated_parallel_reference,
     gated_scan_step,
     masked_gated_scan,
+    without_padding,
 )
 
 CONV_SIZE = 4  # mamba_ssm's d_conv
@@ -85,9 +86,7 @@ def ssd_attention_reference(
     chunk_size: int = SCAN_CHUNK,
 ) -> Tensor:
     """SSD's quadratic (attention) form, eq. 16, with the [N, N] decay mask; for tests only."""
-    if attention_mask is not None:
-        pad = ~attention_mask[:, None, :, None]
-        key, value, log_decay = key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
+    key, value, log_decay = without_padding(attention_mask, key, value, log_decay)
     return gated_parallel_reference(query, key, value, log_decay, is_causal=is_causal)
 
 
@@ -215,9 +214,7 @@ class Mamba2(AttentionBase):
                     layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
         mask = None if real is None else real[:, None]
         c, b, dt_x, log_decay, values, channels = self.scan_inputs(x, mask, state.extra.get("conv"))
-        if real is not None:  # a padded token leaves the state as it is
-            pad = ~real[:, None, None, None]
-            b, dt_x, log_decay = b.masked_fill(pad, 0.0), dt_x.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
+        b, dt_x, log_decay = without_padding(mask, b, dt_x, log_decay)  # a padded token leaves the state as it is
         out, state.sums = gated_scan_step(c, b, dt_x, log_decay, state.sums)
         if self.conv is not None:
             state.extra["conv"] = self._conv_history(channels, state.extra["conv"])

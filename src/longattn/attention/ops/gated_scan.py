@@ -52,12 +52,12 @@ __all__ = [
     "gated_parallel_reference",
     "gated_scan_step",
     "masked_gated_scan",
+    "without_padding",
 ]
 
 SCAN_CHUNK = 64  # fla's chunk size for both kernels
 SUB_CHUNK = 16  # fla's sub-chunk of chunk_gla (BC): the per-channel weights inside a chunk go through it
 
-Scan = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def check_log_decay(log_decay: Tensor, key: Tensor) -> None:
@@ -268,6 +268,16 @@ def bidirectional_gated_scan(query: Tensor, key: Tensor, value: Tensor, log_deca
     return forward + flip(backward) - (query * key).sum(dim=-1, keepdim=True) * value
 
 
+def without_padding(attention_mask: Tensor | None, key: Tensor, value: Tensor, log_decay: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """Keys, values and log decays [B, H, N, *] with the padded tokens' replaced by zeros (``attention_mask``
+    [B, N], True = real; None: all real): no key, no value, no decay, so the state passes a padded token unchanged."""
+    if attention_mask is None:
+        return key, value, log_decay
+    pad = ~attention_mask[:, None, :, None]
+    return key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
+
+
 def masked_gated_scan(query: Tensor, key: Tensor, value: Tensor, log_decay: Tensor, attention_mask: Tensor | None,
                       *, is_causal: bool, scale: float, chunk: int) -> tuple[Tensor, Tensor | None]:
     """The body of the functional forms on [B, H, N, *]: checks, padded tokens taken out of the scan (no key, no
@@ -281,9 +291,7 @@ def masked_gated_scan(query: Tensor, key: Tensor, value: Tensor, log_decay: Tens
     if not isinstance(chunk, int) or chunk <= 0:
         raise AttentionError(f"chunk_size must be a positive int, got {chunk!r}")
     dtype = output_dtype(query)
-    if attention_mask is not None:
-        pad = ~attention_mask[:, None, :, None]
-        key, value, log_decay = key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
+    key, value, log_decay = without_padding(attention_mask, key, value, log_decay)
     if uses_gpu_path(query):  # the products in the autocast dtype
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     query = query * scale
