@@ -161,15 +161,15 @@ def gated_scan_chunked(query: Tensor, key: Tensor, value: Tensor, log_decay: Ten
 
     Per chunk: o = q exp(G) S_in + (masked decayed q k^T) v, S_out = exp(G_C) S_in + sum_j exp(G_C - G_j) k_j v_j^T
     (GLA eq. 5-6; SSD Section 6, steps 1-4). The last chunk may be shorter: no padding is copied."""
-    b, h, n, dk = key.shape
+    b, h, _, dk = key.shape
     scalar = _is_scalar(log_decay, key)
     if state is None:
         state = key.new_zeros(b, h, dk, value.shape[-1])
     outputs = []
-    for start in range(0, n, chunk):
-        part = slice(start, start + chunk)
-        within, query_decayed, chunk_state, total = _chunk_parts(
-            query[:, :, part], key[:, :, part], value[:, :, part], log_decay[:, :, part], scalar)
+    # split, not sliced chunk by chunk: the backward of a split is one concatenation, that of N / C slices as many
+    # N-long zero tensors (quadratic time)
+    for parts in zip(*(t.split(chunk, dim=2) for t in (query, key, value, log_decay))):
+        within, query_decayed, chunk_state, total = _chunk_parts(*parts, scalar)
         outputs.append(within + query_decayed @ state)
         state = total.transpose(-1, -2).exp().to(state.dtype) * state + chunk_state
     return torch.cat(outputs, dim=2), state
