@@ -23,6 +23,8 @@ ROUTES = {
     "local": ("llama", "enable", {"window_size": 4}),
     "longformer": ("llama", "enable", {"attention_window": 4, "global_positions": (0, 12, 20)}),
     "realformer": ("llama", "convert", {}),
+    "gla": ("llama", "convert", {}),
+    "mamba2": ("llama", "convert", {}),
     "transformer_ls": ("llama", "convert", {"window_size": 4, "chunk_size": 3}),
     "luna": ("bert", "convert", {"pack_length": 4}),
     "synthesizer": ("bert", "convert", {}),

@@ -1,0 +1,117 @@
+"""Checks shared by the tests of the gated-scan mechanisms (gla, mamba2), and flash-linear-attention's naive
+references as their peer, run in float64.
+
+fla's ``naive.py`` functions cast their inputs to float32 (``.float()``, ``.to(torch.float32)``) before the
+recurrence. Inside :class:`KeepFloat64` those casts of float64 tensors return the tensor itself, so the peer runs
+its own loop in float64 and the comparison is float64-exact: a mistake of 1e-7 shows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from longattn import attention
+from longattn.attention.ops.gated_scan import gated_scan_reference
+from longattn.testing import LargestTensorRecorder, assert_forward_backward_close, scattered_mask
+
+
+class KeepFloat64(TorchFunctionMode):
+    """``Tensor.float()`` and ``Tensor.to(torch.float32)`` leave float64 tensors as they are."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.float, torch.Tensor.to) and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype == torch.float64:
+            target = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+            if func is torch.Tensor.float or target is torch.float32:
+                return args[0]
+        return func(*args, **kwargs)
+
+
+def fla_naive(module: str):
+    """``fla/ops/<module>/naive.py`` of fla-core (skips the test without it, the 'peers' extra), loaded from its file:
+    it needs only torch and einops, while importing the ``fla`` package loads every layer and model it has (~10 s)."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or spec.origin is None:
+        pytest.skip("the peer references need fla-core (the 'peers' extra)")
+    path = Path(spec.origin).parent / "ops" / module / "naive.py"
+    loaded = importlib.util.spec_from_file_location(f"fla_naive_{module}", path)
+    naive = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(naive)
+    return naive
+
+
+def to_fla(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """[B, H, N, *] -> fla's [B, N, H, *] (and back: the same transpose)."""
+    return [t.transpose(1, 2) for t in tensors]
+
+
+def per_row_without_padding(fn, mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` on each row's real tokens alone ([1, H, n_real, *]), scattered back to [B, H, N, *] (zeros at padding)."""
+    rows = []
+    for b in range(mask.shape[0]):
+        out = fn(*(t[b:b + 1, :, mask[b]] for t in tensors))
+        row = out.new_zeros(1, out.shape[1], mask.shape[1], out.shape[-1])
+        row[:, :, mask[b]] = out
+        rows.append(row)
+    return torch.cat(rows)
+
+
+def assert_equals_peer_without_padding(out: torch.Tensor, peer, mask: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """``out`` (a functional form on ``inputs`` with ``mask``) equals ``peer`` on each row's real tokens alone, in
+    float64, forward and gradients of every input: padded tokens are skipped, wherever they sit."""
+    want = per_row_without_padding(peer, mask, *inputs)
+    assert want.dtype == torch.float64
+    assert_forward_backward_close(out, want, inputs)
+
+
+def assert_scan_equals_recurrence(scan, inputs: list[torch.Tensor], chunk: int) -> None:
+    """``scan(q, k, v, g, chunk)`` gives the token-by-token recurrence's outputs and gradients, and its final state."""
+    out, state = scan(*inputs, chunk)
+    want, want_state = gated_scan_reference(*inputs)
+    torch.testing.assert_close(state, want_state)
+    assert_forward_backward_close(out, want, inputs)
+
+
+def assert_never_looks_ahead(name: str) -> None:
+    layer = attention.build(name, dim=16, heads=2, causal=True).double()
+    x = torch.randn(2, 50, 16, dtype=torch.float64)
+    changed = x.clone()
+    changed[:, 30:] += torch.randn_like(changed[:, 30:]) * 10
+    torch.testing.assert_close(layer(changed)[:, :30], layer(x)[:, :30])
+
+
+def assert_causal_form_is_subquadratic(name: str, n: int = 4096) -> None:
+    """No tensor above N^2 / 8 in forward and backward of the causal form (the contract test covers the other)."""
+    layer = attention.build(name, dim=32, heads=1, causal=True)
+    x = torch.randn(1, n, 32, requires_grad=True)
+    with LargestTensorRecorder() as rec:
+        layer(x).sum().backward()
+    assert rec.max_numel <= n * n // 8, (rec.max_shape, rec.max_op)
+
+
+def assert_trains_under_bf16_autocast(name: str, dim: int = 32, heads: int = 2, steps: int = 10) -> None:
+    """Ten Adam steps of the causal module form under CPU bf16 autocast (the CPU path) with scattered padding: the
+    output is bf16, every loss finite, the last below the first."""
+    torch.manual_seed(0)
+    layer = attention.build(name, dim=dim, heads=heads, causal=True)
+    optimiser = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    x, target = torch.randn(2, 33, dim), torch.randn(2, 33, dim)
+    mask = scattered_mask(2, 33)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x, mask)
+            loss = (out.float() - target)[mask].square().mean()
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        losses.append(loss.item())
+    assert out.dtype == torch.bfloat16 and all(value == value for value in losses)
+    assert losses[-1] < losses[0]
