@@ -106,8 +106,11 @@ def moba_attention(
     check_moba_options(block_size, top_k)
     options = MobaOptions(block_size, top_k, is_causal, 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
     dtype = output_dtype(query)
-    pad = -key.shape[2] % block_size  # whole blocks once, not per chunk
-    key_real = None if attention_mask is None else F.pad(attention_mask, (0, pad), value=False)
+    pad = -key.shape[2] % block_size  # whole blocks once, not per chunk; the positions added are not keys
+    key_real = attention_mask
+    if pad:
+        key_real = F.pad(torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
+                         if attention_mask is None else attention_mask, (0, pad), value=False)
     key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
     means, mean_ok = block_key_means(key, block_size, key_real)
     n = query.shape[2]
