@@ -72,37 +72,44 @@ def selected_block_attention(query: Tensor, key: Tensor, value: Tensor, blocks: 
     n_blocks = -(-n_keys // block_size)
     device = query.device
     heads = b * h
+    groups_total = heads * n_blocks
+    empty_row = heads * q  # padding slots and unselected entries read a zero query and see no key
+    # one entry per (query, selection slot): its query row in [heads * Q] and its (head, block) group; a slot
+    # without a selection goes to an extra last group whose rows are empty
     count = blocks.shape[-1]
-    # one entry per (query, valid selected block): its query row in [heads * Q] and its (head, block) group
     rows = torch.arange(heads * q, device=device).repeat_interleave(count)
     groups = (torch.arange(heads, device=device).view(b, h, 1, 1) * n_blocks + blocks).flatten()
     keep = valid.flatten()
-    rows, groups = rows[keep], groups[keep]
-    # sorted by group; each group's entries padded to whole tiles of QUERY_TILE
+    rows = torch.where(keep, rows, empty_row)
+    groups = torch.where(keep, groups, groups_total)
+    # sorted by group, each group's entries padded to whole tiles of QUERY_TILE; the slots are sized for the
+    # worst case (every group a tile short) so that no shape depends on the selection (no host sync)
     groups, order = torch.sort(groups, stable=True)
     rows = rows[order]
-    sizes = torch.bincount(groups, minlength=heads * n_blocks)
-    padded = -(-sizes // QUERY_TILE) * QUERY_TILE
+    sizes = torch.zeros(groups_total + 1, dtype=torch.long, device=device).index_add(
+        0, groups, torch.ones_like(groups))
+    padded = torch.div(sizes + QUERY_TILE - 1, QUERY_TILE, rounding_mode="floor") * QUERY_TILE
     first_sorted = torch.cumsum(sizes, 0) - sizes
     first_padded = torch.cumsum(padded, 0) - padded
     slots = first_padded[groups] + torch.arange(groups.numel(), device=device) - first_sorted[groups]
-    total = int(padded.sum())
-    tiles = total // QUERY_TILE
-    if tiles == 0:
-        return query.new_zeros(b, h, q, dv)
-    empty_row = heads * q  # the padding slots read a zero query and see no key
+    tiles = -(-(groups.numel() + (groups_total + 1) * (QUERY_TILE - 1)) // QUERY_TILE)
+    total = tiles * QUERY_TILE
     slot_rows = torch.full((total,), empty_row, dtype=torch.long, device=device).index_put((slots,), rows)
     tile_groups = torch.zeros(tiles, dtype=torch.long, device=device).index_put((slots // QUERY_TILE,), groups)
+    tile_groups = tile_groups.clamp_max(groups_total - 1)  # the extra group's tiles hold empty rows only
 
     queries = F.pad(query.reshape(heads * q, d), (0, 0, 0, 1))[slot_rows].view(tiles, QUERY_TILE, d)
     pad = n_blocks * block_size - n_keys
-    key_blocks = F.pad(key, (0, 0, 0, pad)).reshape(heads * n_blocks, block_size, d)
-    value_blocks = F.pad(value, (0, 0, 0, pad)).reshape(heads * n_blocks, block_size, dv)
+    if pad:
+        key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
+    key_blocks = key.reshape(groups_total, block_size, d)
+    value_blocks = value.reshape(groups_total, block_size, dv)
     tile_keys, tile_values = key_blocks[tile_groups], value_blocks[tile_groups]
 
     key_pos = (tile_groups % n_blocks)[:, None] * block_size + torch.arange(block_size, device=device)  # [T, bs]
     real = torch.ones(b, n_keys, dtype=torch.bool, device=device) if key_real is None else key_real
-    real = F.pad(real, (0, pad), value=False)  # positions past the keys do not exist
+    if pad:
+        real = F.pad(real, (0, pad), value=False)  # positions past the keys do not exist
     allowed = real[(tile_groups // (h * n_blocks))[:, None], key_pos][:, None, :]
     allowed = allowed & (slot_rows != empty_row).view(tiles, QUERY_TILE, 1)
     if causal:
