@@ -41,7 +41,7 @@ from longattn.attention.ops.block_select import block_key_means, selected_block_
 
 # Query tokens per chunk of the CPU path: its gate scores [chunk, N / block] and its selected scores
 # [chunk, top_k x block] are the only per-chunk memory, recomputed in backward.
-MOBA_CHUNK_TOKENS = 1024
+MOBA_CHUNK_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def moba_attention(
     if pad:
         key_real = F.pad(torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
                          if attention_mask is None else attention_mask, (0, pad), value=False)
-    key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
+    key, value = F.pad(key, (0, 0, 0, pad)).contiguous(), F.pad(value, (0, 0, 0, pad)).contiguous()
     means, mean_ok = block_key_means(key, block_size, key_real)
     n = query.shape[2]
     chunk = n if uses_gpu_path(query) else MOBA_CHUNK_TOKENS

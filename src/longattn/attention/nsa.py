@@ -59,7 +59,7 @@ BRANCHES = ("compressed", "selected", "window")
 COMPRESSORS = ("mlp", "mean")
 # Query tokens per chunk of the CPU path: its compressed scores [chunk, N / d] and its selected scores
 # [chunk, n x l'] are the only per-chunk memory, recomputed in backward.
-NSA_CHUNK_TOKENS = 1024
+NSA_CHUNK_TOKENS = 4096
 
 # phi of eq. 7: blocks [B, H, blocks, l, D] and which of their keys are real [B, blocks, l] -> [B, H, blocks, D]
 Compressor = Callable[[Tensor, Tensor], Tensor]
@@ -249,6 +249,7 @@ def nsa_attention(
 def _compressed_and_selected(query: Tensor, key: Tensor, value: Tensor, key_real: Tensor, options: NsaOptions,
                              key_compressor: Compressor, value_compressor: Compressor) -> tuple[Tensor, Tensor]:
     key_cmp, value_cmp, cmp_ok = compressed_tokens(key, value, key_real, options, key_compressor, value_compressor)
+    key, value = key.contiguous(), value.contiguous()  # once: every chunk reads them as whole blocks
     n = query.shape[2]
     chunk = n if uses_gpu_path(query) else NSA_CHUNK_TOKENS
     compressed, selected = [], []

@@ -27,7 +27,7 @@ __all__ = ["QUERY_TILE", "block_key_means", "selected_block_attention", "top_blo
 
 # Queries per tile of selected_block_attention: the M of its [M, block] products; a block's queries are
 # padded to a multiple of it, so a smaller tile wastes less on blocks few queries select.
-QUERY_TILE = 32
+QUERY_TILE = 64
 
 
 def top_blocks(scores: Tensor, count: int, allowed: Tensor) -> tuple[Tensor, Tensor]:
@@ -98,7 +98,9 @@ def selected_block_attention(query: Tensor, key: Tensor, value: Tensor, blocks: 
     tile_groups = torch.zeros(tiles, dtype=torch.long, device=device).index_put((slots // QUERY_TILE,), groups)
     tile_groups = tile_groups.clamp_max(groups_total - 1)  # the extra group's tiles hold empty rows only
 
-    queries = F.pad(query.reshape(heads * q, d), (0, 0, 0, 1))[slot_rows].view(tiles, QUERY_TILE, d)
+    # the scale folded into the queries (Q x D products, not T x M x block); the padding slots' zero queries
+    # score 0 against every key and land in the dropped row, so they need no mask
+    queries = F.pad(query.reshape(heads * q, d) * scale, (0, 0, 0, 1))[slot_rows].view(tiles, QUERY_TILE, d)
     pad = n_blocks * block_size - n_keys
     if pad:
         key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
@@ -106,18 +108,20 @@ def selected_block_attention(query: Tensor, key: Tensor, value: Tensor, blocks: 
     value_blocks = value.reshape(groups_total, block_size, dv)
     tile_keys, tile_values = key_blocks[tile_groups], value_blocks[tile_groups]
 
+    scores = (queries @ tile_keys.transpose(1, 2)).to(compute_dtype(query.dtype))  # [T, M, bs]
     key_pos = (tile_groups % n_blocks)[:, None] * block_size + torch.arange(block_size, device=device)  # [T, bs]
-    real = torch.ones(b, n_keys, dtype=torch.bool, device=device) if key_real is None else key_real
-    if pad:
-        real = F.pad(real, (0, pad), value=False)  # positions past the keys do not exist
-    allowed = real[(tile_groups // (h * n_blocks))[:, None], key_pos][:, None, :]
-    allowed = allowed & (slot_rows != empty_row).view(tiles, QUERY_TILE, 1)
+    allowed = None
+    if key_real is not None or pad:
+        real = torch.ones(b, n_keys, dtype=torch.bool, device=device) if key_real is None else key_real
+        if pad:
+            real = F.pad(real, (0, pad), value=False)  # positions past the keys do not exist
+        allowed = real[(tile_groups // (h * n_blocks))[:, None], key_pos][:, None, :]
     if causal:
         query_pos = F.pad(query_positions, (0, 1))[torch.where(slot_rows == empty_row, q, slot_rows % q)]
-        allowed = allowed & (key_pos[:, None, :] <= query_pos.view(tiles, QUERY_TILE, 1))
-
-    scores = (queries @ tile_keys.transpose(1, 2)).to(compute_dtype(query.dtype))  # [T, M, bs]
-    scores = (scores * scale).masked_fill(~allowed, float("-inf"))
+        after = key_pos[:, None, :] <= query_pos.view(tiles, QUERY_TILE, 1)
+        allowed = after if allowed is None else allowed & after
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     # one softmax over every selected key of a query: the per-query maximum (any constant cancels, so it is
     # detached), the shifted exponentials, and their sums and weighted values scattered back to the queries
     slot_max = scores.detach().amax(-1).flatten()
