@@ -6,7 +6,7 @@ import torch
 
 from longattn import attention
 from longattn.attention import AttentionError
-from longattn.attention import moba as moba_module
+from longattn.attention.ops import block_select
 from longattn.attention.moba import MobaOptions, moba_attention, moba_attention_reference, moba_select
 from longattn.attention.ops.block_select import block_key_means
 from longattn.testing import LargestTensorRecorder
@@ -22,7 +22,7 @@ def qkv(n, b=2, h=2, d=8, seed=0):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n, masked", [(1, True), (37, False), (37, True), (101, True)])
 def test_fast_paths_equal_the_float64_reference(path, causal, n, masked, monkeypatch):
-    monkeypatch.setattr(moba_module, "MOBA_CHUNK_TOKENS", 16)  # several chunks, recomputed in backward
+    monkeypatch.setattr(block_select, "CHUNK_SCORES", 16 * 24)  # chunks of 16 queries, recomputed in backward
     q, k, v = qkv(n)
     mask = (torch.rand(2, n, generator=torch.Generator().manual_seed(1)) > 0.3) if masked else None
     options = dict(block_size=8, top_k=3, is_causal=causal)
@@ -72,7 +72,7 @@ def test_no_quadratic_intermediate_in_the_causal_form():
         return rec.max_numel
 
     big = largest(4096)
-    assert big <= 4096 * 4096 // 16 and big <= 2.5 * largest(2048)
+    assert big <= 4096 * 4096 // 4 and big <= 2.5 * largest(2048)
 
 
 @pytest.mark.parametrize("causal", [False, True])

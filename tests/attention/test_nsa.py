@@ -7,7 +7,7 @@ import torch
 
 from longattn import attention
 from longattn.attention import AttentionError
-from longattn.attention import nsa as nsa_module
+from longattn.attention.ops import block_select
 from longattn.attention.nsa import BlockCompressor, nsa_attention, nsa_attention_reference
 from longattn.testing import LargestTensorRecorder
 
@@ -32,7 +32,7 @@ def trained_compressor(block, d, seed):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n, masked", [(1, True), (37, False), (53, True)])
 def test_fast_paths_equal_the_float64_reference(path, causal, n, masked, monkeypatch):
-    monkeypatch.setattr(nsa_module, "NSA_CHUNK_TOKENS", 16)  # several chunks, recomputed in backward
+    monkeypatch.setattr(block_select, "CHUNK_SCORES", 16 * 48)  # chunks of 16 queries, recomputed in backward
     q, k, v = qkv(n)
     gates = torch.rand(2, 4, n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
     mask = (torch.rand(2, n, generator=torch.Generator().manual_seed(1)) > 0.3) if masked else None

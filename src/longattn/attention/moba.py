@@ -37,12 +37,7 @@ from longattn.attention.base import (
     uses_gpu_path,
 )
 from longattn.attention.decoding import DecodingState, KVState
-from longattn.attention.ops.block_select import block_key_means, selected_block_attention, top_blocks
-
-# Query tokens per chunk of the CPU path: its gate scores [chunk, N / block] and its selected scores
-# [chunk, top_k x block] are the only per-chunk memory, recomputed in backward.
-MOBA_CHUNK_TOKENS = 4096
-
+from longattn.attention.ops.block_select import block_key_means, query_chunk, selected_block_attention, top_blocks
 
 @dataclass(frozen=True)
 class MobaOptions:
@@ -114,7 +109,7 @@ def moba_attention(
     key, value = F.pad(key, (0, 0, 0, pad)).contiguous(), F.pad(value, (0, 0, 0, pad)).contiguous()
     means, mean_ok = block_key_means(key, block_size, key_real)
     n = query.shape[2]
-    chunk = n if uses_gpu_path(query) else MOBA_CHUNK_TOKENS
+    chunk = n if uses_gpu_path(query) else query_chunk(top_k * block_size)
     parts = []
     for start in range(0, n, chunk):
         rows = query[:, :, start:start + chunk]

@@ -53,13 +53,10 @@ from longattn.attention.base import (
 )
 from longattn.attention.chunked import Band, SparsePattern, window_chunk, windowed_attention
 from longattn.attention.decoding import DecodingState, KVState, attend_keys
-from longattn.attention.ops.block_select import selected_block_attention, top_blocks
+from longattn.attention.ops.block_select import query_chunk, selected_block_attention, top_blocks
 
 BRANCHES = ("compressed", "selected", "window")
 COMPRESSORS = ("mlp", "mean")
-# Query tokens per chunk of the CPU path: its compressed scores [chunk, N / d] and its selected scores
-# [chunk, n x l'] are the only per-chunk memory, recomputed in backward.
-NSA_CHUNK_TOKENS = 4096
 
 # phi of eq. 7: blocks [B, H, blocks, l, D] and which of their keys are real [B, blocks, l] -> [B, H, blocks, D]
 Compressor = Callable[[Tensor, Tensor], Tensor]
@@ -251,7 +248,7 @@ def _compressed_and_selected(query: Tensor, key: Tensor, value: Tensor, key_real
     key_cmp, value_cmp, cmp_ok = compressed_tokens(key, value, key_real, options, key_compressor, value_compressor)
     key, value = key.contiguous(), value.contiguous()  # once: every chunk reads them as whole blocks
     n = query.shape[2]
-    chunk = n if uses_gpu_path(query) else NSA_CHUNK_TOKENS
+    chunk = n if uses_gpu_path(query) else query_chunk(options.select_count * options.select_block)
     compressed, selected = [], []
     for start in range(0, n, chunk):
         rows = query[:, :, start:start + chunk]

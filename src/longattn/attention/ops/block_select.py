@@ -23,11 +23,19 @@ from torch import Tensor
 
 from longattn.attention.base import compute_dtype
 
-__all__ = ["QUERY_TILE", "block_key_means", "selected_block_attention", "top_blocks"]
+__all__ = ["CHUNK_SCORES", "QUERY_TILE", "block_key_means", "query_chunk", "selected_block_attention", "top_blocks"]
 
 # Queries per tile of selected_block_attention: the M of its [M, block] products; a block's queries are
 # padded to a multiple of it, so a smaller tile wastes less on blocks few queries select.
 QUERY_TILE = 64
+# Selected scores per chunk of queries on the CPU path (about 8 MiB in float32): a chunk's scores, weights and
+# masks are its only memory beyond the inputs, recomputed in backward.
+CHUNK_SCORES = 2**21
+
+
+def query_chunk(selected_keys: int) -> int:
+    """Queries per chunk of the CPU path when each query scores ``selected_keys`` keys."""
+    return max(1, CHUNK_SCORES // max(1, selected_keys))
 
 
 def top_blocks(scores: Tensor, count: int, allowed: Tensor) -> tuple[Tensor, Tensor]:
