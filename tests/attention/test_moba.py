@@ -3,15 +3,14 @@ effect and no gradient), decoding, packing, bf16 autocast training, and fla's ke
 
 import pytest
 import torch
+from selection_checks import (DIM, HEADS, assert_decoding_equals_forward, assert_packed_equals_padded,
+                              bf16_autocast_losses, largest_intermediate)
 
 from longattn import attention
 from longattn.attention import AttentionError
-from longattn.attention.ops import block_select
 from longattn.attention.moba import MobaOptions, moba_attention, moba_attention_reference, moba_select
+from longattn.attention.ops import block_select
 from longattn.attention.ops.block_select import block_key_means
-from longattn.testing import LargestTensorRecorder
-
-DIM, HEADS = 32, 2
 
 
 def qkv(n, b=2, h=2, d=8, seed=0):
@@ -64,72 +63,28 @@ def test_keys_outside_the_selection_have_no_effect_and_no_gradient(causal):
 
 
 def test_no_quadratic_intermediate_in_the_causal_form():
-    def largest(n):
-        layer = attention.build("moba", dim=DIM, heads=1, causal=True)
-        x = torch.randn(1, n, DIM, requires_grad=True)
-        with LargestTensorRecorder() as rec:
-            layer(x).sum().backward()
-        return rec.max_numel
-
-    big = largest(4096)
-    assert big <= 4096 * 4096 // 4 and big <= 2.5 * largest(2048)
+    big = largest_intermediate("moba", 4096)
+    assert big <= 4096 * 4096 // 4 and big <= 2.5 * largest_intermediate("moba", 2048)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_packed_sequences_equal_the_padded_batch(causal):
     torch.manual_seed(0)
     layer = attention.build("moba", dim=DIM, heads=HEADS, causal=causal, block_size=4, top_k=2).double()
-    lengths = [13, 5, 9]
-    sequences = [torch.randn(n, DIM, dtype=torch.float64) for n in lengths]
-    packed = torch.cat(sequences)[None].requires_grad_()
-    padded = torch.zeros(3, max(lengths), DIM, dtype=torch.float64)
-    mask = torch.zeros(3, max(lengths), dtype=torch.bool)
-    for i, s in enumerate(sequences):
-        padded[i, :len(s)], mask[i, :len(s)] = s, True
-    padded.requires_grad_()
-    cu_seqlens = torch.tensor([0, 13, 18, 27])
-    out_packed = layer.forward_packed(packed, cu_seqlens=cu_seqlens)
-    out_padded = layer(padded, mask)
-    torch.testing.assert_close(out_packed[0], out_padded[mask])
-    out_packed.square().sum().backward()
-    out_padded.square().sum().backward()
-    torch.testing.assert_close(packed.grad[0], padded.grad[mask])
+    assert_packed_equals_padded(layer, [13, 5, 9])
 
 
 @pytest.mark.parametrize("options", [{"block_size": 3, "top_k": 1}, {"block_size": 5, "top_k": 3}])
 def test_decoding_equals_the_causal_forward(options):
     torch.manual_seed(0)
     layer = attention.build("moba", dim=DIM, heads=HEADS, causal=True, **options).double().eval()
-    x = torch.randn(3, 26, DIM, dtype=torch.float64)
-    mask = torch.ones(3, 26, dtype=torch.bool)
-    mask[1, :4], mask[2, :9] = False, False
-    full = layer(x, mask)
-    out, state = layer.prefill(x[:, :7], mask[:, :7])
-    rows = [out]
-    for t in range(7, 26):
-        out, state = layer.step(x[:, t:t + 1], state, mask[:, t:t + 1])
-        rows.append(out)
-    torch.testing.assert_close(torch.cat(rows, 1), full, atol=1e-10, rtol=1e-10)
+    state = assert_decoding_equals_forward(layer, n=26, prompt=7)
     assert state.means.shape[2] == 26 // options["block_size"]  # the completed blocks' means
 
 
 def test_bf16_autocast_trains():
     torch.manual_seed(0)
-    layer = attention.build("moba", dim=DIM, heads=HEADS, causal=True, block_size=8, top_k=2)
-    x = torch.randn(2, 64, DIM)
-    target = torch.randn(2, 64, DIM)
-    optimiser = torch.optim.Adam(layer.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(8):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = layer(x)
-            assert out.dtype == torch.bfloat16
-            loss = (out.float() - target).square().mean()
-        optimiser.zero_grad()
-        loss.backward()
-        assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
-        optimiser.step()
-        losses.append(loss.item())
+    losses = bf16_autocast_losses(attention.build("moba", dim=DIM, heads=HEADS, causal=True, block_size=8, top_k=2))
     assert losses[-1] < losses[0]
 
 

@@ -4,14 +4,14 @@ naive references for the compressed branch, the top-n selection and the selected
 
 import pytest
 import torch
+from selection_checks import (DIM, HEADS, assert_decoding_equals_forward, assert_packed_equals_padded,
+                              bf16_autocast_losses, largest_intermediate)
 
 from longattn import attention
 from longattn.attention import AttentionError
-from longattn.attention.ops import block_select
 from longattn.attention.nsa import BlockCompressor, nsa_attention, nsa_attention_reference
-from longattn.testing import LargestTensorRecorder
+from longattn.attention.ops import block_select
 
-DIM, HEADS = 32, 2
 SMALL = dict(compress_block=8, compress_stride=4, select_block=8, select_count=3, window=6, local_blocks=1)
 
 
@@ -105,35 +105,15 @@ def test_keys_outside_the_selection_have_no_effect_and_no_gradient(causal):
 
 
 def test_no_quadratic_intermediate_in_the_causal_form():
-    def largest(n):
-        layer = attention.build("nsa", dim=DIM, heads=1, causal=True)
-        x = torch.randn(1, n, DIM, requires_grad=True)
-        with LargestTensorRecorder() as rec:
-            layer(x).sum().backward()
-        return rec.max_numel
-
-    big = largest(4096)
-    assert big <= 4096 * 4096 // 4 and big <= 2.5 * largest(2048)
+    big = largest_intermediate("nsa", 4096)
+    assert big <= 4096 * 4096 // 4 and big <= 2.5 * largest_intermediate("nsa", 2048)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_packed_sequences_equal_the_padded_batch(causal):
     torch.manual_seed(0)
-    layer = attention.build("nsa", dim=DIM, heads=HEADS, causal=causal, **SMALL).double()
-    lengths = [21, 6, 14]
-    sequences = [torch.randn(n, DIM, dtype=torch.float64) for n in lengths]
-    packed = torch.cat(sequences)[None].requires_grad_()
-    padded = torch.zeros(3, max(lengths), DIM, dtype=torch.float64)
-    mask = torch.zeros(3, max(lengths), dtype=torch.bool)
-    for i, s in enumerate(sequences):
-        padded[i, :len(s)], mask[i, :len(s)] = s, True
-    padded.requires_grad_()
-    out_packed = layer.forward_packed(packed, cu_seqlens=torch.tensor([0, 21, 27, 41]))
-    out_padded = layer(padded, mask)
-    torch.testing.assert_close(out_packed[0], out_padded[mask])
-    out_packed.square().sum().backward()
-    out_padded.square().sum().backward()
-    torch.testing.assert_close(packed.grad[0], padded.grad[mask])
+    assert_packed_equals_padded(attention.build("nsa", dim=DIM, heads=HEADS, causal=causal, **SMALL).double(),
+                                [21, 6, 14])
 
 
 @pytest.mark.parametrize("options", [dict(SMALL, compressor="mean", gated=False),
@@ -145,16 +125,7 @@ def test_decoding_equals_the_causal_forward(options):
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    x = torch.randn(3, 30, DIM, dtype=torch.float64)
-    mask = torch.ones(3, 30, dtype=torch.bool)
-    mask[1, :4], mask[2, :9] = False, False
-    full = layer(x, mask)
-    out, state = layer.prefill(x[:, :7], mask[:, :7])
-    rows = [out]
-    for t in range(7, 30):
-        out, state = layer.step(x[:, t:t + 1], state, mask[:, t:t + 1])
-        rows.append(out)
-    torch.testing.assert_close(torch.cat(rows, 1), full, atol=1e-10, rtol=1e-10)
+    state = assert_decoding_equals_forward(layer, n=30, prompt=7)
     block, stride = options["compress_block"], options["compress_stride"]
     assert state.key_cmp.shape[2] == (30 - block) // stride + 1  # the completed compression blocks
 
@@ -162,20 +133,7 @@ def test_decoding_equals_the_causal_forward(options):
 def test_bf16_autocast_trains():
     torch.manual_seed(0)
     layer = attention.build("nsa", dim=DIM, heads=HEADS, causal=True, **SMALL)
-    x = torch.randn(2, 64, DIM)
-    target = torch.randn(2, 64, DIM)
-    optimiser = torch.optim.Adam(layer.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(8):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = layer(x)
-            assert out.dtype == torch.bfloat16
-            loss = (out.float() - target).square().mean()
-        optimiser.zero_grad()
-        loss.backward()
-        assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
-        optimiser.step()
-        losses.append(loss.item())
+    losses = bf16_autocast_losses(layer)
     assert losses[-1] < losses[0]
     assert layer.key_compressor.position.grad.abs().sum() > 0 and layer.gate.weight.grad.abs().sum() > 0
 
