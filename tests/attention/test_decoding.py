@@ -21,6 +21,8 @@ OPTIONS = {
     "local": {"window_size": 4},
     "longformer": {"attention_window": 4, "dilation": 2, "global_positions": (0, 5, 13)},
     "luna": {"pack_length": 4},
+    "moba": {"block_size": 4, "top_k": 2},
+    "nsa": {"compress_block": 4, "compress_stride": 2, "select_block": 4, "select_count": 4, "local_blocks": 1, "window": 3},
     "performer": {"nb_features": 16},
     # one bucket over the whole sequence and one round: LSH attention is then exact causal attention whatever the
     # random rotations (which are drawn afresh at every call), so the recomputing step can be compared

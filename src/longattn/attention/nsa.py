@@ -1,0 +1,473 @@
+"""NSA, Native Sparse Attention (Yuan et al., ACL 2025, "Native Sparse Attention: Hardware-Aligned and Natively
+Trainable Sparse Attention").
+
+Every query attends through three branches whose outputs are mixed by per-branch sigmoid gates (eq. 5:
+o_t = sum_c g_t^c Attn(q_t, K~_t^c, V~_t^c), c in {cmp, slc, win}):
+
+* **compressed** (eq. 7): the keys and values cut into blocks of ``compress_block`` (l) positions every
+  ``compress_stride`` (d) positions, each block mapped to one key and one value by a learned compressor phi
+  (an MLP with an intra-block position encoding, initialised to the mean; ``compressor="mean"`` is fla's mean
+  pooling), and softmax attention over those N / d compressed tokens;
+* **selected** (eq. 8-12): the compressed attention probabilities, summed onto the selection blocks of
+  ``select_block`` (l') positions they overlap (eq. 9) and over the heads of a group of ``selection_group``
+  heads (eq. 10: the GQA group that shares one selection), choose the top ``select_count`` (n) blocks,
+  ``initial_blocks`` leading and ``local_blocks`` trailing ones always among them (the paper's 1 initial and 2
+  local blocks); softmax attention over the keys of the selected blocks (eq. 12);
+* **window**: softmax attention over the last ``window`` (w) keys.
+
+Causal as in the paper: a compressed block is visible once its last key is in the past, a selection block
+once it starts at or before the query (its later keys masked), the window is [t - w + 1, t]. The encoder
+form sees every compressed and selection block and the w keys centred on the query. ``branches`` switches
+branches off for ablations (the compressed scores still choose the selection when the compressed branch
+is off); ``gated=False`` adds the branches with weight 1.
+
+Cost per query: N / d compressed scores, n x l' selected keys, w window keys; no N x N tensor. The
+selected branch runs :func:`longattn.attention.ops.block_select.selected_block_attention`; the window the
+band of :func:`longattn.attention.chunked.windowed_attention`. The CPU path runs the queries in chunks
+recomputed in backward, the GPU path all at once. The float64 reference builds the N x N masks; fla's
+``naive_nsa_compression``, ``naive_nsa_topk`` and ``naive_nsa_selection`` are the tests' peers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from longattn.attention.base import (
+    AttentionBase,
+    AttentionError,
+    Capabilities,
+    QKVProjection,
+    check_qkv,
+    compute_dtype,
+    output_dtype,
+    padding_safe,
+    recomputed,
+    register_attention,
+    uses_gpu_path,
+)
+from longattn.attention.chunked import Band, SparsePattern, window_chunk, windowed_attention
+from longattn.attention.decoding import DecodingState, KVState, attend_keys
+from longattn.attention.ops.block_select import query_chunk, selected_block_attention, top_blocks
+
+BRANCHES = ("compressed", "selected", "window")
+COMPRESSORS = ("mlp", "mean")
+
+# phi of eq. 7: blocks [B, H, blocks, l, D] and which of their keys are real [B, blocks, l] -> [B, H, blocks, D]
+Compressor = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class NsaOptions:
+    compress_block: int
+    compress_stride: int
+    select_block: int
+    select_count: int
+    window: int
+    initial_blocks: int
+    local_blocks: int
+    selection_group: int
+    branches: tuple[str, ...]
+    is_causal: bool
+    scale: float
+
+
+def check_nsa_options(compress_block: int, compress_stride: int, select_block: int, select_count: int, window: int,
+                      initial_blocks: int, local_blocks: int, branches: tuple[str, ...]) -> None:
+    for label, value in (("compress_block", compress_block), ("compress_stride", compress_stride),
+                         ("select_block", select_block), ("select_count", select_count), ("window", window)):
+        if not isinstance(value, int) or value < 1:
+            raise AttentionError(f"{label} must be a positive int, got {value!r}")
+    if compress_stride > compress_block:
+        raise AttentionError(f"compress_stride ({compress_stride}) must be at most compress_block ({compress_block}): "
+                             "a larger stride would skip keys")
+    for label, value in (("initial_blocks", initial_blocks), ("local_blocks", local_blocks)):
+        if not isinstance(value, int) or value < 0:
+            raise AttentionError(f"{label} must be a non-negative int, got {value!r}")
+    if initial_blocks + local_blocks > select_count:
+        raise AttentionError(f"initial_blocks + local_blocks ({initial_blocks + local_blocks}) must not exceed "
+                             f"select_count ({select_count}): they are part of the selection")
+    unknown = sorted(set(branches) - set(BRANCHES))
+    if unknown or not branches:
+        raise AttentionError(f"branches must be a non-empty subset of {BRANCHES}, got {tuple(branches)!r}")
+
+
+def compress_blocks(t: Tensor, real: Tensor, block: int, stride: int) -> tuple[Tensor, Tensor]:
+    """The compression blocks of eq. 7: block i holds positions [i * d, i * d + l) (zeros past the end), for
+    every i with i * d < N, so a sequence padded at the end has the same blocks with real keys as unpadded.
+    Returns (blocks [B, H, ceil(N / d), l, D], real [B, ceil(N / d), l])."""
+    n = t.shape[2]
+    count = -(-n // stride)
+    pad = (count - 1) * stride + block - n
+    blocks = F.pad(t, (0, 0, 0, pad)).unfold(2, block, stride).transpose(-1, -2)
+    return blocks, F.pad(real, (0, pad), value=False).unfold(1, block, stride)
+
+
+def mean_compressor(blocks: Tensor, real: Tensor) -> Tensor:
+    """phi = the mean of a block's real keys (fla's mean pooling, where the stride equals the block)."""
+    weights = real.to(blocks.dtype)
+    return (blocks * weights[:, None, :, :, None]).sum(3) / weights.sum(-1).clamp_min(1)[:, None, :, None]
+
+
+def compressed_tokens(key: Tensor, value: Tensor, key_real: Tensor, options: NsaOptions, key_compressor: Compressor,
+                      value_compressor: Compressor) -> tuple[Tensor, Tensor, Tensor]:
+    """K~cmp, V~cmp of eq. 7 ([B, H, blocks, D]) and which blocks hold a real key ([B, blocks]). The compressor
+    sees zeros at padded positions (whatever the projections put there), as the decoding cache holds them."""
+    keep = key_real[:, None, :, None]
+    key, value = key.masked_fill(~keep, 0.0), value.masked_fill(~keep, 0.0)
+    key_blocks, real = compress_blocks(key, key_real, options.compress_block, options.compress_stride)
+    value_blocks, _ = compress_blocks(value, key_real, options.compress_block, options.compress_stride)
+    return key_compressor(key_blocks, real), value_compressor(value_blocks, real), real.any(-1)
+
+
+def block_overlaps(options: NsaOptions, compressed: int, selection: int, device: torch.device) -> Tensor:
+    """[compressed blocks, selection blocks]: 1 where compression block i (positions [i d, i d + l)) overlaps
+    selection block j (positions [j l', (j + 1) l')); eq. 9 sums the compressed probabilities so."""
+    start = torch.arange(compressed, device=device) * options.compress_stride
+    first = torch.arange(selection, device=device) * options.select_block
+    return ((start[:, None] < first[None, :] + options.select_block)
+            & (first[None, :] < start[:, None] + options.compress_block))
+
+
+def nsa_select(probs: Tensor, positions: Tensor, key_real: Tensor, n_keys: int, options: NsaOptions
+               ) -> tuple[Tensor, Tensor]:
+    """Eq. 9-12: the selection blocks of each query from its compressed probabilities ``probs`` [B, H, Q, C]:
+    (blocks, valid) [B, H, Q, n], shared by the heads of each selection group."""
+    b, h, q, c = probs.shape
+    blocks = -(-n_keys // options.select_block)
+    overlaps = block_overlaps(options, c, blocks, probs.device).to(probs.dtype)
+    importance = probs.detach() @ overlaps  # eq. 9, [B, H, Q, blocks]
+    group = options.selection_group
+    importance = importance.view(b, h // group, group, q, blocks).sum(2)  # eq. 10
+    j = torch.arange(blocks, device=probs.device)
+    own = torch.div(positions, options.select_block, rounding_mode="floor")[:, None]  # [Q, 1]
+    forced = (j[None, :] < options.initial_blocks) | ((j[None, :] <= own) & (j[None, :] > own - options.local_blocks))
+    padded_real = F.pad(key_real, (0, blocks * options.select_block - n_keys), value=False)
+    allowed = padded_real.view(b, blocks, options.select_block).any(-1)[:, None, None, :]  # [B, 1, 1, blocks]
+    if options.is_causal:
+        allowed = allowed & (j[None, :] <= own)[None, None]
+    importance = importance.masked_fill(forced[None, None], float("inf"))  # eq. 11 with the fixed blocks first
+    chosen, valid = top_blocks(importance, options.select_count, allowed)
+    return chosen.repeat_interleave(group, 1), valid.repeat_interleave(group, 1)
+
+
+def nsa_queries(query: Tensor, key: Tensor, value: Tensor, key_cmp: Tensor, value_cmp: Tensor, cmp_ok: Tensor,
+                key_real: Tensor, start: int, options: NsaOptions) -> tuple[Tensor, Tensor]:
+    """The compressed and selected branches for the queries at positions [start, start + Q): two [B, H, Q, Dv]."""
+    positions = torch.arange(start, start + query.shape[2], device=query.device)
+    visible = cmp_ok[:, None, None, :]
+    if options.is_causal:  # a compressed block once its last key is in the past
+        ends = torch.arange(key_cmp.shape[2], device=query.device) * options.compress_stride + options.compress_block
+        visible = visible & (ends[None, :] <= positions[:, None] + 1)[None, None]
+    scores = (query @ key_cmp.transpose(-1, -2)).to(compute_dtype(query.dtype)) * options.scale
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)  # eq. 8
+    compressed = (probs.to(value_cmp.dtype) @ value_cmp).to(probs.dtype)
+    blocks, valid = nsa_select(probs, positions, key_real, key.shape[2], options)
+    selected = selected_block_attention(query, key, value, blocks, valid, block_size=options.select_block,
+                                        query_positions=positions, key_real=key_real, causal=options.is_causal,
+                                        scale=options.scale)
+    return compressed, selected
+
+
+def window_band(window: int, is_causal: bool) -> Band:
+    """The window branch's w keys: [t - w + 1, t], or the w keys centred on t in the encoder form."""
+    if is_causal:
+        return Band(1, -(window - 1), 1)
+    before = (window - 1) // 2
+    return Band(1, -before, window - before)
+
+
+def mix_branches(outputs: dict[str, Tensor], gates: Tensor | None, branches: tuple[str, ...]) -> Tensor:
+    """Eq. 5: sum_c g^c o^c over the enabled branches (``gates`` [B, H, N, 3] in BRANCHES order, None: 1)."""
+    total = None
+    for index, name in enumerate(BRANCHES):
+        if name not in branches:
+            continue
+        part = outputs[name] if gates is None else outputs[name] * gates[..., index:index + 1].to(outputs[name].dtype)
+        total = part if total is None else total + part
+    return total
+
+
+@padding_safe
+def nsa_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    gates: Tensor | None = None,
+    key_compressor: Compressor | None = None,
+    value_compressor: Compressor | None = None,
+    compress_block: int = 32,
+    compress_stride: int = 16,
+    select_block: int = 64,
+    select_count: int = 16,
+    window: int = 512,
+    initial_blocks: int = 1,
+    local_blocks: int = 2,
+    selection_group: int = 1,
+    branches: tuple[str, ...] = BRANCHES,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """NSA on [B, H, N, Dh]; ``attention_mask`` bool [B, N], True = real key; ``gates`` [B, H, N, 3] the
+    branch gates of eq. 5 (compressed, selected, window; None: 1 each); the compressors phi of eq. 7 (None:
+    the mean of a block's real keys and values)."""
+    check_qkv(query, key, value, attention_mask)
+    check_nsa_options(compress_block, compress_stride, select_block, select_count, window, initial_blocks,
+                      local_blocks, tuple(branches))
+    b, h, n, d = query.shape
+    if h % selection_group:
+        raise AttentionError(f"selection_group ({selection_group}) must divide the number of heads ({h})")
+    if gates is not None and gates.shape != (b, h, n, len(BRANCHES)):
+        raise AttentionError(f"gates must have shape [B, H, N, 3] = {[b, h, n, 3]}, got {list(gates.shape)}")
+    options = NsaOptions(compress_block, compress_stride, select_block, select_count, window, initial_blocks,
+                         local_blocks, selection_group, tuple(branches), is_causal,
+                         1.0 / math.sqrt(d) if scale is None else scale)
+    dtype = output_dtype(query)
+    key_real = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
+    outputs = {}
+    if "window" in options.branches:
+        band = window_band(window, is_causal)
+        pattern = SparsePattern(band, is_causal, key_valid=attention_mask)
+        outputs["window"] = windowed_attention(query.to(dtype), key.to(dtype), value.to(dtype), pattern,
+                                               window_chunk(band), scale=options.scale).transpose(1, 2)
+    if "compressed" in options.branches or "selected" in options.branches:
+        outputs["compressed"], outputs["selected"] = _compressed_and_selected(
+            query, key, value, key_real, options, key_compressor or mean_compressor, value_compressor or mean_compressor)
+    return mix_branches(outputs, gates, options.branches).to(dtype)
+
+
+def _compressed_and_selected(query: Tensor, key: Tensor, value: Tensor, key_real: Tensor, options: NsaOptions,
+                             key_compressor: Compressor, value_compressor: Compressor) -> tuple[Tensor, Tensor]:
+    key_cmp, value_cmp, cmp_ok = compressed_tokens(key, value, key_real, options, key_compressor, value_compressor)
+    key, value = key.contiguous(), value.contiguous()  # once: every chunk reads them as whole blocks
+    n = query.shape[2]
+    chunk = n if uses_gpu_path(query) else query_chunk(options.select_count * options.select_block)
+    compressed, selected = [], []
+    for start in range(0, n, chunk):
+        rows = query[:, :, start:start + chunk]
+        if torch.is_grad_enabled() and chunk < n:
+            parts = recomputed(lambda r, k, v, kc, vc, s=start: torch.stack(
+                nsa_queries(r, k, v, kc, vc, cmp_ok, key_real, s, options)), rows, key, value, key_cmp, value_cmp)
+        else:
+            parts = nsa_queries(rows, key, value, key_cmp, value_cmp, cmp_ok, key_real, start, options)
+        compressed.append(parts[0])
+        selected.append(parts[1])
+    return torch.cat(compressed, dim=2), torch.cat(selected, dim=2)
+
+
+@padding_safe
+def nsa_attention_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    gates: Tensor | None = None,
+    key_compressor: Compressor | None = None,
+    value_compressor: Compressor | None = None,
+    compress_block: int = 32,
+    compress_stride: int = 16,
+    select_block: int = 64,
+    select_count: int = 16,
+    window: int = 512,
+    initial_blocks: int = 1,
+    local_blocks: int = 2,
+    selection_group: int = 1,
+    branches: tuple[str, ...] = BRANCHES,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """Dense N x N NSA: every branch as a masked softmax over all keys, the selection as a [N, N] mask of the
+    chosen blocks' keys. Tests only."""
+    b, h, n, d = query.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    real = torch.ones(b, n, dtype=torch.bool) if attention_mask is None else attention_mask
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    causal = (j <= i) if is_causal else torch.ones(n, n, dtype=torch.bool)
+
+    def masked_softmax(scores: Tensor, allowed: Tensor) -> Tensor:
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+
+    # compressed tokens: block c holds positions [c d, c d + l) that exist
+    count = -(-n // compress_stride)
+    starts = torch.arange(count) * compress_stride
+    member = (j >= starts[:, None]) & (j < starts[:, None] + compress_block)  # [C, N]
+    blocks = torch.stack([F.pad(t, (0, 0, 0, compress_block + starts[-1] - n))[:, :, s:s + compress_block]
+                          for t in (key, value) for s in starts.tolist()]).view(2, count, b, h, compress_block, d)
+    block_real = torch.stack([F.pad(real, (0, compress_block + starts[-1] - n), value=False)[:, s:s + compress_block]
+                              for s in starts.tolist()], dim=1)  # [B, C, l]
+    key_cmp = (key_compressor or mean_compressor)(blocks[0].permute(1, 2, 0, 3, 4), block_real)
+    value_cmp = (value_compressor or mean_compressor)(blocks[1].permute(1, 2, 0, 3, 4), block_real)
+    cmp_visible = (member & real[:, None, :]).any(-1)[:, None, None, :]  # [B, 1, 1, C]
+    if is_causal:
+        cmp_visible = cmp_visible & (starts[None, :] + compress_block - 1 <= i)
+    probs = masked_softmax(query @ key_cmp.transpose(-1, -2) * scale, cmp_visible)
+    out_cmp = probs @ value_cmp
+    # selection blocks: importance summed over the compressed blocks each overlaps, and over the group
+    sel_count = -(-n // select_block)
+    sel_of = torch.arange(n) // select_block
+    overlap = torch.stack([(member[:, sel_of == s]).any(-1) for s in range(sel_count)], dim=1)  # [C, S]
+    importance = (probs @ overlap.to(probs.dtype)).view(b, h // selection_group, selection_group, n, sel_count).sum(2)
+    s = torch.arange(sel_count)[None, :]
+    own = sel_of[:, None]
+    forced = (s < initial_blocks) | ((s <= own) & (s > own - local_blocks))
+    allowed = torch.stack([(real[:, sel_of == c]).any(-1) for c in range(sel_count)], dim=1)[:, None, None, :]
+    if is_causal:
+        allowed = allowed & (s <= own)
+    importance = importance.masked_fill(forced, float("inf")).masked_fill(~allowed, float("-inf"))
+    top = importance.topk(min(select_count, sel_count), dim=-1).indices
+    chosen = torch.zeros_like(importance, dtype=torch.bool).scatter(-1, top, True) & allowed
+    chosen = chosen.repeat_interleave(selection_group, 1)
+    slc_allowed = chosen[..., sel_of] & real[:, None, None, :] & causal
+    scores = query @ key.transpose(-1, -2) * scale
+    out_slc = masked_softmax(scores, slc_allowed) @ value
+    before = window - 1 if is_causal else (window - 1) // 2
+    near = (j - i >= -before) & (j - i < window - before)
+    out_win = masked_softmax(scores, near & real[:, None, None, :]) @ value
+    return mix_branches({"compressed": out_cmp, "selected": out_slc, "window": out_win}, gates, tuple(branches))
+
+
+class BlockCompressor(nn.Module):
+    """phi of eq. 7: a block of l keys (or values) plus a learned intra-block position encoding, flattened
+    and mapped to one vector by a linear layer; initialised to the mean of the block (the position encoding
+    at zero, the weights l identity matrices / l), so training starts from mean pooling."""
+
+    def __init__(self, block: int, head_dim: int) -> None:
+        super().__init__()
+        self.position = nn.Parameter(torch.zeros(block, head_dim))
+        self.mix = nn.Linear(block * head_dim, head_dim)
+        with torch.no_grad():
+            self.mix.weight.copy_(torch.eye(head_dim).repeat(1, block) / block)
+            self.mix.bias.zero_()
+
+    def forward(self, blocks: Tensor, real: Tensor) -> Tensor:
+        return self.mix((blocks + self.position).flatten(-2))
+
+
+@dataclass
+class NsaState(DecodingState):
+    """Every key and value so far (:class:`KVState`: what the selection and the window read) and the
+    compressed keys and values of the completed compression blocks."""
+
+    cache: KVState | None = None
+    key_cmp: Tensor | None = None
+    value_cmp: Tensor | None = None
+    cmp_ok: Tensor | None = None
+
+
+@register_attention(
+    "nsa",
+    capabilities=Capabilities(causal=True),
+    functional=nsa_attention,
+    reference=nsa_attention_reference,
+    paper="Native Sparse Attention: Hardware-Aligned and Natively Trainable Sparse Attention (Yuan et al., ACL 2025)",
+)
+class NsaAttention(AttentionBase):
+    """NSA: gated compressed, top-n selected-block and sliding-window attention branches."""
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        max_len: int | None = None,
+        causal: bool = False,
+        compress_block: int = 32,
+        compress_stride: int = 16,
+        select_block: int = 64,
+        select_count: int = 16,
+        window: int = 512,
+        initial_blocks: int = 1,
+        local_blocks: int = 2,
+        selection_group: int = 1,
+        compressor: str = "mlp",
+        gated: bool = True,
+        branches: tuple[str, ...] = BRANCHES,
+    ) -> None:
+        super().__init__(dim, heads, max_len, causal)
+        branches = tuple(branches)
+        check_nsa_options(compress_block, compress_stride, select_block, select_count, window, initial_blocks,
+                          local_blocks, branches)
+        if compressor not in COMPRESSORS:
+            raise AttentionError(f"compressor must be one of {COMPRESSORS}, got {compressor!r}")
+        if not isinstance(selection_group, int) or selection_group < 1 or heads % selection_group:
+            raise AttentionError(f"selection_group must be a positive divisor of heads ({heads}), got {selection_group!r}")
+        self.proj = QKVProjection(dim, heads)
+        self.key_compressor = BlockCompressor(compress_block, self.head_dim) if compressor == "mlp" else None
+        self.value_compressor = BlockCompressor(compress_block, self.head_dim) if compressor == "mlp" else None
+        # the gates of eq. 5 from each head's query (the hidden state's projection, which the HF bridge hands over)
+        self.gate = nn.Linear(self.head_dim, len(BRANCHES)) if gated else None
+        self.compress_block, self.compress_stride = compress_block, compress_stride
+        self.select_block, self.select_count, self.window = select_block, select_count, window
+        self.initial_blocks, self.local_blocks, self.selection_group = initial_blocks, local_blocks, selection_group
+        self.compressor, self.gated, self.branches = compressor, gated, branches
+
+    def _options(self) -> NsaOptions:
+        return NsaOptions(self.compress_block, self.compress_stride, self.select_block, self.select_count, self.window,
+                          self.initial_blocks, self.local_blocks, self.selection_group, self.branches, self.causal,
+                          1.0 / math.sqrt(self.head_dim))
+
+    def _gates(self, query: Tensor) -> Tensor | None:
+        return None if self.gate is None else torch.sigmoid(self.gate(query))
+
+    def _compressors(self) -> tuple[Compressor, Compressor]:
+        return self.key_compressor or mean_compressor, self.value_compressor or mean_compressor
+
+    def _heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> Tensor:
+        key_compressor, value_compressor = self._compressors()
+        return nsa_attention(query, key, value, attention_mask, gates=self._gates(query), key_compressor=key_compressor,
+                             value_compressor=value_compressor, compress_block=self.compress_block,
+                             compress_stride=self.compress_stride, select_block=self.select_block,
+                             select_count=self.select_count, window=self.window, initial_blocks=self.initial_blocks,
+                             local_blocks=self.local_blocks, selection_group=self.selection_group,
+                             branches=self.branches, is_causal=self.causal)
+
+    def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
+        q, k, v = self.proj.qkv(x)
+        return self.proj.out(self._heads(q, k, v, attention_mask))
+
+    # -- decoding: the key cache and the compressed tokens of the completed blocks ----------------------------
+    decode_state = "kv_cache"
+
+    def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      layer_state: dict | None) -> tuple[Tensor, NsaState]:
+        out = self._heads(query, key, value, attention_mask)
+        b, _, n, _ = key.shape
+        real = torch.ones(b, n, dtype=torch.bool, device=key.device) if attention_mask is None else attention_mask
+        key_cmp, value_cmp, cmp_ok = compressed_tokens(key, value, real, self._options(), *self._compressors())
+        complete = max(0, (n - self.compress_block) // self.compress_stride + 1)  # blocks whose last key is in
+        return out, NsaState(length=n, cache=KVState.start(key, value, attention_mask), key_cmp=key_cmp[:, :, :complete],
+                             value_cmp=value_cmp[:, :, :complete], cmp_ok=cmp_ok[:, :complete])
+
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: NsaState, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, NsaState]:
+        """The new query over the compressed tokens (O(N / d)), its selected blocks (O(n l')) and the window."""
+        options = self._options()
+        cache = state.cache
+        cache.append(key, value, real)
+        keys, values, key_real = cache.view()
+        t = state.length
+        first = t + 1 - self.compress_block
+        if first >= 0 and first % self.compress_stride == 0:  # the new token completes a compression block
+            key_cmp, value_cmp, ok = compressed_tokens(keys[:, :, first:], values[:, :, first:], key_real[:, first:],
+                                                       options, *self._compressors())
+            state.key_cmp = torch.cat([state.key_cmp, key_cmp[:, :, :1]], dim=2)
+            state.value_cmp = torch.cat([state.value_cmp, value_cmp[:, :, :1]], dim=2)
+            state.cmp_ok = torch.cat([state.cmp_ok, ok[:, :1]], dim=1)
+        outputs = {}
+        if "compressed" in options.branches or "selected" in options.branches:
+            outputs["compressed"], outputs["selected"] = nsa_queries(
+                query, keys, values, state.key_cmp, state.value_cmp, state.cmp_ok, key_real, t, options)
+        if "window" in options.branches:
+            first = max(0, t + 1 - self.window)
+            outputs["window"] = attend_keys(query, keys[:, :, first:], values[:, :, first:],
+                                            key_real[:, None, None, first:], scale=options.scale)
+        out = mix_branches(outputs, self._gates(query), options.branches)
+        return out.to(output_dtype(query)), state
