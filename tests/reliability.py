@@ -26,7 +26,6 @@ DECODING = ("decoding: a state from another layer, mechanism, batch, head count,
             "arguments, a transformers cache passed between converted models")
 PACKING = ("packing: cu_seqlens as floats, a list, 2-D, not from 0, not rising, short, crossing a row; a mask of "
            "another shape (module form, functional form, bridge)")
-COMPILE = "torch.compile: a training step of every module-form mechanism (aot_eager)"
 ARCHIVES = "data: archives and downloads (damaged, cut, wrong checksum, counts, crafted pickles)"
 TIME_SERIES = "data: time-series CSV (order, duplicates, gaps, cells, line numbers)"
 GLUE = "data: GLUE files (label column, scores, header)"
@@ -42,7 +41,7 @@ SP_LENGTHS = ("sequence parallelism: a length N (1-70) that 2, 3 or 4 ranks do n
               "padding included")
 SEQUENCE_PARALLEL = "sequence parallelism: ranks with mismatched inputs, a rank that does not answer"
 FAMILIES = (ATTENTION_PADDING, ATTENTION_FUNCTIONAL, ATTENTION_DTYPE, ATTENTION_AUTOCAST, ATTENTION_EMPTY,
-            ATTENTION_FINITE, DECODING, PACKING, COMPILE, ARCHIVES, TIME_SERIES, GLUE, FOLDERS, OTHER_READERS, TRAINING, RESUME, OUTPUT_FOLDERS,
+            ATTENTION_FINITE, DECODING, PACKING, ARCHIVES, TIME_SERIES, GLUE, FOLDERS, OTHER_READERS, TRAINING, RESUME, OUTPUT_FOLDERS,
             FOREIGN_WEIGHTS, SP_LENGTHS, SEQUENCE_PARALLEL)
 
 
