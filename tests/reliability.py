@@ -22,6 +22,10 @@ ATTENTION_DTYPE = "attention: input dtype other than the layer's (bf16, float64)
 ATTENTION_AUTOCAST = "attention: any input dtype under autocast"
 ATTENTION_EMPTY = "attention: empty batch (B = 0)"
 ATTENTION_FINITE = "attention: check_finite mode (NaN padded, inf real, inf without mask; functional)"
+DECODING = ("decoding: a state from another layer, mechanism, batch, head count, dtype or device, bad select / repeat "
+            "arguments, a transformers cache passed between converted models")
+PACKING = ("packing: cu_seqlens as floats, a list, 2-D, not from 0, not rising, short, crossing a row; a mask of "
+           "another shape (module form, functional form, bridge)")
 ARCHIVES = "data: archives and downloads (damaged, cut, wrong checksum, counts, crafted pickles)"
 TIME_SERIES = "data: time-series CSV (order, duplicates, gaps, cells, line numbers)"
 GLUE = "data: GLUE files (label column, scores, header)"
@@ -37,7 +41,7 @@ SP_LENGTHS = ("sequence parallelism: a length N (1-70) that 2, 3 or 4 ranks do n
               "padding included")
 SEQUENCE_PARALLEL = "sequence parallelism: ranks with mismatched inputs, a rank that does not answer"
 FAMILIES = (ATTENTION_PADDING, ATTENTION_FUNCTIONAL, ATTENTION_DTYPE, ATTENTION_AUTOCAST, ATTENTION_EMPTY,
-            ATTENTION_FINITE, ARCHIVES, TIME_SERIES, GLUE, FOLDERS, OTHER_READERS, TRAINING, RESUME, OUTPUT_FOLDERS,
+            ATTENTION_FINITE, DECODING, PACKING, ARCHIVES, TIME_SERIES, GLUE, FOLDERS, OTHER_READERS, TRAINING, RESUME, OUTPUT_FOLDERS,
             FOREIGN_WEIGHTS, SP_LENGTHS, SEQUENCE_PARALLEL)
 
 

@@ -334,6 +334,25 @@ MISMATCHES = {
                                          r"before all_gather: rank 1's size of dimension 2 is 10, rank 0's 8",
                                          r"rank 1's size of dimension 2 is 10"),
 }
+
+
+def _weights_on_rank_1(after_load: bool):
+    """Rank 1's layer holds other weights: from the start, or after a load_state_dict between two calls."""
+    layer = _layer()
+    other = {name: t + 0.5 for name, t in layer.state_dict().items()}
+    if after_load:
+        sequence_parallel(layer)(_x())  # equal weights: no error
+    if dist.get_rank() == 1:
+        layer.load_state_dict(other)
+    return sequence_parallel(layer)(_x())
+
+
+MISMATCHES.update({
+    "weights": (lambda: _weights_on_rank_1(False), r"rank 1's layer holds other weights than rank 0's",
+                r"rank 1's layer holds other weights"),
+    "weights after load_state_dict": (lambda: _weights_on_rank_1(True), r"rank 1's layer holds other weights",
+                                      r"rank 1's layer holds other weights"),
+})
 TIMEOUT_S = 3
 
 

@@ -30,24 +30,36 @@ What a state holds, by kind:
 
 States hold tensors with the batch first and ``length``, the positions consumed; ``select`` and
 ``repeat_interleave`` reorder or widen the batch (beam search, several samples per prompt).
+
+A state knows whose it is: :func:`prefill` stamps it with a :class:`StateOwner` (the mechanism, the layer, the
+settings that shape the state, the batch, dtype and device of the prompt), whatever the mechanism's hook built,
+and :func:`step` compares it with the layer and the token it is given, raising :class:`AttentionError` that
+names the field, the expected and the given value: a state stepped by another layer would otherwise be
+accepted (another layer's weights) or fail deep inside torch. The comparisons read metadata only, never a
+tensor's values, so they add no host synchronisation to a step. Two documented ways change the owner on
+purpose: ``state.to(device=..., dtype=...)`` moves a state, ``state.copy_for(layer)`` hands a copy to another
+layer of the same mechanism and settings (a copy of the model, say).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import copy
+import weakref
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention.base import _INPUT_MASKED, AttentionBase, AttentionError, capabilities
+from longattn.attention.base import _INPUT_MASKED, AttentionBase, AttentionError, capabilities, get_spec
 
 __all__ = [
     "DECODE_KINDS",
     "DecodingState",
     "KVState",
     "RecurrentState",
+    "StateOwner",
     "WindowState",
     "attend_keys",
     "decoding_names",
@@ -68,12 +80,42 @@ def decoding_names() -> list[str]:
 # ----------------------------------------------------------------------------- states
 
 
+@dataclass(frozen=True)
+class StateOwner:
+    """What a decoding state was made for: the mechanism, the layer (a weak reference: a state does not keep
+    its layer alive), the settings of the layer that shape the state (:func:`state_settings`), and the batch,
+    dtype and device of the tokens it continues."""
+
+    mechanism: str
+    layer: weakref.ref
+    settings: tuple[tuple[str, Any], ...]
+    batch: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, module: AttentionBase, x: Tensor) -> StateOwner:
+        return cls(module.name, weakref.ref(module), state_settings(module), x.shape[0], x.dtype, x.device)
+
+
+def state_settings(module: AttentionBase) -> tuple[tuple[str, Any], ...]:
+    """The settings of ``module`` that a state's shapes and meaning follow: dim, heads, head_dim, max_len and
+    every option of the mechanism held as an int, bool, str or tuple (windows, chunk sizes, feature counts,
+    variants; floats such as dropout or a scale do not shape a state)."""
+    names = ("dim", "heads", "head_dim", "max_len", *get_spec(module.name).option_names)
+    values = ((name, getattr(module, name, None)) for name in names)
+    return tuple((name, value) for name, value in values
+                 if value is None or isinstance(value, (bool, int, str, tuple)) and not isinstance(value, float))
+
+
 @dataclass
 class DecodingState:
     """What a mechanism keeps between tokens: tensors with the batch first, and ``length``, the number of
-    positions consumed (the array position of the next token, padding included)."""
+    positions consumed (the array position of the next token, padding included). ``owner`` is stamped by
+    :func:`prefill` (a mechanism's hook need not set it)."""
 
     length: int = 0
+    owner: StateOwner | None = field(default=None, repr=False, compare=False)
 
     def _map(self, fn: Callable[[Tensor], Tensor]) -> None:
         for f in fields(self):
@@ -85,15 +127,84 @@ class DecodingState:
             elif isinstance(value, list):
                 setattr(self, f.name, [fn(t) if isinstance(t, Tensor) else t for t in value])
 
-    def select(self, index: Tensor) -> DecodingState:
-        """Keep (or reorder, or repeat) batch rows ``index`` (beam search's reordering); in place."""
+    def _stamped(self) -> StateOwner:
+        if self.owner is None:
+            raise AttentionError(f"this {type(self).__name__} has no owner: a state must come from layer.prefill "
+                                 "(or state.copy_for(layer))")
+        return self.owner
+
+    def select(self, index: Tensor | list[int]) -> DecodingState:
+        """Keep (or reorder, or repeat) batch rows ``index`` (beam search's reordering); in place. ``index``: 1-D
+        integers in [0, batch) (a list is made a tensor); checking their range reads them back once."""
+        owner = self._stamped()
+        if isinstance(index, (list, tuple)):
+            index = torch.tensor(index, dtype=torch.long)
+        if not isinstance(index, Tensor) or index.dtype == torch.bool or index.is_floating_point() \
+                or index.is_complex() or index.dim() != 1:
+            got = f"{index.dtype} of shape {list(index.shape)}" if isinstance(index, Tensor) else type(index).__name__
+            raise AttentionError(f"select: index must be a 1-D integer tensor of batch rows, got {got}")
+        if index.numel() and bool(((index < 0) | (index >= owner.batch)).any()):
+            raise AttentionError(f"select: index {index.tolist()[:8]} holds rows outside the state's batch of "
+                                 f"{owner.batch} (expected 0 to {owner.batch - 1})")
         self._map(lambda t: t.index_select(0, index.to(t.device)))
+        self.owner = replace(owner, batch=index.numel())
         return self
 
     def repeat_interleave(self, repeats: int) -> DecodingState:
         """Each batch row ``repeats`` times in a row (several samples per prompt); in place."""
+        owner = self._stamped()
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise AttentionError(f"repeat_interleave: repeats must be a positive int, got {repeats!r}")
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+        self.owner = replace(owner, batch=owner.batch * repeats)
         return self
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DecodingState:
+        """The one way to move a state on purpose: its tensors to ``device`` and its floating tensors to
+        ``dtype`` (a floating dtype), and the owner's device and dtype with them; in place."""
+        owner = self._stamped()
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise AttentionError(f"to: dtype must be a floating torch.dtype, got {dtype!r}")
+        device = owner.device if device is None else torch.device(device)
+        dtype = owner.dtype if dtype is None else dtype
+        self._map(lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype))
+        moved = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as a tensor's device reads
+        self.owner = replace(owner, device=moved, dtype=dtype)
+        return self
+
+    def copy_for(self, module: AttentionBase) -> DecodingState:
+        """A copy of this state for another layer ``module`` of the same mechanism and settings (a copy of the
+        model, the same weights loaded in another layer): the one way to hand a state to another layer."""
+        owner = self._stamped()
+        _check_same_kind(owner, module)
+        state = copy.deepcopy(self)
+        state.owner = replace(owner, layer=weakref.ref(module))
+        return state
+
+
+def _check_same_kind(owner: StateOwner, module: AttentionBase) -> None:
+    if owner.mechanism != module.name:
+        raise AttentionError(f"state: mechanism expected {module.name!r} (this layer's), given a state of "
+                             f"{owner.mechanism!r}")
+    expected = dict(state_settings(module))
+    for name, value in owner.settings:
+        if expected.get(name) != value:
+            raise AttentionError(f"state: {name} expected {expected.get(name)!r} (this {module.name!r} layer's), "
+                                 f"given a state made with {name}={value!r}")
+
+
+def check_owner(module: AttentionBase, x: Tensor, state: DecodingState) -> None:
+    """Raise unless ``state`` belongs to ``module`` and continues tokens like ``x`` (metadata only: no read)."""
+    owner = state._stamped()
+    _check_same_kind(owner, module)
+    if owner.layer() is not module:
+        raise AttentionError(f"state: layer expected this {module.name!r} layer, given a state made by another "
+                             "layer (its own weights); hand a copy over with state.copy_for(layer)")
+    for name, expected, given in (("batch", owner.batch, x.shape[0]), ("dtype", owner.dtype, x.dtype),
+                                  ("device", owner.device, x.device)):
+        if expected != given:
+            raise AttentionError(f"state: {name} expected {expected} (the state's), given a token with {name} "
+                                 f"{given}" + ("; move the state with state.to(...)" if name != "batch" else ""))
 
 
 def _real(mask: Tensor | None, batch: int, length: int, device: torch.device) -> Tensor:
@@ -237,7 +348,9 @@ def prefill(module: AttentionBase, x: Tensor, attention_mask: Tensor | None,
     out = module.forward_with(attend, x, attention_mask, layer_state)
     if "state" not in box:
         raise AttentionError("prefill needs at least one sequence (an empty batch has no state)")
-    return out, box["state"]
+    state = box["state"]
+    state.owner = StateOwner.of(module, x)
+    return out, state
 
 
 def step(module: AttentionBase, x: Tensor, state: Any, attention_mask: Tensor | None,
@@ -249,6 +362,7 @@ def step(module: AttentionBase, x: Tensor, state: Any, attention_mask: Tensor | 
         raise AttentionError(f"step takes one new token, x of shape [B, 1, dim]; got {list(x.shape)} (prefill a prompt)")
     if not isinstance(state, DecodingState):
         raise AttentionError(f"state must be what prefill or step returned, got {type(state).__name__}")
+    check_owner(module, x, state)
     if module.capabilities.needs_max_len and module.max_len is not None and state.length + 1 > module.max_len:
         raise AttentionError(f"position {state.length} is past max_len={module.max_len} of this {module.name!r} layer")
     real = None
@@ -256,10 +370,12 @@ def step(module: AttentionBase, x: Tensor, state: Any, attention_mask: Tensor | 
         x = x.masked_fill(~attention_mask.unsqueeze(-1), 0.0)
         real = None if bool(attention_mask.all()) else attention_mask[:, 0]
     token = _INPUT_MASKED.set(True)
+    owner = state.owner
     try:
         out, state = module.step_attend(x, state, real, layer_state)
     finally:
         _INPUT_MASKED.reset(token)
+    state.owner = owner  # kept when a hook returns a new state object
     state.length += 1
     if real is not None:
         out = out.masked_fill(~real[:, None, None], 0.0)

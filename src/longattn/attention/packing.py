@@ -28,11 +28,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from longattn.attention.base import AttentionBase, AttentionError, available, get_spec
+from longattn.attention.base import AttentionBase, AttentionError, available, check_attention_mask, get_spec
 
 __all__ = [
     "PADDED_LENGTH_DEPENDENT",
     "PackingPlan",
+    "check_cu_seqlens",
     "check_packable",
     "forward_packed",
     "packed_call",
@@ -70,23 +71,57 @@ def check_packable(name: str, options: dict[str, Any] | AttentionBase) -> None:
     )
 
 
-def segment_ids(*, cu_seqlens: Tensor | None = None, position_ids: Tensor | None = None,
-                shape: tuple[int, int]) -> Tensor:
+def check_cu_seqlens(cu_seqlens: Any, shape: tuple[int, int]) -> Tensor:
+    """``cu_seqlens`` of a [B, N] packed batch as a 1-D long tensor, or AttentionError naming the fault. The rule:
+    an integer tensor, or a list / tuple of Python ints (made a tensor as it is; floats and bools are refused,
+    never truncated), 1-D, from 0, rising strictly (no empty sequence), to the B * N tokens, and with B > 1 each
+    row boundary b * N among its entries (a sequence lies within one row)."""
+    b, n = shape
+    if isinstance(cu_seqlens, (list, tuple)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in cu_seqlens):
+            raise AttentionError(f"cu_seqlens as a list must hold Python ints, got {list(cu_seqlens)[:8]}")
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.long)
+    if not isinstance(cu_seqlens, Tensor):
+        raise AttentionError(f"cu_seqlens must be an integer tensor (or a list of ints), got "
+                             f"{type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype == torch.bool or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise AttentionError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype} (it would be truncated)")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise AttentionError(f"cu_seqlens must be 1-D with at least 2 entries [0, ..., B * N], got shape "
+                             f"{list(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(torch.long)
+    if int(cu[0]) != 0 or int(cu[-1]) != b * n or bool((cu[1:] <= cu[:-1]).any()):
+        raise AttentionError(
+            f"cu_seqlens must rise strictly from 0 to the {b * n} tokens of the batch, got {cu.tolist()[:8]}..."
+        )
+    rows = torch.arange(1, b, device=cu.device) * n
+    crossed = rows[~torch.isin(rows, cu)]
+    if crossed.numel():
+        raise AttentionError(f"cu_seqlens: a sequence crosses from row {int(crossed[0]) // n - 1} into the next of "
+                             f"the [{b}, {n}] batch (no entry at token {int(crossed[0])}); sequences lie within a row")
+    return cu
+
+
+def segment_ids(*, cu_seqlens: Tensor | list[int] | None = None, position_ids: Tensor | None = None,
+                shape: tuple[int, int], attention_mask: Tensor | None = None) -> Tensor:
     """Which sequence each token of a [B, N] packed batch belongs to: [B, N] ints, a new one wherever a sequence
-    starts. ``cu_seqlens``: [S + 1] cumulative lengths over the flattened batch (0, l_1, l_1 + l_2, ..., B * N);
-    ``position_ids``: [B, N] or [1, N], restarting at 0 (or any value that does not continue the previous
-    position plus one, transformers' rule) at each sequence."""
+    starts. ``cu_seqlens``: [S + 1] cumulative lengths over the flattened batch (0, l_1, l_1 + l_2, ..., B * N;
+    see :func:`check_cu_seqlens`); ``position_ids``: [B, N] or [1, N] integers, restarting at 0 (or any value that
+    does not continue the previous position plus one, transformers' rule) at each sequence. The one validator of
+    packed inputs (module form, functional form, bridge): ``attention_mask`` beside them must be bool [B, N]."""
     b, n = shape
     if (cu_seqlens is None) == (position_ids is None):
         raise AttentionError("packed sequences are given by exactly one of cu_seqlens and position_ids")
+    if attention_mask is not None:
+        check_attention_mask(attention_mask, b, n, attention_mask.device if isinstance(attention_mask, Tensor)
+                             else torch.device("cpu"))
     if cu_seqlens is not None:
-        cu = cu_seqlens.to(torch.long).flatten()
-        if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != b * n or bool((cu[1:] <= cu[:-1]).any()):
-            raise AttentionError(
-                f"cu_seqlens must rise strictly from 0 to the {b * n} tokens of the batch, got {cu.tolist()[:8]}..."
-            )
+        cu = check_cu_seqlens(cu_seqlens, shape)
         positions = torch.arange(b * n, device=cu.device)
         return (torch.searchsorted(cu, positions, right=True) - 1).view(b, n)
+    if not isinstance(position_ids, Tensor) or position_ids.is_floating_point() or position_ids.dtype == torch.bool:
+        got = position_ids.dtype if isinstance(position_ids, Tensor) else type(position_ids).__name__
+        raise AttentionError(f"position_ids must be an integer tensor, got {got}")
     if position_ids.dim() != 2 or position_ids.shape[1] != n or position_ids.shape[0] not in (1, b):
         raise AttentionError(f"position_ids must be [B, N] = [{b}, {n}] (or [1, N]), got {list(position_ids.shape)}")
     positions = position_ids.expand(b, n)
@@ -156,11 +191,16 @@ def packed_call(fn: Callable[..., Tensor], *args: Any, cu_seqlens: Tensor | None
     names = list(signature.parameters)
     sequence_names = names[: names.index("attention_mask")]
     first = bound.arguments[sequence_names[0]]
+    if not isinstance(first, Tensor) or first.dim() != 4:
+        got = list(first.shape) if isinstance(first, Tensor) else type(first).__name__
+        raise AttentionError(f"{sequence_names[0]} must be [B, H, N, Dh], got {got}")
     b, n = first.shape[0], first.shape[2]
     name = _spec_of(fn)
     if name is not None:
         check_packable(name, {k: v for k, v in bound.arguments.items() if k not in sequence_names})
-    plan = packing_plan(segment_ids(cu_seqlens=cu_seqlens, position_ids=position_ids, shape=(b, n)).to(first.device))
+    segments = segment_ids(cu_seqlens=cu_seqlens, position_ids=position_ids, shape=(b, n),
+                           attention_mask=bound.arguments.get("attention_mask"))
+    plan = packing_plan(segments.to(first.device))
     for key, value in list(bound.arguments.items()):
         per_token = isinstance(value, Tensor) and value.dim() == 4 and value.shape[0] == b and value.shape[2] == n
         if key in sequence_names or per_token:
@@ -178,7 +218,8 @@ def forward_packed(module: AttentionBase, x: Tensor, *, cu_seqlens: Tensor | Non
     check_packable(module.name, module)
     if not isinstance(x, Tensor) or x.dim() != 3:
         raise AttentionError(f"input must be [B, N, dim], got {getattr(x, 'shape', type(x).__name__)}")
-    segments = segment_ids(cu_seqlens=cu_seqlens, position_ids=position_ids, shape=tuple(x.shape[:2]))
+    segments = segment_ids(cu_seqlens=cu_seqlens, position_ids=position_ids, shape=tuple(x.shape[:2]),
+                           attention_mask=attention_mask)
     plan = packing_plan(segments.to(x.device))
     mask = plan.valid if attention_mask is None else plan.valid & plan.unpack(attention_mask)
     return plan.repack(module(plan.unpack(x), mask, layer_state))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 import tarfile
 import zlib
 from collections import Counter
@@ -70,20 +71,40 @@ def _check_link(entry: Path) -> None:
                            "partly moved copy?); restore its target or remove the link")
 
 
+def check_real_entry(entry: Path, what: str) -> None:
+    """Raise unless ``entry`` is a real folder (``what`` = "class folder") or a regular file (``what`` =
+    "document"): a symbolic link (to another class: its documents counted twice or as a class of their own), a
+    folder inside a class folder (a stray sub-folder, or one named like a document) or a FIFO, socket or device
+    (reading it would hang or fail) is a :class:`DatasetError` naming it; nothing is skipped without a word."""
+    _check_link(entry)
+    if entry.is_symlink():
+        raise DatasetError(f"{entry}: a symbolic link to {os.readlink(entry)}; class folders take real folders of "
+                           "regular files only (copy the target in, e.g. cp -L)")
+    mode = entry.lstat().st_mode
+    if what == "class folder" and not stat.S_ISDIR(mode) or what == "document" and stat.S_ISDIR(mode):
+        found = "a folder" if stat.S_ISDIR(mode) else "not a folder"
+        raise DatasetError(f"{entry}: {found} where a {what} belongs (<root>/<class>/<document>, nothing deeper); "
+                           "move it out of the data folder")
+    if what == "document" and not stat.S_ISREG(mode):
+        raise DatasetError(f"{entry}: not a regular file (a FIFO, socket or device) where a document belongs; "
+                           "move it out of the data folder")
+
+
 def class_folder_files(root: Path, suffixes: tuple[str, ...] | None = None) -> list[tuple[str, str, Path]]:
     """(class, file name, path) of every ``<root>/<class>/<file>`` (with one of ``suffixes``, if given), sorted.
-    A dangling symbolic link among them (a class folder or a file) is a :class:`DatasetError` naming it: a
-    document silently left out would shrink the dataset without a word."""
+    Regular files beside the class folders (BBC's README.TXT) are no class and are passed over, as are
+    regular files without one of ``suffixes``; any other entry that is not a real class folder or document
+    (a dangling or any other symbolic link, a sub-folder of a class folder, a FIFO) is a :class:`DatasetError`
+    naming it (:func:`check_real_entry`): a document silently left out or counted twice would change the
+    dataset without a word."""
     entries = []
     for folder in sorted(root.iterdir()):
-        _check_link(folder)
-        if not folder.is_dir():
+        if stat.S_ISREG(folder.lstat().st_mode):
             continue
+        check_real_entry(folder, "class folder")
         for file in sorted(folder.iterdir()):
-            if suffixes is not None and file.suffix.lower() not in suffixes:
-                continue
-            _check_link(file)
-            if file.is_file():
+            check_real_entry(file, "document")
+            if suffixes is None or file.suffix.lower() in suffixes:
                 entries.append((folder.name, file.name, file))
     return entries
 

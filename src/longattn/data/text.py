@@ -19,6 +19,7 @@ import numpy as np
 
 from .common import (DatasetError, SequenceDataset, check_count, check_split, encode_bytes, holdout_split, iter_tar_files,
                      once_per_block, read_bytes)
+from .common import check_real_entry
 from .download import ARCHIVES, verify_known_archive
 
 VOCAB_SIZE = 257
@@ -62,6 +63,7 @@ def _read_folder(root: Path, subset: str) -> list[tuple[int, int, bytes]]:
             match = re.fullmatch(r"(\d+)_(\d+)\.txt", file.name)
             if match is None:
                 raise DatasetError(f"IMDb: unexpected file name {file} (expected <id>_<rating>.txt)")
+            check_real_entry(file, "document")
             rows.append((label, int(match.group(1)), read_bytes(file)))
     return rows
 

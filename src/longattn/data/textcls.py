@@ -27,6 +27,7 @@ document that the training set does not have raises an error naming where it is.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import re
@@ -102,9 +103,37 @@ TEXTCLS_DATASETS: Registry[TextClsSpec] = Registry("text classification dataset"
 
 # ----------------------------------------------------------------------------- decoding and readers
 
+# Byte-order marks, longest first (UTF-32 LE starts as UTF-16 LE does), and the codec that reads past them.
+BYTE_ORDER_MARKS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+                    (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def _marked_encoding(data: bytes, where: str) -> str | None:
+    """The codec of a file that starts with a byte-order mark; None without one. NUL bytes in a file without a
+    mark (UTF-16 or UTF-32 without its mark, or a binary file) are a :class:`DatasetError`: the Latin-1 fallback
+    would turn them into text of garbage."""
+    for mark, codec in BYTE_ORDER_MARKS:
+        if data.startswith(mark):
+            return codec
+    if b"\0" in data:
+        offset = data.index(b"\0")
+        line = data[:offset].count(b"\n") + 1
+        raise DatasetError(f"{where}:{line}: a NUL byte at byte {offset} in a file without a byte-order mark (UTF-16 "
+                           "without its mark, or not a text file?); save it as UTF-8")
+    return None
+
+
 def decode(data: bytes, where: str, latin1_fallback: bool) -> tuple[str, bool]:
-    """UTF-8 text of a file; with latin1_fallback a file that is not UTF-8 is read as Latin-1
-    (every byte is a character there), returning (text, whether the fallback was used)."""
+    """UTF-8 text of a file, or the UTF-8, UTF-16 or UTF-32 its byte-order mark names; with latin1_fallback a
+    file without a mark that is not UTF-8 is read as Latin-1 (every byte is a character there), returning
+    (text, whether the fallback was used). NUL bytes without a mark are refused (:func:`_marked_encoding`)."""
+    codec = _marked_encoding(data, where)
+    if codec is not None:
+        try:
+            return data.decode(codec), False
+        except UnicodeDecodeError as error:
+            raise DatasetError(f"{where}: starts with the byte-order mark of {codec} but is not {codec} "
+                               f"({error.reason} at byte {error.start})") from None
     try:
         return data.decode("utf-8"), False
     except UnicodeDecodeError as error:

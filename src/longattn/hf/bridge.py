@@ -185,16 +185,17 @@ def _packed_segments(mask_function: Callable) -> Tensor | None:
 
 
 def packed_segments_of(attention_mask: Any, kwargs: dict, batch: int, length: int) -> Tensor | None:
-    """The [B, N] sequence ids of a packed batch, None when the batch is not packed: from longattn's mask function
-    (transformers' packed-sequence pattern), from flash-attention's ``cu_seq_lens_q`` among the call's kwargs, or,
+    """The [B, N] sequence ids of a packed batch, None when the batch is not packed: from flash-attention's
+    ``cu_seq_lens_q`` among the call's kwargs, from longattn's mask function (transformers' packed-sequence
+    pattern), or,
     without a padding mask, from ``position_ids`` that restart (transformers itself detects packing only
     without a cache, so a model called with its default ``use_cache=True`` would mix the sequences)."""
     from longattn.attention.packing import segment_ids
 
+    if kwargs.get("cu_seq_lens_q") is not None:  # first: given, it is validated even beside a packed mask
+        return segment_ids(cu_seqlens=kwargs["cu_seq_lens_q"], shape=(batch, length))
     if isinstance(attention_mask, PackedMask):
         return attention_mask.segments
-    if kwargs.get("cu_seq_lens_q") is not None:
-        return segment_ids(cu_seqlens=kwargs["cu_seq_lens_q"], shape=(batch, length))
     positions = kwargs.get("position_ids")
     if attention_mask is None and length > 1 and isinstance(positions, Tensor) and positions.dim() == 2 \
             and positions.shape[1] == length:

@@ -13,8 +13,12 @@ output projections under their original keys: the mechanism uses them in place o
   ``fresh=True``, which gives them their own freshly initialised projections.
 
 The conversion is recorded in ``model.config.longattn``; :func:`from_pretrained` rebuilds a saved model
-with identical outputs. Parameterised conversions start from random new parameters: they are starting
-points for fine-tuning, not zero-shot replacements.
+with identical outputs. A saved model refuses to load without longattn: its config.json names
+:data:`SAVED_ATTN_IMPLEMENTATION` as its attention implementation, which no transformers registry holds, so
+``AutoModel.from_pretrained`` raises transformers' "is not supported" error naming it (refused rather than
+warned: a converted model loaded as softmax attention gives other outputs, and a warning is easily lost).
+Parameterised conversions start from random new parameters: they are starting points for fine-tuning, not
+zero-shot replacements.
 """
 
 from __future__ import annotations
@@ -45,7 +49,12 @@ from longattn.hf.bridge import (
     uses_projections,
 )
 
-__all__ = ["attention_modules", "convert", "from_pretrained", "NO_QKV_MAPPING"]
+__all__ = ["attention_modules", "convert", "from_pretrained", "NO_QKV_MAPPING", "SAVED_ATTN_IMPLEMENTATION"]
+
+# config.json's attention implementation of a saved converted model: registered nowhere, so that transformers
+# refuses to load the model without longattn, with this text in its error
+SAVED_ATTN_IMPLEMENTATION = ("longattn_converted: a model converted by longattn, load it with "
+                             "longattn.hf.from_pretrained")
 
 # Mechanisms without a proj (QKVProjection): which of their layers take the model's query/key/value
 # projections. Their output projection becomes the identity (the model applies its own afterwards).
@@ -245,6 +254,7 @@ def convert(
         "name": name, "options": options, "max_len": max_len, "layers": indices, "fresh": fresh,
         "ignore_dropout": ignore_dropout, "seed": seed,
     }
+    model.config.attn_implementation = SAVED_ATTN_IMPLEMENTATION  # written by save_pretrained, read back below
     _register_converted(attend_converted)
     model.set_attn_implementation(CONVERTED_KEY)
     if getattr(model.config, "_attn_implementation", None) != CONVERTED_KEY:
@@ -269,9 +279,11 @@ def _state_files(folder: Path) -> list[Path]:
     return [single]
 
 
-def from_pretrained(path: str | Path, model_class: type | None = None, **config_overrides: Any) -> nn.Module:
+def from_pretrained(path: str | Path, model_class: type | None = None, *, check_finite: bool = True,
+                    **config_overrides: Any) -> nn.Module:
     """Load a model saved after :func:`convert` (``save_pretrained``): rebuild, convert as recorded in its
-    config, load every weight (safetensors only, no pickle). Returns the model in eval mode."""
+    config, load every weight (safetensors only, no pickle). Returns the model in eval mode. ``check_finite``:
+    non-finite weights (a file whose bytes were overwritten) raise, naming the tensor."""
     transformers = _transformers()
     from safetensors.torch import load_file
 
@@ -281,6 +293,8 @@ def from_pretrained(path: str | Path, model_class: type | None = None, **config_
     if not isinstance(record, dict) or "name" not in record:
         raise AttentionError(f"{folder} holds no longattn conversion (config.longattn is missing)")
     del config.longattn
+    if config._attn_implementation == SAVED_ATTN_IMPLEMENTATION:
+        config._attn_implementation = None  # convert below sets longattn's
     if model_class is None:
         architectures = getattr(config, "architectures", None) or []
         if not architectures or not hasattr(transformers, architectures[0]):
@@ -300,6 +314,7 @@ def from_pretrained(path: str | Path, model_class: type | None = None, **config_
     # a config.json edited since the save (sizes, or the mechanism's options) builds a model the weights
     # do not fit: an error naming the folder, not torch's long one
     load_weights(model, state, ", ".join(str(file) for file in _state_files(folder)), ignore=lambda name: name in tied,
-                 hint=f"{folder / 'config.json'} no longer describes the saved model (edited since save_pretrained?)")
+                 hint=f"{folder / 'config.json'} no longer describes the saved model (edited since save_pretrained?)",
+                 check_finite=check_finite)
     model.tie_weights()
     return model.eval()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from longattn.hf.bridge import _transformers
-from longattn.train.checkpoint import CheckpointError, first_line
+from longattn.train.checkpoint import CheckpointError, check_finite_weights, first_line
 
 __all__ = ["load_bert", "load_tokenizer", "minilm_path"]
 
@@ -35,14 +35,15 @@ def _folder(path: str | Path | None) -> Path:
 
 
 def load_bert(path: str | Path | None = None, pretrained: bool = True, seed: int = 0,
-              attn_implementation: str = "sdpa") -> nn.Module:
+              attn_implementation: str = "sdpa", check_finite: bool = True) -> nn.Module:
     """A transformers ``BertModel`` from a local checkpoint folder (MiniLM-L6 by default), in eval mode.
 
     ``pretrained=False`` gives the same architecture with transformers' own BERT initialisation
     (normal(0, initializer_range) weights) drawn from ``seed``: the "randomly initialised" setting.
     A damaged ``model.safetensors``, or a ``config.json`` whose model has weights the file lacks (or of other
     shapes), is a :class:`~longattn.train.checkpoint.CheckpointError` naming the file: transformers itself
-    would initialise the missing weights at random with a warning.
+    would initialise the missing weights at random with a warning. So are non-finite weights (bytes overwritten
+    in the file: safetensors checks no data), naming the tensor, unless ``check_finite=False``.
     """
     transformers = _transformers()
     folder = _folder(path)
@@ -69,6 +70,8 @@ def load_bert(path: str | Path | None = None, pretrained: bool = True, seed: int
         if unfit:
             raise CheckpointError(f"{folder / 'config.json'} no longer matches {weights}: "
                                   + "; ".join(f"{kind.replace('_keys', '')} {names}" for kind, names in unfit.items()))
+        if check_finite:
+            check_finite_weights(model.state_dict(), weights)
     else:
         config = transformers.BertConfig.from_pretrained(str(folder), local_files_only=True)
         config._attn_implementation = attn_implementation

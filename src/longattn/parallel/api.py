@@ -124,6 +124,31 @@ class SequenceParallelAttention(nn.Module):
         return f"group={'WORLD' if self.group is None else self.group}"
 
 
+_FINGERPRINT_ATTR = "_longattn_weights_fingerprint"  # on the layer: its fingerprint, None once it is forgotten
+
+
+def _forget_fingerprint(module: nn.Module, incompatible_keys: object) -> None:
+    module.__dict__[_FINGERPRINT_ATTR] = None
+
+
+def weights_fingerprint(layer: AttentionBase) -> int:
+    """A CRC-32 of the names and bytes of the parameters of ``layer`` (buffers such as Performer's redraw counter
+    follow the calls, which the collectives' own checks compare), computed on the first sequence-parallel
+    call and again after ``load_state_dict`` (a post-hook forgets it); in between it is read from the layer, so a
+    forward pays nothing for it. Ranks whose layers differ in their values (not only their shapes) would give a
+    wrong output: the fingerprint is among the fields the first all-gather compares."""
+    known = layer.__dict__.get(_FINGERPRINT_ATTR)
+    if known is None:
+        if _FINGERPRINT_ATTR not in layer.__dict__:  # the first time: forget the fingerprint on every load
+            layer.register_load_state_dict_post_hook(_forget_fingerprint)
+        known = 0
+        for name, t in layer.named_parameters():
+            data = t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()
+            known = zlib.crc32(data, zlib.crc32(name.encode(), known))
+        layer.__dict__[_FINGERPRINT_ATTR] = known
+    return known
+
+
 def _describe(layer: AttentionBase, x: Tensor, attention_mask: Tensor | None) -> dict[str, int]:
     """What must be equal on every rank of the group, as integers (one all-gather compares them)."""
     signature = f"{layer.name} {layer.extra_repr()} " + " ".join(
@@ -131,7 +156,8 @@ def _describe(layer: AttentionBase, x: Tensor, attention_mask: Tensor | None) ->
     batch, _, width = x.shape if x.dim() == 3 else (-1, -1, -1)  # not [B, N, dim]: check_input says so
     return {"batch size": batch, "feature size": width, "dtype": dtype_code(x.dtype),
             "device": device_code(x.device), "mask": int(attention_mask is not None),
-            "training mode": int(layer.training), "layer": zlib.crc32(signature.encode())}
+            "training mode": int(layer.training), "layer": zlib.crc32(signature.encode()),
+            "weights": weights_fingerprint(layer)}
 
 
 def sequence_parallel(layer: AttentionBase, group: dist.ProcessGroup | None = None) -> SequenceParallelAttention:

@@ -211,6 +211,9 @@ _WORDS = {"input check": ("failed its checks (that rank's own error says why)", 
 def _difference(field: str, rank: int, mine: int, first: int) -> str:
     if field == "layer":
         return f"rank {rank} runs another layer than rank 0 (its name, options or parameter shapes differ)"
+    if field == "weights":
+        return (f"rank {rank}'s layer holds other weights than rank 0's (their fingerprints differ: load the same "
+                "state on every rank, or broadcast rank 0's)")
     if field in _WORDS:
         return f"rank {rank}'s {field}: {_WORDS[field][mine]}, rank 0's: {_WORDS[field][first]}"
     return f"rank {rank}'s {field} is {_describe_code(field, mine)}, rank 0's {_describe_code(field, first)}"

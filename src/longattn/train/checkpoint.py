@@ -191,13 +191,34 @@ def layout_difference(saved: dict[str, list[Any]], current: dict[str, list[Any]]
     return "; ".join(parts)
 
 
+def non_finite_tensors(state: dict[str, Any]) -> list[str]:
+    """The names of the floating tensors of ``state`` that hold a NaN or an infinity (one pass over them)."""
+    return [name for name, t in state.items()
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def check_finite_weights(state: dict[str, Any], source: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointError` naming the tensors of ``state`` (loaded from ``source``) that hold a NaN or an
+    infinity: a file whose bytes were overwritten (safetensors checks no data) loads them without a word."""
+    broken = non_finite_tensors(state)
+    if broken:
+        first = state[broken[0]]
+        count = int((~torch.isfinite(first)).sum())
+        more = " ..." if len(broken) > 3 else ""
+        raise CheckpointError(f"{source}: non-finite weights in {', '.join(broken[:3])}{more} ({count} of the "
+                              f"{first.numel()} values of {broken[0]}); the file is damaged or was saved from a "
+                              "diverged run (check_finite=False loads it anyway)")
+
+
 def load_weights(model: torch.nn.Module, state: dict[str, Any], source: str | os.PathLike,
                  ignore: Callable[[str], bool] = lambda name: False,
-                 hint: str = "use the checkpoint of a run with this model and settings") -> None:
+                 hint: str = "use the checkpoint of a run with this model and settings",
+                 check_finite: bool = True) -> None:
     """``model.load_state_dict(state)`` after checking that ``state`` (from ``source``) has the model's
     parameters and buffers with their shapes: a checkpoint of another model is a :class:`CheckpointError`
     naming the file and the first differences, not torch's long error. ``ignore``: names allowed to be
-    missing from ``state`` (they keep the model's values); ``hint``: what to do, in the error."""
+    missing from ``state`` (they keep the model's values); ``hint``: what to do, in the error; ``check_finite``:
+    refuse non-finite weights (:func:`check_finite_weights`)."""
     current = {name: spec for name, spec in model_layout(model).items() if not (ignore(name) and name not in state)}
     saved = {name: [*tensor.shape, str(tensor.dtype).removeprefix("torch.")] if isinstance(tensor, torch.Tensor) else []
              for name, tensor in state.items()}
@@ -206,6 +227,8 @@ def load_weights(model: torch.nn.Module, state: dict[str, Any], source: str | os
     if shapes(saved) != shapes(current):
         raise CheckpointError(f"{source} holds the weights of another model ({layout_difference(saved, current)}); "
                               f"{hint}")
+    if check_finite:
+        check_finite_weights(state, source)
     try:
         model.load_state_dict(state, strict=not any(ignore(name) for name in model.state_dict()))
     except (RuntimeError, ValueError) as error:

@@ -35,6 +35,7 @@ from longattn.train.checkpoint import (
     layout_difference,
     load_checkpoint,
     load_weights,
+    non_finite_tensors,
     model_layout,
     load_with_fallback,
     previous_path,
@@ -719,8 +720,7 @@ class Trainer:
         # A finite loss can still come with an update that overflowed the weights (a huge learning
         # rate): never let such weights replace the last good checkpoint. DDP replicas are equal,
         # so every rank decides alike.
-        broken = [name for name, t in self.model.state_dict().items()
-                  if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        broken = non_finite_tensors(self.model.state_dict())
         if broken:
             kept = (f"the last checkpoint (step {self._saved_step}) is intact" if self._saved_step is not None
                     else "no checkpoint was written")
