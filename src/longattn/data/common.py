@@ -88,6 +88,27 @@ def class_folder_files(root: Path, suffixes: tuple[str, ...] | None = None) -> l
     return entries
 
 
+def folder_contents(folder: str | Path, shown: int = 6) -> str:
+    """What a data folder holds, for an error that says why nothing usable was found there: ``holds a.csv,
+    b/ and 3 more``, ``is empty`` or ``does not exist``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "does not exist" if not folder.exists() else "is a file, not a folder"
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in folder.iterdir())
+    if not names:
+        return "is empty"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"holds {', '.join(names[:shown])}{more}"
+
+
+def no_layout_error(what: str, folder: str | Path, layouts: Sequence[str], download: str | None) -> DatasetError:
+    """The error of a reader that found none of its accepted ``layouts`` in ``folder``: what the folder holds,
+    what it accepts, and the command that downloads the data (None where no download exists)."""
+    fetch = f"; download it with `{download}`" if download else ""
+    return DatasetError(f"{what}: no usable data in {folder}, which {folder_contents(folder)}; accepted: "
+                        f"{'; '.join(layouts)}{fetch}")
+
+
 def read_bytes(path: Path) -> bytes:
     """The bytes of a dataset file; a dangling link or an unreadable file is a :class:`DatasetError` naming it."""
     _check_link(path)
