@@ -374,8 +374,9 @@ def load_cifar100(data_dir: str | Path, subset: str, label_mode: str = "fine", c
     folder = root / "cifar-100-python" if (root / "cifar-100-python").is_dir() else root
     missing = [name for name in (subset, "meta") if not (folder / name).is_file()]
     if missing:
-        raise DatasetError(f"CIFAR-100: missing {', '.join(missing)} in {folder} "
-                           "(expected the official cifar-100-python/{train,test,meta})")
+        raise no_layout_error(f"CIFAR-100: missing {', '.join(missing)} in {folder}", root,
+                              ["the official cifar-100-python/{train,test,meta}", "{train,test,meta} directly"],
+                              download_command("cifar100", root))
     path = folder / subset
     data, labels = _batch_arrays(_read_python_batch(path), path, label_key, num_classes)
     check_count(str(path), f"CIFAR-100 {subset}", {"images": len(labels)}, {"images": CIFAR100_ROWS[subset]},
