@@ -76,3 +76,9 @@ def test_cifar100_never_runs_code_from_a_batch(tmp_path):
 
 def test_paper_length_for_cifar100():
     assert image.CIFAR100_TOKENS == 256  # Singularformer: (32 / 2) x (32 / 2) tokens
+
+
+def test_a_folder_without_cifar100_names_the_layout_and_the_download_command(tmp_path):
+    with pytest.raises(DatasetError, match=r"which is empty; accepted: the official cifar-100-python/\{train,test,meta\}"
+                                           r".*`longattn data download cifar100 --data-dir "):
+        image.load_cifar100(tmp_path, "train")

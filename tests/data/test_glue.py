@@ -269,3 +269,11 @@ def test_bad_glue_files_fail_at_load_time_naming_file_line_and_column(tmp_path, 
     (_copy_task(tmp_path, folder) / name).write_text(text, encoding="utf-8")
     with pytest.raises(DatasetError, match=message):
         glue.read_glue(task, split, tmp_path)
+
+
+def test_a_folder_without_glue_names_what_it_holds_and_the_download_command(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(DatasetError, match=r"GLUE rte: no train.tsv .* which holds notes.txt; accepted: the official "
+                                           r"glue_data/ root holding RTE/train.tsv.*`longattn data download glue "
+                                           r"--data-dir "):
+        glue.find_split(glue.GLUE_TASKS.get("rte"), "train", tmp_path)

@@ -1,6 +1,7 @@
 import io
 import pickle
 import tarfile
+import zipfile
 
 import numpy as np
 import pytest
@@ -98,6 +99,14 @@ def test_image_folder_and_tarball(tmp_path):
             tar.add(tree / split, arcname=split)
     from_tar = build_dataset("image", "test", data_dir=str(archives), check_counts=False)
     assert [from_tar[i]["tokens"].tolist() for i in range(4)] == [test[i]["tokens"].tolist() for i in range(4)]
+    # one zip holding both trees, under a name that says neither split: read by content
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    with zipfile.ZipFile(packed / "cifar_mirror.zip", "w") as handle:
+        for file in sorted(tree.rglob("*.png")):
+            handle.write(file, str(file.relative_to(tree)))
+    from_zip = build_dataset("image", "test", data_dir=str(packed), check_counts=False)
+    assert [from_zip[i]["tokens"].tolist() for i in range(4)] == [test[i]["tokens"].tolist() for i in range(4)]
 
 
 def test_image_errors(tmp_path):

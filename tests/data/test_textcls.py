@@ -125,7 +125,8 @@ def test_r8_errors_name_file_and_line(tmp_path):
     (folder / "test.txt").write_bytes(b"earn\tfine\nacq\tcaf\xe9\n")
     with pytest.raises(DatasetError, match=r"R8/test.txt:2: not UTF-8"):
         textcls.build_textcls("r8", "test", tmp_path)
-    with pytest.raises(DatasetError, match="found none of train.txt"):
+    with pytest.raises(DatasetError, match="accepted: train.txt; R8/train.txt; download it with "
+                                           "`longattn data download r8"):
         textcls.build_textcls("r8", "train", tmp_path / "nowhere")
     with pytest.raises(DatasetError, match="did you mean '20news'"):
         textcls.build_textcls("20newsgroups", "train", tmp_path)
@@ -208,8 +209,8 @@ def test_imdb_archive_is_read_once_per_build_of_the_splits(tmp_path, monkeypatch
                         tar.addfile(info, io.BytesIO(data))
 
     passes = []
-    real_iter = text.iter_tar_files
-    monkeypatch.setattr(text, "iter_tar_files", lambda path: (passes.append(path), real_iter(path))[1])
+    real_iter = text.iter_archive_files
+    monkeypatch.setattr(text, "iter_archive_files", lambda path: (passes.append(path), real_iter(path))[1])
     write_archive("first")
     with read_once():
         splits = {split: textcls.build_textcls("imdb", split, tmp_path, fold=1) for split in ("train", "val", "test")}
@@ -263,7 +264,7 @@ def test_scope_fasta_folds_and_residues(tmp_path):
     third = textcls.read_scope("40")(FIXTURES / "scope", "train").texts[2]
     ids = textcls._encode_residues([third], 100)[0]
     assert ids[third.index("X")] == textcls.AMINO_ACIDS.index("X") + 2
-    with pytest.raises(DatasetError, match=r"no \*-95-\*.fa"):
+    with pytest.raises(DatasetError, match=r"holds astral-.*-40-2.08.fa; accepted: the ASTRAL FASTA \*-95-\*.fa"):
         textcls.build_textcls("scope95", "train", FIXTURES / "scope")
     bad = tmp_path / "astral-scopedom-seqres-gd-sel-gs-bib-40-2.08.fa"
     bad.write_text(">d1dlwa_ a.1 (A:) truncated class\nslfe\n", encoding="utf-8")
@@ -316,3 +317,75 @@ def test_bbc_and_20news_error_rules(tmp_path):
     with pytest.raises(DatasetError, match=r"20news-bydate-test/rec.autos/103007: label 'rec.autos' does not occur"):
         textcls.build_textcls("20news", "test", tmp_path / "b")
     assert len(textcls.build_textcls("20news", "train", tmp_path / "b")) == 10
+
+
+# ----------------------------------------------------------------------------- packings (issue 59)
+
+def _pack(folder: Path, tops: list[str], archive: Path, packing: str) -> Path:
+    """``tops`` (folders of ``folder``) packed into ``archive`` as a zip or a tar of that mode."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    if packing == "zip":
+        with zipfile.ZipFile(archive, "w") as handle:
+            for top in tops:
+                for file in sorted((folder / top).rglob("*")):
+                    handle.write(file, str(file.relative_to(folder)))
+    else:
+        with tarfile.open(archive, packing) as handle:
+            for top in tops:
+                handle.add(folder / top, top)
+    return archive
+
+
+def _documents(name: str, data_dir: Path) -> dict[str, tuple[list, list]]:
+    """(tokens, label) of every document of each split of fold 0 of 2 (the fixtures have 4 documents a class)."""
+    splits = {split: textcls.build_textcls(name, split, data_dir, fold=0, num_folds=2)
+              for split in ("train", "val", "test")}
+    return {split: ([d[i]["tokens"].tolist() for i in range(len(d))], d.labels.tolist()) for split, d in splits.items()}
+
+
+@pytest.mark.parametrize("file_name, packing", [
+    ("bbc-fulltext.zip", "zip"), ("bbc.tar", "w"), ("bbc-fulltext.tar.gz", "w:gz"), ("mirror.tgz", "w:gz"),
+    ("bbc-fulltext.tar.gz", "zip"),  # a zip under a tar name: read by its content
+])
+def test_bbc_gives_the_same_documents_and_splits_whatever_the_packing(tmp_path, file_name, packing):
+    _pack(FIXTURES, ["bbc"], tmp_path / file_name, packing)
+    assert _documents("bbc", tmp_path) == _documents("bbc", FIXTURES)
+
+
+@pytest.mark.parametrize("file_name, packing", [("20news-bydate.tar.gz", "w:gz"), ("20news.zip", "zip")])
+def test_20news_gives_the_same_documents_and_splits_as_folder_and_archive(tmp_path, file_name, packing):
+    _pack(FIXTURES, ["20news-bydate-train", "20news-bydate-test"], tmp_path / file_name, packing)
+    assert _documents("20news", tmp_path) == _documents("20news", FIXTURES)
+
+
+def test_imdb_from_a_zip_under_any_name(tmp_path):
+    reviews = {"train/pos/0_9.txt": "A GREAT film", "train/neg/0_2.txt": "Dull.", "train/pos/1_7.txt": "Fine",
+               "train/neg/1_3.txt": "Bad", "test/pos/0_8.txt": "Great.", "test/neg/0_1.txt": "Awful film"}
+    for name, text in reviews.items():
+        (tmp_path / "tree" / "aclImdb" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tree" / "aclImdb" / name).write_text(text, encoding="utf-8")
+    _pack(tmp_path / "tree", ["aclImdb"], tmp_path / "packed" / "imdb_reviews.zip", "zip")
+    folder = textcls.build_textcls("imdb", "test", tmp_path / "tree")
+    packed = textcls.build_textcls("imdb", "test", tmp_path / "packed")
+    assert [packed[i]["tokens"].tolist() for i in range(2)] == [folder[i]["tokens"].tolist() for i in range(2)]
+
+
+@pytest.mark.parametrize("name, layout, command", [
+    ("r8", "R8/train.txt", "longattn data download r8 --data-dir {dir}"),
+    ("bbc", "bbc/<class>/<nnn>.txt", "longattn data download bbc --data-dir {dir} --allow-unverified"),
+    ("20news", "20news-bydate-{train,test}/<group>/<id>", "longattn data download 20news --data-dir {dir}"),
+    ("imdb", "aclImdb/{train,test}/{pos,neg}/<id>_<rating>.txt", "longattn data download imdb --data-dir {dir}"),
+    ("scope95", "*-95-*.fa", "longattn data download scope95 --data-dir {dir} --allow-unverified"),
+    ("mimic3_50", "train_50.csv", None),
+])
+def test_a_folder_without_the_data_names_what_it_holds_the_layouts_and_the_download(tmp_path, name, layout, command):
+    for folder, expected in ((tmp_path / "empty", "is empty"), (tmp_path / "other", "holds notes.txt, photos/")):
+        folder.mkdir()
+        if expected != "is empty":
+            (folder / "notes.txt").write_text("x")
+            (folder / "photos").mkdir()
+        with pytest.raises(DatasetError) as error:
+            textcls.build_textcls(name, "train", folder)
+        message = str(error.value)
+        assert f"no usable data in {folder}, which {expected}; accepted: " in message and layout in message
+        assert (command is None and "download" not in message) or f"`{command.format(dir=folder)}`" in message

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import http.server
 import os
+import re
 import threading
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -308,3 +309,97 @@ def test_blank_lines_after_the_last_row_are_allowed(tmp_path):
         table = ts.read_series_csv(path)
         assert table.dates == [datetime(2020, 1, 1), datetime(2020, 1, 2)]
         np.testing.assert_array_equal(table.values, [[1, 2], [3, 4]])
+
+
+# ----------------------------------------------------------------------------- files as published (issue 59)
+
+WEATHER_ROWS, WEATHER_REPEATED_LINE = 52696, 19046  # the published file: 52,696 rows, line 19,046 repeats 19,045
+
+
+def write_weather_layout(path: Path) -> None:
+    """The published Weather file's shape: 52,696 rows x 21 value columns every 10 minutes from 2020-01-01
+    00:10, the row on line 19,046 an exact repeat of line 19,045, and two -9999 fill values in `wv (m/s)`."""
+    header = (FIXTURES / "weather.csv").read_bytes().split(b"\n", 1)[0]
+    unique = WEATHER_ROWS - 1
+    start = datetime(2020, 1, 1, 0, 10)
+    values = (np.arange(unique)[:, None] % 97 + np.arange(21)[None, :]).astype(np.int64)
+    values[[100, 40000], 11] = -9999  # column 11 is `wv (m/s)`
+    lines = [(start + timedelta(minutes=10 * i)).strftime("%Y-%m-%d %H:%M:%S") + "," + ",".join(map(str, row))
+             for i, row in enumerate(values.tolist())]
+    repeated = WEATHER_REPEATED_LINE - 2  # index of the line's row among the data lines (the header is line 1)
+    lines.insert(repeated, lines[repeated - 1])
+    path.write_bytes(header + b"\n" + "\n".join(lines).encode() + b"\n")
+
+
+def test_weather_as_published_keeps_its_repeated_row_with_one_warning(tmp_path, capsys):
+    write_weather_layout(tmp_path / "weather.csv")
+    data = ts.load_forecast_data("weather", tmp_path, seq_len=96, label_len=48, pred_len=96)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"1 row(s) repeat the date and values of the row before (line {WEATHER_REPEATED_LINE})" \
+        in warnings[0]
+    sizes = {split: end - begin for split, (begin, end) in data.borders.items()}
+    # the published 7:1:2 split counts the repeated row: 36,887 / 5,270 / 10,539 rows (val and test without the
+    # seq_len overlap)
+    assert (sizes["train"], sizes["val"] - 96, sizes["test"] - 96) == (36887, 5270, 10539)
+    assert len(data.train) == 36696  # 36,887 - 96 - 96 + 1; 36,695 without the repeated row
+    assert data.description.startswith("weather.csv: 52,696 rows x 21 columns; 2020-01-01 00:10:00 to ")
+    assert "frequency min (median step 10 min)" in data.description
+    assert f"1 repeated row(s) (line {WEATHER_REPEATED_LINE})" in data.description
+    assert "fill values -9999: wv (m/s) 2" in data.description
+    assert (data.scaler.inverse_transform(data.train.data.double().numpy())[100, 11] == pytest.approx(-9999))
+
+
+@pytest.mark.parametrize("content, line, relation", [
+    (b"date,a,OT\n2020-01-01 00:00,1,2\n2020-01-01 01:00,1,2\n2020-01-01 01:00,1,3\n2020-01-01 02:00,1,2\n", 4,
+     "repeats the date on line 3 (2020-01-01 01:00:00) with other values"),
+    (b"date,a,OT\n2020-01-01 00:00,1,2\n2020-01-01 02:00,1,2\n2020-01-01 01:00,1,2\n2020-01-01 03:00,1,2\n", 4,
+     "goes back in time from the date on line 3"),
+])
+def test_a_repeated_date_with_other_values_or_time_going_back_is_refused_unless_allowed(tmp_path, content, line,
+                                                                                       relation):
+    path = tmp_path / "series.csv"
+    path.write_bytes(content)
+    with pytest.raises(ts.TimeSeriesDataError, match=rf"line {line}: .* {re.escape(relation)}.*"
+                                                     r"data.strict_time_order=false"):
+        ts.read_series_csv(path)
+    table = ts.read_series_csv(path, strict_time_order=False)
+    assert table.unordered_lines == [line] and table.repeated_lines == [] and len(table.values) == 4
+    np.testing.assert_array_equal(table.values[:, 1], [int(r.split(b",")[2]) for r in content.split(b"\n")[1:-1]])
+
+
+def test_an_identical_repeated_row_is_kept_and_other_problems_still_refused(tmp_path):
+    path = tmp_path / "series.csv"
+    path.write_bytes(b"date,a,OT\n2020-01-01 00:00,1,2\n2020-01-01 00:00,1,2\n2020-01-01 01:00,3,4\n")
+    table = ts.read_series_csv(path)
+    assert table.repeated_lines == [3] and table.unordered_lines == [] and len(table.values) == 3
+
+
+def test_fill_values_are_counted_kept_or_interpolated(tmp_path):
+    path = tmp_path / "series.csv"
+    write_csv(path, 60)
+    lines = path.read_text().splitlines()
+    for number in (2, 3):  # rows 1 and 2 of column a (line 1 is the header): between the recorded rows 0 and 3
+        date, _, rest = lines[number].split(",", 2)
+        lines[number] = f"{date},-9999,{rest}"
+    path.write_text("\n".join(lines) + "\n")
+    table = ts.read_series_csv(path)
+    assert table.fill_counts == {"a": 2}
+    kept = ts.load_forecast_data(str(path), seq_len=8, label_len=4, pred_len=4)
+    filled = ts.load_forecast_data(str(path), seq_len=8, label_len=4, pred_len=4, fill_values="interpolate")
+    raw_kept = kept.scaler.inverse_transform(kept.train.data.double().numpy())
+    raw_filled = filled.scaler.inverse_transform(filled.train.data.double().numpy())
+    assert raw_kept[1:3, 0] == pytest.approx([-9999, -9999])
+    a0, a3 = table.values[0, 0], table.values[3, 0]
+    assert raw_filled[1:3, 0] == pytest.approx([a0 + (a3 - a0) / 3, a0 + 2 * (a3 - a0) / 3], abs=1e-4)
+    with pytest.raises(ts.TimeSeriesDataError, match="fill_values must be one of keep, interpolate"):
+        ts.load_forecast_data(str(path), seq_len=8, label_len=4, pred_len=4, fill_values="drop")
+
+
+def test_a_missing_benchmark_file_names_the_folder_the_file_and_the_download_command(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(FileNotFoundError) as error:
+        ts.load_forecast_data("weather", tmp_path)
+    message = str(error.value)
+    assert "holds notes.txt" in message and "the file weather.csv" in message
+    assert f"longattn data download weather --data-dir {tmp_path}" in message
+    assert "forecast-download" not in message

@@ -239,3 +239,19 @@ def test_cli_table_layout_with_paper_numbers(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| ili | 24 | " in printed and "Not run yet (dataset H model: missing seeds): ili 24 encoder:softmax: 0." in printed
     assert (out / "ili_mse.png").stat().st_size > 1000  # the per-dataset MSE-against-horizon plot
+
+
+def test_a_forecasting_run_prints_its_data_line_and_passes_the_file_options(tmp_path, capsys):
+    path = tmp_path / "toy.csv"
+    path.write_text("date,c0,OT\n" + "".join(f"2002-01-{1 + i // 24:02d} {i % 24:02d}:00:00,{i % 7},-9999\n"
+                                             for i in range(60)) + "2002-01-03 10:00:00,5,-9999\n")
+    task = get_task("forecasting")
+    with pytest.raises(ValueError, match="goes back in time"):
+        task.build_data(resolve_config("forecasting", None, None, [], model_name="dlinear", data={
+            "dataset": str(path), "seq_len": 8, "label_len": 4, "pred_len": 2}))
+    task.build_data(resolve_config("forecasting", None, None, ["data.strict_time_order=false"], model_name="dlinear",
+                                   data={"dataset": str(path), "seq_len": 8, "label_len": 4, "pred_len": 2}))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: data ")]
+    assert lines == ["note: data toy.csv: 61 rows x 2 columns; 2002-01-01 00:00:00 to 2002-01-03 11:00:00; "
+                     "frequency h (median step 60 min); 0 repeated row(s); 1 row(s) out of time order kept "
+                     "(line 62); fill values -9999: OT 61"]

@@ -17,7 +17,8 @@ from longattn.experiment.config import resolve_config
 from longattn.experiment.grid import Cell, write_sweep_table
 from longattn.experiment.run import run
 from longattn.tasks.base import get_task
-from longattn.train.loop import StepOutput, Trainer, convergence, parameter_groups
+from longattn.train.loop import (CONVERGENCE_MARGIN, StepOutput, Trainer, convergence, parameter_groups,
+                                 run_convergence)
 from longattn.train.settings import OptimConfig, TrainConfig
 
 
@@ -139,6 +140,40 @@ def test_convergence_is_judged_from_the_last_two_validations():
     reached = convergence(still_improving, "mae", target_reached=True)  # stopped at train.stop_at: its target
     assert reached["converged"] and reached["target_reached"] and "text" not in reached
     assert convergence([], "mae") is None
+
+
+def accuracy_record(step, loss, value, best):
+    return {"split": "val", "step": step, "loss": loss, "accuracy": value, "best": best}
+
+
+def test_a_metric_still_rising_at_the_last_validation_is_not_converged_whatever_the_loss():
+    # 20 Newsgroups, Singularformer, fold 0: accuracy 0.85 -> 0.857 at the last epoch while the loss rose
+    rising = [accuracy_record(4, 0.60, 0.85, True), accuracy_record(5, 0.65, 0.857, True)]
+    flag = convergence(rising, "accuracy")
+    assert not flag["converged"] and flag["metric_rising"] and not flag["val_loss_falling"]
+    assert flag["noise_margin"] == CONVERGENCE_MARGIN and flag["mode"] == "max"
+    assert ("and the accuracy is still rising by more than the 0.2% noise margin (0.85 -> 0.857): a longer run"
+            in flag["text"])
+    within_noise = [accuracy_record(4, 0.60, 0.85, True), accuracy_record(5, 0.65, 0.851, True)]
+    assert convergence(within_noise, "accuracy")["converged"]  # +0.12%: noise, and the loss rose
+    assert not convergence(within_noise, "accuracy", margin=0.001)["converged"]
+    both = convergence([accuracy_record(4, 0.7, 0.85, True), accuracy_record(5, 0.6, 0.86, True)], "accuracy")
+    assert "still rising" in both["text"] and "the validation loss is still falling (0.7 -> 0.6)" in both["text"]
+    falling_mse = [{"step": 1, "loss": 1.0, "mse": 0.50, "best": True}, {"step": 2, "loss": 1.1, "mse": 0.45,
+                                                                        "best": True}]
+    assert not convergence(falling_mse, "mse", mode="min")["converged"]  # lower is better: still improving
+    assert convergence(falling_mse, "mse", mode="max")["metric_rising"] is False
+
+
+def test_results_written_under_the_loss_only_rule_are_judged_again_by_the_metric_rule():
+    history = [accuracy_record(4, 0.60, 0.85, True), accuracy_record(5, 0.65, 0.857, True)]
+    old_record = {"converged": True, "best_at_last_validation": True, "val_loss_falling": False}
+    assert not run_convergence({"history": history, "convergence": old_record}, "accuracy")["converged"]
+    mse_history = [{"step": 1, "loss": 1.0, "mse": 0.50, "best": True}, {"step": 2, "loss": 1.1, "mse": 0.51,
+                                                                        "best": False}]
+    assert run_convergence({"history": mse_history}, "mse")["converged"]  # best earlier: min mode inferred
+    stopped = {"history": history, "convergence": {"target_reached": True, "mode": "max"}}
+    assert run_convergence(stopped, "accuracy")["converged"]
 
 
 def test_an_unconverged_run_says_so_in_results_summary_and_tables(tmp_path, capsys):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import stat
 import tarfile
+import zipfile
 import zlib
 from collections import Counter
 from contextlib import contextmanager
@@ -109,6 +111,32 @@ def class_folder_files(root: Path, suffixes: tuple[str, ...] | None = None) -> l
     return entries
 
 
+def folder_contents(folder: str | Path, shown: int = 6) -> str:
+    """What a data folder holds, for an error that says why nothing usable was found there: ``holds a.csv,
+    b/ and 3 more``, ``is empty`` or ``does not exist``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "does not exist" if not folder.exists() else "is a file, not a folder"
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in folder.iterdir())
+    if not names:
+        return "is empty"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"holds {', '.join(names[:shown])}{more}"
+
+
+def download_command(name: str, data_dir: str | Path, unverified: bool = False) -> str:
+    """The command that fetches dataset ``name`` into ``data_dir`` (``unverified``: no checksum is published)."""
+    return f"longattn data download {name} --data-dir {data_dir}" + (" --allow-unverified" if unverified else "")
+
+
+def no_layout_error(what: str, folder: str | Path, layouts: Sequence[str], download: str | None) -> DatasetError:
+    """The error of a reader that found none of its accepted ``layouts`` in ``folder``: what the folder holds,
+    what it accepts, and the command that downloads the data (None where no download exists)."""
+    fetch = f"; download it with `{download}`" if download else ""
+    return DatasetError(f"{what}: no usable data in {folder}, which {folder_contents(folder)}; accepted: "
+                        f"{'; '.join(layouts)}{fetch}")
+
+
 def read_bytes(path: Path) -> bytes:
     """The bytes of a dataset file; a dangling link or an unreadable file is a :class:`DatasetError` naming it."""
     _check_link(path)
@@ -152,6 +180,46 @@ def iter_tar_files(path: str | Path) -> Iterator[tuple[str, bytes]]:
             check_tar_complete(tar, path)
     except ARCHIVE_ERRORS as error:
         raise DatasetError(f"{path}: not a readable archive (tar), or corrupted or truncated ({error})") from error
+
+
+# A class-folder tree may come as a folder or packed in any of these, whatever the archive's name.
+ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz")
+
+
+def archive_candidates(folder: Path, hint: str = "") -> list[Path]:
+    """The archives of ``folder`` (files ending in one of :data:`ARCHIVE_SUFFIXES`, any name), sorted by name,
+    those whose name holds ``hint`` (e.g. ``bbc``) first, so the likely one is read before any other."""
+    if not folder.is_dir():
+        return []
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(ARCHIVE_SUFFIXES))
+    return sorted(files, key=lambda path: hint.lower() not in path.name.lower())
+
+
+def iter_zip_files(path: Path) -> Iterator[tuple[str, bytes]]:
+    """(member name, content) of every file of the zip archive ``path``; a damaged one is a DatasetError."""
+    try:
+        with zipfile.ZipFile(path) as handle:
+            for info in handle.infolist():
+                if not info.is_dir():
+                    yield info.filename, handle.read(info)
+    except (zipfile.BadZipFile, *ARCHIVE_ERRORS) as error:
+        raise DatasetError(f"{path}: not a readable archive (zip), or corrupted or truncated ({error})") from error
+
+
+def iter_archive_files(path: Path) -> Iterator[tuple[str, bytes]]:
+    """(member name, content) of every file of a zip or tar archive (any compression), told apart by content,
+    not by the file's name (mirrors repack a ``.zip`` as ``.tar.gz`` under the same stem)."""
+    return iter_zip_files(path) if zipfile.is_zipfile(path) else iter_tar_files(path)
+
+
+def archive_tree(folder: Path, member: re.Pattern, hint: str = "") -> tuple[Path, list[tuple[re.Match, bytes]]] | None:
+    """The first archive of ``folder`` (:func:`archive_candidates`) with members whose name ``member`` matches
+    (searched, so any leading folders are allowed), and (match, content) of those members; None if none has any."""
+    for archive in archive_candidates(folder, hint):
+        entries = [(match, data) for name, data in iter_archive_files(archive) if (match := member.search(name))]
+        if entries:
+            return archive, entries
+    return None
 
 
 def check_count(where: str, what: str, counts: dict[str, int], expected: dict[str, int], check: bool) -> None:

@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 
 from ..registry import Registry
 from . import wordpiece
-from .common import DatasetError, Packed, pad_sequences
+from .common import DatasetError, Packed, download_command, no_layout_error, pad_sequences
 
 MAX_LENGTH = 128  # SKTformer / S^3 Table 15 fine-tuning length, as BERT's GLUE runs
 COLA_COLUMNS = ("source", "label", "original_label", "sentence")  # CoLA train/dev: no header
@@ -116,9 +116,9 @@ def find_split(task: GlueTask, split: str, data_dir: str | Path) -> Path:
     for candidate in (root / task.folder / name, root / name):
         if candidate.is_file():
             return candidate
-    raise DatasetError(f"GLUE {task.name}: no {name} in {root / task.folder} or {root} "
-                       f"(expected the official glue_data/{task.folder}/ layout; "
-                       "python -m longattn.data.glue download DIR fetches it)")
+    raise no_layout_error(f"GLUE {task.name}: no {name} in {root / task.folder} or {root}", root,
+                          [f"the official glue_data/ root holding {task.folder}/{name}",
+                           f"the {task.folder}/ folder itself holding {name}"], download_command("glue", root))
 
 
 @dataclass

@@ -4,8 +4,8 @@ Sources:
 - `source="python"`: the official python batches `cifar-10-batches-py/{data_batch_1..5,test_batch}`
   (pickled dicts with b"data" uint8 [N, 3072] channel-planar RGB and b"labels").
 - `source="folder"`: an image-folder tree `<split>/<class>/*.{png,jpg,jpeg}` (class ids = sorted
-  class-folder names, which for CIFAR-10 is the official label order), extracted or as
-  `*<split>*.tar.gz` archives holding that tree.
+  class-folder names, which for CIFAR-10 is the official label order), extracted or in an archive of
+  the data folder holding that tree (.tar.gz, .tgz, .tar or .zip, any name, read by content).
 
 Grayscale as LRA (tf.image.rgb_to_grayscale, then back to uint8 as tf.image.convert_image_dtype):
 g = trunc(255.5 * (0.2989 R + 0.5870 G + 0.1140 B) / 255) in float32.
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .common import (DatasetError, check_count, check_split, class_folder_files, find_first, holdout_split,
-                     iter_tar_files, stratified_folds)
+from .common import (DatasetError, archive_tree, check_count, check_split, class_folder_files, download_command,
+                     find_first, holdout_split, no_layout_error, stratified_folds)
 
 VOCAB_SIZE = 256
 PAD_ID = 0  # pixels use every id 0..255; padding is told apart by the attention mask only
@@ -229,24 +229,30 @@ def _folder_entries(folder: Path) -> list[tuple[str, str, object]]:
     return class_folder_files(folder, IMAGE_SUFFIXES)
 
 
-def _archive_entries(archive: Path, subset: str) -> list[tuple[str, str, object]]:
-    pattern = re.compile(rf"(?:^|/){subset}/([^/]+)/([^/]+)$")
-    entries = []
-    for name, content in iter_tar_files(archive):
-        match = pattern.search(name)
-        if match and Path(match.group(2)).suffix.lower() in IMAGE_SUFFIXES:
-            entries.append((match.group(1), match.group(2), content))
-    return entries
+def _archive_entries(data_dir: Path, subset: str) -> tuple[list[tuple[str, str, object]], str] | None:
+    """(class, file name, bytes) of the `<subset>/<class>/<image>` members of the first archive of data_dir that
+    has any (.tar.gz, .tgz, .tar or .zip, read by content), and the archive; None if none has."""
+    found = archive_tree(data_dir, re.compile(rf"(?:^|/){subset}/([^/]+)/([^/]+)$"), subset)
+    if found is None:
+        return None
+    archive, members = found
+    entries = [(match.group(1), match.group(2), data) for match, data in members
+               if Path(match.group(2)).suffix.lower() in IMAGE_SUFFIXES]
+    return entries, str(archive)
 
 
 def _subset_entries(data_dir: Path, subset: str) -> tuple[list[tuple[str, str, object]], str]:
     folder = data_dir / subset
     if folder.is_dir():
         return _folder_entries(folder), str(folder)
-    archives = sorted(p for p in data_dir.glob(f"*{subset}*.tar.gz")) + sorted(data_dir.glob(f"*{subset}*.tgz"))
-    if archives:
-        return _archive_entries(archives[0], subset), str(archives[0])
-    raise DatasetError(f"image folder: neither {folder}/<class>/*.png|jpg nor a *{subset}*.tar.gz archive in {data_dir}")
+    found = _archive_entries(data_dir, subset)
+    if found is not None:
+        return found
+    suffixes = "|".join(suffix.lstrip(".") for suffix in IMAGE_SUFFIXES)
+    raise no_layout_error(f"image folder ({subset})", data_dir,
+                          [f"{subset}/<class>/*.{suffixes} as a folder",
+                           "the same tree in a .tar.gz, .tgz, .tar or .zip"],
+                          download_command("cifar10", data_dir))
 
 
 def load_image_folder(data_dir: str | Path, subset: str, image_size: int = 32, check_counts: bool = True,
@@ -368,8 +374,9 @@ def load_cifar100(data_dir: str | Path, subset: str, label_mode: str = "fine", c
     folder = root / "cifar-100-python" if (root / "cifar-100-python").is_dir() else root
     missing = [name for name in (subset, "meta") if not (folder / name).is_file()]
     if missing:
-        raise DatasetError(f"CIFAR-100: missing {', '.join(missing)} in {folder} "
-                           "(expected the official cifar-100-python/{train,test,meta})")
+        raise no_layout_error(f"CIFAR-100: missing {', '.join(missing)} in {folder}", root,
+                              ["the official cifar-100-python/{train,test,meta}", "{train,test,meta} directly"],
+                              download_command("cifar100", root))
     path = folder / subset
     data, labels = _batch_arrays(_read_python_batch(path), path, label_key, num_classes)
     check_count(str(path), f"CIFAR-100 {subset}", {"images": len(labels)}, {"images": CIFAR100_ROWS[subset]},

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from .common import DatasetError
+from .common import DatasetError, no_layout_error
 from .mlm import read_lines
 
 __all__ = ["EOS", "UNK", "LMBlocks", "bpe_tokenizer", "cache_dir", "collate_lm", "encode_lines", "lm_blocks",
@@ -48,7 +48,7 @@ def train_file_path(folder: Path, name: str) -> Path:
     if not path.is_file() and (folder / f"{name}.reordered").is_file():
         return folder / f"{name}.reordered"
     if not path.is_file():
-        raise DatasetError(f"corpus file {path} does not exist")
+        raise no_layout_error(f"corpus file {path} does not exist", folder, [name, f"{name}.reordered"], None)
     return path
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import DatasetError, PairDataset, check_split, encode_bytes, find_first
+from .common import DatasetError, PairDataset, check_split, download_command, encode_bytes, find_first, no_layout_error
 
 VOCAB_SIZE = 257
 PAD_ID = 256
@@ -60,7 +60,9 @@ def build_retrieval(split: str, data_dir: str | Path | None = None, *, max_lengt
         raise DatasetError(f"max_length must be >= 1, got {max_length}")
     path = tsv_path(data_dir, split)
     if path is None:
-        raise DatasetError(f"retrieval (AAN): {expected} not found in {data_dir} (nor in its tsv_data/ folder)")
+        raise no_layout_error(f"retrieval (AAN): no {expected}", Path(data_dir),
+                              [f"{expected} in the folder", f"tsv_data/{expected} (lra_release/, extracted)"],
+                              download_command("lra_release", data_dir, unverified=True))
     rows = read_pairs(path)
     first = [encode_bytes(row[3], max_length) for row in rows]
     second = [encode_bytes(row[4], max_length) for row in rows]

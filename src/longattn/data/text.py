@@ -1,7 +1,8 @@
 """LRA Text: IMDb sentiment (Maas et al. 2011) at byte level.
 
 Reads the official `aclImdb_v1.tar.gz` layout, `aclImdb/{train,test}/{pos,neg}/<id>_<rating>.txt`,
-either from the archive itself (any `aclImdb*.tar.gz`) or from an extracted folder. Token ids are
+either from an archive of the data folder that holds it (.tar.gz, .tgz, .tar or .zip, any name, read by
+content) or from an extracted folder. Token ids are
 the UTF-8 byte values 0..255; id 256 is padding (never produced by the data); sequences are
 truncated to the first `max_length` bytes (LRA: 4K). Labels: neg = 0, pos = 1.
 
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (DatasetError, SequenceDataset, check_count, check_split, encode_bytes, holdout_split, iter_tar_files,
-                     once_per_block, read_bytes)
-from .common import check_real_entry
+from .common import (DatasetError, SequenceDataset, archive_candidates, check_count, check_real_entry, check_split,
+                     download_command, encode_bytes, holdout_split, iter_archive_files, no_layout_error, once_per_block,
+                     read_bytes)
 from .download import ARCHIVES, verify_known_archive
 
 VOCAB_SIZE = 257
@@ -31,9 +32,18 @@ OFFICIAL_COUNTS = {"neg": 12_500, "pos": 12_500}
 _MEMBER = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_(\d+)\.txt$")
 
 
-def _archive_in(folder: Path) -> Path | None:
-    archives = sorted(folder.glob("aclImdb*.tar.gz")) + sorted(folder.glob("aclImdb*.tgz"))
-    return archives[0] if archives else None
+LAYOUTS = ("aclImdb/{train,test}/{pos,neg}/<id>_<rating>.txt as a folder (or {train,test}/{pos,neg}/ directly)",
+           "the same tree in a .tar.gz, .tgz, .tar or .zip (aclImdb_v1.tar.gz)")
+
+
+def _archive_in(folder: Path) -> tuple[Path, dict[str, list[tuple[int, int, bytes]]]] | None:
+    """The first archive of ``folder`` that holds IMDb reviews (by content; ones named aclImdb* are tried first)
+    and its reviews by subset."""
+    for archive in archive_candidates(folder, "aclImdb"):
+        rows = _archive_rows(archive)
+        if rows["train"] or rows["test"]:
+            return archive, rows
+    return None
 
 
 def _read_archive(path: Path, subset: str) -> list[tuple[int, int, bytes]]:
@@ -46,7 +56,7 @@ def _archive_rows(path: Path) -> dict[str, list[tuple[int, int, bytes]]]:
     if path.name == ARCHIVES["imdb"].filename:
         verify_known_archive(path, ARCHIVES["imdb"])
     rows: dict[str, list[tuple[int, int, bytes]]] = {"train": [], "test": []}
-    for name, content in iter_tar_files(path):
+    for name, content in iter_archive_files(path):
         match = _MEMBER.search(name)
         if match is not None:
             rows[match.group(1)].append((LABELS[match.group(2)], int(match.group(3)), content))
@@ -82,13 +92,10 @@ def read_imdb(data_dir: str | Path, subset: str, check_counts: bool = True) -> l
         rows, where = _read_folder(source / "aclImdb", subset), str(source / "aclImdb")
     elif (source / subset / "pos").is_dir() or (source / subset / "neg").is_dir():
         rows, where = _read_folder(source, subset), str(source)
-    elif source.is_dir() and _archive_in(source) is not None:
-        archive = _archive_in(source)
-        rows, where = _read_archive(archive, subset), str(archive)
+    elif (found := _archive_in(source)) is not None:
+        rows, where = list(found[1][subset]), str(found[0])  # a copy: sorted below
     else:
-        raise DatasetError(f"IMDb: found neither aclImdb_v1.tar.gz nor an extracted aclImdb/ folder in {source}; "
-                           "expected aclImdb/{train,test}/{pos,neg}/<id>_<rating>.txt "
-                           "(python -m longattn.data.download imdb <dir> fetches it)")
+        raise no_layout_error("IMDb", source, LAYOUTS, download_command("imdb", source))
     if not rows:
         raise DatasetError(f"IMDb: no reviews for {subset!r} in {where}")
     counts = {label: sum(1 for r in rows if r[0] == label) for label in LABELS.values()}

@@ -11,8 +11,8 @@
 | name | format in data_dir | classes | max_length (paper) | tokens (default) |
 |---|---|---|---|---|
 | r8 | `R8/{train,test}.txt`: `label<TAB>text` a line | 8 | 141 | words (whitespace) |
-| bbc | `bbc/<class>/<nnn>.txt` (or `bbc-fulltext.zip`) | 5 | 664 | words (regex) |
-| 20news | `20news-bydate-{train,test}/<group>/<id>` (or `20news-bydate.tar.gz`) | 20 | 700 | words (regex) |
+| bbc | `bbc/<class>/<nnn>.txt` (a folder, or any .zip / .tar / .tar.gz / .tgz) | 5 | 664 | words (regex) |
+| 20news | `20news-bydate-{train,test}/<group>/<id>` (folders or any archive) | 20 | 700 | words (regex) |
 | imdb | the IMDb archive or `aclImdb/` (read by data/text.py) | 2 | 539 | words (regex) |
 | mimic3_50 | CAML's `{train,dev,test}_50.csv` (`HADM_ID`, `TEXT`, `LABELS` a;b;c) | 50, multi-label | 1024 | words (whitespace) |
 | scope95 / scope40 | ASTRAL SCOPe FASTA `*-95-*.fa` / `*-40-*.fa` | folds (`a.1`) | 328 / 337 | amino acids |
@@ -31,7 +31,6 @@ import codecs
 import csv
 import io
 import re
-import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,13 +43,14 @@ from torch.utils.data import Dataset
 from ..registry import Registry
 from . import wordpiece
 from .common import (
-    ARCHIVE_ERRORS,
     DatasetError,
     Packed,
+    archive_tree,
     check_split,
     class_folder_files,
+    download_command,
     holdout_test,
-    iter_tar_files,
+    no_layout_error,
     once_per_block,
     pad_sequences,
     read_bytes,
@@ -143,16 +143,17 @@ def decode(data: bytes, where: str, latin1_fallback: bool) -> tuple[str, bool]:
         raise DatasetError(f"{where}:{line}: not UTF-8 ({error.reason} at byte {error.start})") from None
 
 
-def _find(data_dir: Path, names: Sequence[str], what: str) -> Path:
+def _find(data_dir: Path, names: Sequence[str], what: str, download: str | None) -> Path:
     for name in names:
         if (data_dir / name).exists():
             return data_dir / name
-    raise DatasetError(f"{what}: found none of {', '.join(names)} in {data_dir}")
+    raise no_layout_error(what, data_dir, names, download)
 
 
 def read_r8(data_dir: Path, subset: str) -> Corpus:
     """R8 as distributed with the Text GCN code: `label<TAB>text` per line."""
-    path = _find(data_dir, [f"{subset}.txt", f"R8/{subset}.txt"], f"R8 {subset}")
+    path = _find(data_dir, [f"{subset}.txt", f"R8/{subset}.txt"], f"R8 {subset}",
+                 download_command("r8", data_dir.parent if data_dir.name == "R8" else data_dir))
     text = decode(path.read_bytes(), str(path), latin1_fallback=False)[0]
     corpus = Corpus()
     for number, line in enumerate(text.split("\n"), 1):
@@ -173,27 +174,14 @@ def _folder_documents(root: Path, where: str) -> list[tuple[str, str, bytes]]:
     return [(label, name, read_bytes(file)) for label, name, file in class_folder_files(root)]
 
 
-def _archive_documents(archive: Path, top: str) -> list[tuple[str, str, bytes]]:
-    """(class, file name, bytes) of the `<top>/<class>/<file>` members of a tar or zip archive."""
-    pattern = re.compile(rf"(?:^|/){re.escape(top)}/([^/]+)/([^/]+)$")
-    entries = []
-    try:
-        if archive.suffix == ".zip":
-            with zipfile.ZipFile(archive) as handle:
-                for name in handle.namelist():
-                    match = pattern.search(name)
-                    if match and not name.endswith("/"):
-                        entries.append((match.group(1), match.group(2), handle.read(name)))
-        else:
-            for name, data in iter_tar_files(archive):  # read to the end: a damaged archive is an error
-                match = pattern.search(name)
-                if match:
-                    entries.append((match.group(1), match.group(2), data))
-    except (*ARCHIVE_ERRORS, zipfile.BadZipFile) as error:
-        raise DatasetError(f"{archive}: not a readable archive ({error})") from error
-    if not entries:
-        raise DatasetError(f"{archive}: no {top}/<class>/<file> members")
-    return sorted(entries)
+def _archive_documents(data_dir: Path, top: str, hint: str) -> tuple[list[tuple[str, str, bytes]], str] | None:
+    """(class, file name, bytes) of the `<top>/<class>/<file>` members of the first archive in data_dir that has
+    them (.zip, .tar, .tar.gz or .tgz, read by content), sorted, and where they came from; None if none has."""
+    found = archive_tree(data_dir, re.compile(rf"(?:^|/){re.escape(top)}/([^/]+)/([^/]+)$"), hint)
+    if found is None:
+        return None
+    archive, members = found
+    return sorted((match.group(1), match.group(2), data) for match, data in members), f"{archive}:{top}"
 
 
 def _class_folder_corpus(entries: list[tuple[str, str, bytes]], where: str, latin1_fallback: bool) -> Corpus:
@@ -206,28 +194,36 @@ def _class_folder_corpus(entries: list[tuple[str, str, bytes]], where: str, lati
     return corpus
 
 
+BBC_LAYOUTS = ("bbc/<class>/<nnn>.txt as a folder", "the same tree in a .zip, .tar, .tar.gz or .tgz (bbc-fulltext.zip)")
+
+
 def read_bbc(data_dir: Path, subset: str) -> Corpus:
-    """BBC News (Greene and Cunningham 2006): `bbc/<class>/<nnn>.txt`, or the `bbc-fulltext.zip` archive.
+    """BBC News (Greene and Cunningham 2006): `bbc/<class>/<nnn>.txt`, as a folder or in any archive of data_dir.
     There is no official test split: every document is read and build_textcls holds a test set out."""
     if (data_dir / "bbc").is_dir() or data_dir.name == "bbc":
         root = data_dir / "bbc" if (data_dir / "bbc").is_dir() else data_dir
-        entries = [e for e in _folder_documents(root, "BBC") if e[1].endswith(".txt")]
-        where = str(root)
+        entries, where = _folder_documents(root, "BBC"), str(root)
+    elif (found := _archive_documents(data_dir, "bbc", "bbc")) is not None:
+        entries, where = found
     else:
-        archive = _find(data_dir, ["bbc-fulltext.zip"], "BBC")
-        entries, where = [e for e in _archive_documents(archive, "bbc") if e[1].endswith(".txt")], f"{archive}:bbc"
-    return _class_folder_corpus(entries, where, latin1_fallback=True)
+        raise no_layout_error("BBC", data_dir, BBC_LAYOUTS, download_command("bbc", data_dir, unverified=True))
+    return _class_folder_corpus([e for e in entries if e[1].endswith(".txt")], where, latin1_fallback=True)
+
+
+NEWS_LAYOUTS = ("20news-bydate-{train,test}/<group>/<id> as folders",
+                "the same trees in a .zip, .tar, .tar.gz or .tgz (20news-bydate.tar.gz)")
 
 
 def read_20news(data_dir: Path, subset: str) -> Corpus:
-    """20 Newsgroups "bydate" (Lang 1995): `20news-bydate-{train,test}/<group>/<id>`, or its tar.gz.
-    Documents are kept whole (headers included, as scikit-learn's fetch_20newsgroups does by default)."""
+    """20 Newsgroups "bydate" (Lang 1995): `20news-bydate-{train,test}/<group>/<id>`, as folders or in any archive
+    of data_dir. Documents are kept whole (headers included, as scikit-learn's fetch_20newsgroups does by default)."""
     top = f"20news-bydate-{subset}"
     if (data_dir / top).is_dir():
         entries, where = _folder_documents(data_dir / top, "20 Newsgroups"), str(data_dir / top)
+    elif (found := _archive_documents(data_dir, top, "20news")) is not None:
+        entries, where = found
     else:
-        archive = _find(data_dir, ["20news-bydate.tar.gz"], f"20 Newsgroups ({top}/)")
-        entries, where = _archive_documents(archive, top), f"{archive}:{top}"
+        raise no_layout_error(f"20 Newsgroups ({top}/)", data_dir, NEWS_LAYOUTS, download_command("20news", data_dir))
     entries.sort(key=lambda e: (e[0], int(e[1]) if e[1].isdigit() else e[1]))  # numeric ids, like the release
     return _class_folder_corpus(entries, where, latin1_fallback=True)
 
@@ -248,7 +244,8 @@ def read_imdb_corpus(data_dir: Path, subset: str) -> Corpus:
 def read_mimic3(data_dir: Path, subset: str) -> Corpus:
     """MIMIC-III top-50 codes in CAML's (Mullenbach et al. 2018) preprocessed CSV files `{subset}_50.csv`:
     a header with `TEXT` and `LABELS` (or `ICD9_CODE`), codes separated by ';'."""
-    path = _find(data_dir, [f"{subset}_50.csv", f"mimic3/{subset}_50.csv"], f"MIMIC-III 50 {subset}")
+    path = _find(data_dir, [f"{subset}_50.csv", f"mimic3/{subset}_50.csv"], f"MIMIC-III 50 {subset}",
+                 None)  # credentialed access only (download_textcls says how)
     corpus = Corpus()
     text = decode(read_bytes(path), str(path), latin1_fallback=False)[0]  # not UTF-8: an error naming its line
     with io.StringIO(text, newline="") as handle:
@@ -285,7 +282,9 @@ def read_scope(identity: str) -> Callable[[Path, str], Corpus]:
     def read(data_dir: Path, subset: str) -> Corpus:
         files = sorted(data_dir.glob(f"*-{identity}-*.fa")) + sorted(data_dir.glob(f"*-{identity}-*.fasta"))
         if not files:
-            raise DatasetError(f"SCOPe {identity}: no *-{identity}-*.fa (ASTRAL FASTA) in {data_dir}")
+            raise no_layout_error(f"SCOPe {identity}", data_dir,
+                                  [f"the ASTRAL FASTA *-{identity}-*.fa or *-{identity}-*.fasta"],
+                                  download_command(f"scope{identity}", data_dir, unverified=True))
         path = files[-1]  # the newest version when several are present
         text = decode(path.read_bytes(), str(path), latin1_fallback=False)[0]
         records: list[tuple[str, str, list[str]]] = []  # (fold, source, sequence lines)

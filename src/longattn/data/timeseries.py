@@ -11,6 +11,11 @@ Conventions (those of Informer / Autoformer / FEDformer, which the SKTformer and
 * The target column is moved last; features ``M`` use every column, ``S`` only the target, ``MS`` every column
   as input and the target as the one output (the model slices it).
 * A standard scaler (mean, population std) is fitted on the **train slice only** and applied to all splits.
+* Files as published: a row that repeats the timestamp and the values of the row before is kept (Weather's line
+  19,046 repeats 2020-05-12 06:00:00; the papers' splits count it) with one warning; a repeated timestamp with
+  other values, or time going back, is an error unless ``strict_time_order=False``. Fill values (``-9999``, a
+  sensor that did not record) are counted per column and kept as numbers, as the papers read them, unless
+  ``fill_values="interpolate"``.
 * A window at index i is ``x = rows[i : i + seq_len]`` and ``y = rows[i + seq_len - label_len :
   i + seq_len + pred_len]`` (the label part overlaps x, the decoder-style convention); the number of windows
   is ``rows - seq_len - pred_len + 1``.
@@ -30,9 +35,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from longattn.data.common import folder_contents
 from longattn.data.download import download_file
+from longattn.utils import warn
 
 Features = Literal["M", "S", "MS"]
+FillPolicy = Literal["keep", "interpolate"]
+FILL_POLICIES = ("keep", "interpolate")
+# Values that stand for "not recorded" in the published files (Weather's wv and max. wv columns hold -9999).
+FILL_VALUES = (-9999.0,)
 
 
 class TimeSeriesDataError(ValueError):
@@ -146,21 +157,37 @@ def parse_date(text: str) -> datetime:
 
 @dataclass
 class SeriesTable:
-    """A CSV read into memory: one date per row and a float64 value matrix [rows, columns]."""
+    """A CSV read into memory: one date per row and a float64 value matrix [rows, columns], with what the reader
+    accepted that is not a clean series: the file lines of rows that repeat the row before (date and values),
+    of rows out of time order (``strict_time_order=False`` only), and the fill values per column."""
 
     dates: list[datetime]
     columns: list[str]
     values: np.ndarray
+    repeated_lines: list[int] = field(default_factory=list)
+    unordered_lines: list[int] = field(default_factory=list)
+    fill_counts: dict[str, int] = field(default_factory=dict)
 
 
-def read_series_csv(path: str | os.PathLike, date_column: str = "date") -> SeriesTable:
+def _lines_text(lines: list[int], shown: int = 5) -> str:
+    """``line 19046`` / ``lines 4, 9 and 3 more``."""
+    head = ", ".join(str(line) for line in lines[:shown])
+    more = f" and {len(lines) - shown} more" if len(lines) > shown else ""
+    return f"line{'s' if len(lines) > 1 else ''} {head}{more}"
+
+
+def read_series_csv(path: str | os.PathLike, date_column: str = "date", *,
+                    strict_time_order: bool = True) -> SeriesTable:
     """Read a header + rows CSV (LF or CRLF) with a date column and numeric value columns.
 
     Raises :class:`TimeSeriesDataError` naming the file and line (the line of the file, counting the header
     and any blank line) for ragged rows, non-numeric or empty cells, NaNs, blank lines and rows of empty
-    cells inside the table, and dates that repeat or go back in time, so bad data never reaches a model
-    silently (windows cut across a gap or a reordering would be wrong without a word). Blank lines after
-    the last row are allowed.
+    cells inside the table, and dates that repeat with other values or go back in time, so bad data never
+    reaches a model silently (windows cut across a gap or a reordering would be wrong without a word).
+    A row identical to the one before (date and values) is kept, as the published splits count it
+    (``repeated_lines``); ``strict_time_order=False`` keeps repeated dates with other values and dates going
+    back as well, in file order (local-time data repeats an hour at a daylight-saving change;
+    ``unordered_lines``). Blank lines after the last row are allowed.
     """
     path = Path(path)
     if not path.is_file():
@@ -195,6 +222,8 @@ def read_series_csv(path: str | os.PathLike, date_column: str = "date") -> Serie
         raise TimeSeriesDataError(f"{path} has no value columns besides {date_column!r}")
     dates: list[datetime] = []
     values = np.empty((len(rows) - 1, len(value_idx)), dtype=np.float64)
+    repeated_lines: list[int] = []
+    unordered_lines: list[int] = []
     for r, (line, row) in enumerate(rows[1:]):
         if not any(cell.strip() for cell in row):
             what = "a blank line" if not row else "a row of empty cells"
@@ -206,13 +235,6 @@ def read_series_csv(path: str | os.PathLike, date_column: str = "date") -> Serie
             date = parse_date(row[date_idx])
         except TimeSeriesDataError as err:
             raise TimeSeriesDataError(f"{path} line {line}: {err}") from None
-        if dates and date <= dates[-1]:
-            previous = rows[r][0]  # the line of the row before (rows[0] is the header)
-            relation = "repeats" if date == dates[-1] else "goes back in time from"
-            raise TimeSeriesDataError(
-                f"{path} line {line}: date {row[date_idx].strip()!r} {relation} the date on line {previous} "
-                f"({dates[-1]}); the rows must be in strictly increasing time order")
-        dates.append(date)
         for c, i in enumerate(value_idx):
             cell = row[i].strip()
             try:
@@ -224,7 +246,57 @@ def read_series_csv(path: str | os.PathLike, date_column: str = "date") -> Serie
             if not math.isfinite(value):
                 raise TimeSeriesDataError(f"{path} line {line}, column {header[i]!r}: {cell!r} (NaN/inf)")
             values[r, c] = value
-    return SeriesTable(dates, [header[i] for i in value_idx], values)
+        if dates and date <= dates[-1]:
+            if date == dates[-1] and np.array_equal(values[r], values[r - 1]):
+                repeated_lines.append(line)
+            elif strict_time_order:
+                previous = rows[r][0]  # the line of the row before (rows[0] is the header)
+                relation = "repeats" if date == dates[-1] else "goes back in time from"
+                detail = " with other values" if date == dates[-1] else ""
+                raise TimeSeriesDataError(
+                    f"{path} line {line}: date {row[date_idx].strip()!r} {relation} the date on line {previous} "
+                    f"({dates[-1]}){detail}; the rows must be in increasing time order (a row identical to the "
+                    "one before is kept); data.strict_time_order=false keeps such rows in file order")
+            else:
+                unordered_lines.append(line)
+        dates.append(date)
+    columns = [header[i] for i in value_idx]
+    fill = np.isin(values, FILL_VALUES).sum(axis=0)
+    fill_counts = {column: int(count) for column, count in zip(columns, fill) if count}
+    return SeriesTable(dates, columns, values, repeated_lines, unordered_lines, fill_counts)
+
+
+def interpolate_fill_values(values: np.ndarray) -> np.ndarray:
+    """``values`` with every fill value (:data:`FILL_VALUES`) replaced by linear interpolation over the row
+    index between the recorded values of its column (the nearest recorded value before the first or after
+    the last); a column with no recorded value is an error."""
+    filled = values.copy()
+    rows = np.arange(len(values))
+    for c in range(values.shape[1]):
+        missing = np.isin(values[:, c], FILL_VALUES)
+        if not missing.any():
+            continue
+        if missing.all():
+            raise TimeSeriesDataError(f"column {c} holds only fill values {FILL_VALUES}: nothing to interpolate")
+        filled[missing, c] = np.interp(rows[missing], rows[~missing], values[~missing, c])
+    return filled
+
+
+def describe_series(name: str, table: SeriesTable, freq: str) -> str:
+    """The one data line a forecasting run prints: rows, columns, span, inferred frequency, repeated rows
+    (and rows out of order) and fill values."""
+    span = f"{min(table.dates)} to {max(table.dates)}" if table.dates else "no dates"
+    spacing = np.median(np.diff([d.timestamp() for d in table.dates])) if len(table.dates) > 1 else 0.0
+    parts = [f"{name}: {len(table.values):,} rows x {len(table.columns)} columns", span,
+             f"frequency {freq} (median step {spacing / 60:g} min)",
+             f"{len(table.repeated_lines)} repeated row(s)"
+             + (f" ({_lines_text(table.repeated_lines)})" if table.repeated_lines else "")]
+    if table.unordered_lines:
+        parts.append(f"{len(table.unordered_lines)} row(s) out of time order kept "
+                     f"({_lines_text(table.unordered_lines)})")
+    fills = ", ".join(f"{column} {count}" for column, count in table.fill_counts.items())
+    parts.append(f"fill values {'/'.join(f'{v:g}' for v in FILL_VALUES)}: {fills or 'none'}")
+    return "; ".join(parts)
 
 
 # ----------------------------------------------------------------------------- features
@@ -324,6 +396,7 @@ class ForecastData:
     test: ForecastWindows
     freq: str
     borders: dict[str, tuple[int, int]] = field(default_factory=dict)
+    description: str = ""  # the data line of describe_series, which a forecasting run prints
 
     @property
     def channels(self) -> int:
@@ -366,6 +439,14 @@ def split_borders(kind: str, rows: int, seq_len: int) -> dict[str, tuple[int, in
     }
 
 
+def missing_series_message(name: str, info: SeriesInfo, data_dir: Path) -> str:
+    """What a run says when a benchmark's file is not in ``data_dir``: what the folder holds, the file name
+    it looks for and the command that downloads it."""
+    return (f"{data_dir / info.filename} not found: {name} is read from the file {info.filename} (a CSV with a "
+            f"'date' column) in the data folder, which {folder_contents(data_dir)}; download it with "
+            f"`longattn data download {name} --data-dir {data_dir}` or from {info.homepage}")
+
+
 def load_forecast_data(
     dataset: str,
     data_dir: str | os.PathLike | None = None,
@@ -378,12 +459,19 @@ def load_forecast_data(
     calendar: bool = False,
     kind: str | None = None,
     date_column: str = "date",
+    strict_time_order: bool = True,
+    fill_values: FillPolicy = "keep",
 ) -> ForecastData:
     """Read a benchmark (by name, from ``data_dir``) or any CSV (by path) and cut the standard windows.
 
     ``kind`` overrides the split family (``ETTh``, ``ETTm``, ``custom``); by default benchmarks use theirs
     and other files the custom 7:1:2 split. With ``calendar=False`` the marks are empty ([T, 0]).
+    Rows that repeat the row before are kept with a warning; ``strict_time_order`` and the rows it lets
+    through are those of :func:`read_series_csv`. ``fill_values="interpolate"`` replaces the fill values
+    (:data:`FILL_VALUES`) by linear interpolation before scaling; ``"keep"`` leaves them as numbers.
     """
+    if fill_values not in FILL_POLICIES:
+        raise TimeSeriesDataError(f"fill_values must be one of {', '.join(FILL_POLICIES)}, got {fill_values!r}")
     if min(seq_len, pred_len) < 1 or label_len < 0 or label_len > seq_len:
         raise TimeSeriesDataError(
             f"need seq_len >= 1, pred_len >= 1 and 0 <= label_len <= seq_len; got {seq_len}, {label_len}, {pred_len}"
@@ -398,11 +486,16 @@ def load_forecast_data(
             raise TimeSeriesDataError(f"dataset {name} needs a data directory (--data-dir)")
         path, split_kind = Path(data_dir) / info.filename, kind or info.kind
         if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} not found; download it with `longattn forecast-download {name} --data-dir {data_dir}` "
-                f"or from {info.homepage}"
-            )
-    table = read_series_csv(path, date_column=date_column)
+            raise FileNotFoundError(missing_series_message(name, info, Path(data_dir)))
+    table = read_series_csv(path, date_column=date_column, strict_time_order=strict_time_order)
+    if table.repeated_lines:
+        warn(f"{path}: {len(table.repeated_lines)} row(s) repeat the date and values of the row before "
+             f"({_lines_text(table.repeated_lines)}); kept, as the published splits count them")
+    if table.unordered_lines:
+        warn(f"{path}: {len(table.unordered_lines)} row(s) repeat a date with other values or go back in time "
+             f"({_lines_text(table.unordered_lines)}); kept in file order (strict_time_order=False)")
+    if fill_values == "interpolate":
+        table.values = interpolate_fill_values(table.values)
     if target not in table.columns:
         raise TimeSeriesDataError(f"target column {target!r} not in {path}; columns: {table.columns}")
     order = [c for c in table.columns if c != target] + [target]
@@ -421,10 +514,12 @@ def load_forecast_data(
     scaler = StandardScaler.fit(values[train_begin:train_end])
     scaled = scaler.transform(values)
     freq = infer_freq(table.dates)
+    description = describe_series(path.name, table, freq)
     marks = calendar_features(table.dates, freq) if calendar else np.zeros((rows, 0))
     windows = {
         split: ForecastWindows(scaled[b:e], marks[b:e], seq_len, label_len, pred_len)
         for split, (b, e) in borders.items()
     }
     targets = list(range(len(order))) if features == "M" else [len(order) - 1]
-    return ForecastData(name, order, targets, scaler, windows["train"], windows["val"], windows["test"], freq, borders)
+    return ForecastData(name, order, targets, scaler, windows["train"], windows["val"], windows["test"], freq, borders,
+                        description)

@@ -30,6 +30,7 @@ from longattn.models.registry import model_defaults
 from longattn.tasks.base import Task, TaskData, register_task
 from longattn.train.loop import MetricFn, StepFn, StepOutput, evaluate, mae, mse
 from longattn.train.settings import OptimConfig
+from longattn.utils import note
 
 __all__ = ["ForecastDataConfig", "ForecastTask", "evaluate_forecaster", "find_preset", "forecast_metrics",
            "forecast_step"]
@@ -51,6 +52,9 @@ class ForecastDataConfig:
     calendar: bool = option(False, help="give the models calendar features")
     kind: str | None = option(None, help="split family: ETTh, ETTm or custom (default: the dataset's)")
     date_column: str = "date"
+    strict_time_order: bool = option(True, help="false: keep rows whose date repeats with other values or goes back")
+    fill_values: Literal["keep", "interpolate"] = option(
+        "keep", help="fill values such as -9999: keep them as numbers (as the papers) or interpolate them")
     horizons: list[int] = option([96, 192, 336, 720], help="horizons of a table (forecast-table)")
     use_test: bool = option(True, help="false: the run has no test split (choosing settings on validation only)")
 
@@ -189,7 +193,9 @@ class ForecastTask(Task):
             raise ConfigError("forecasting needs a dataset: --dataset NAME (or data.dataset)")
         data = load_forecast_data(d.dataset, d.data_dir, seq_len=d.seq_len, label_len=d.label_len,
                                   pred_len=d.pred_len, features=d.features, target=d.target, calendar=d.calendar,
-                                  kind=d.kind, date_column=d.date_column)
+                                  kind=d.kind, date_column=d.date_column, strict_time_order=d.strict_time_order,
+                                  fill_values=d.fill_values)
+        note(f"data {data.description}")
         return TaskData(data.train, data.val, data.test if d.use_test else None, default_collate,
                         info={"forecast": data})
 

@@ -260,12 +260,23 @@ def evaluate(
     return result
 
 
-def convergence(history: Sequence[dict[str, Any]], metric: str, *,
-                target_reached: bool = False) -> dict[str, Any] | None:
-    """Did a run train to convergence? Judged from its validation records (``results["history"]``): not when
-    its best point is its last validation and the validation loss was still falling there (lower than at the
-    validation before), or when it validated only once, unless it stopped because its selection metric reached
-    its target (``target_reached``, ``train.stop_at``); None without validation.
+# A selection metric that improved at the last validation by more than this fraction of its value before (0.2%)
+# is still rising; smaller moves are validation noise.
+CONVERGENCE_MARGIN = 0.002
+
+
+def _figure(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else "-"
+
+
+def convergence(history: Sequence[dict[str, Any]], metric: str, *, mode: str = "max",
+                target_reached: bool = False, margin: float = CONVERGENCE_MARGIN) -> dict[str, Any] | None:
+    """Did a run train to convergence? Judged from its validation records (``results["history"]``): not when its
+    best point is its last validation and there its selection ``metric`` still improved (rose, or fell for
+    ``mode="min"``) by more than ``margin`` times its previous value, whatever the loss did; nor when its best is
+    last and the validation loss was still falling (the second reason); nor when it validated only once; unless it
+    stopped because its selection metric reached its target (``target_reached``, ``train.stop_at``). None
+    without validation.
 
     The record holds the figures: the selection ``metric`` and the validation loss at the last two validations.
     """
@@ -273,35 +284,60 @@ def convergence(history: Sequence[dict[str, Any]], metric: str, *,
         return None
     last, previous = history[-1], history[-2] if len(history) > 1 else None
     best_at_last = bool(last.get("best"))
-    loss_falling = (previous is not None and last.get("loss") is not None and previous.get("loss") is not None
-                    and last["loss"] < previous["loss"])
-    converged = target_reached or not best_at_last or (previous is not None and not loss_falling)
+
+    def improved(key: str, sign: float, relative: float) -> bool:
+        now, before = (last.get(key), previous.get(key)) if previous is not None else (None, None)
+        if not isinstance(now, (int, float)) or not isinstance(before, (int, float)):
+            return False
+        return sign * (now - before) > relative * abs(before)
+
+    metric_rising = improved(metric, 1.0 if mode == "max" else -1.0, margin)
+    loss_falling = improved("loss", -1.0, 0.0)
+    reasons = []
+    if best_at_last and metric_rising:
+        reasons.append(f"the {metric} is still {'rising' if mode == 'max' else 'falling'} by more than the "
+                       f"{margin:.1%} noise margin ({_figure(previous.get(metric))} -> {_figure(last.get(metric))})")
+    if best_at_last and loss_falling:
+        reasons.append(f"the validation loss is still falling ({_figure(previous.get('loss'))} -> "
+                       f"{_figure(last.get('loss'))})")
+    converged = target_reached or (previous is not None and not reasons)
     record: dict[str, Any] = {
         "converged": converged, "validations": len(history), "best_at_last_validation": best_at_last,
-        "val_loss_falling": loss_falling, "target_reached": target_reached, "metric": metric,
+        "metric_rising": metric_rising, "val_loss_falling": loss_falling, "noise_margin": margin, "mode": mode,
+        "target_reached": target_reached, "metric": metric,
         "steps": [r.get("step") for r in (previous, last) if r is not None],
         "metric_values": [r.get(metric) for r in (previous, last) if r is not None],
         "val_losses": [r.get("loss") for r in (previous, last) if r is not None],
     }
     if not converged:
-        def figure(value: Any) -> str:
-            return f"{value:.4g}" if isinstance(value, (int, float)) else "-"
-
         if previous is None:
             record["text"] = (f"not converged: validated once (step {last.get('step')}, {metric} "
-                              f"{figure(last.get(metric))}), so nothing shows that training had stopped improving")
+                              f"{_figure(last.get(metric))}), so nothing shows that training had stopped improving")
         else:
             record["text"] = (f"not converged: the best {metric} is at the last validation (step {last.get('step')}: "
-                              f"{figure(last.get(metric))}; step {previous.get('step')}: {figure(previous.get(metric))}) "
-                              f"and the validation loss is still falling ({figure(previous.get('loss'))} -> "
-                              f"{figure(last.get('loss'))}): a longer run would probably score higher")
+                              f"{_figure(last.get(metric))}; step {previous.get('step')}: "
+                              f"{_figure(previous.get(metric))}) and {' and '.join(reasons)}: a longer run would "
+                              "probably score higher")
     return record
 
 
+def _selection_mode(history: Sequence[dict[str, Any]], metric: str) -> str:
+    """``max`` or ``min``: which way the best points of a history moved (results written before the record
+    held its mode)."""
+    bests = [r[metric] for r in history if r.get("best") and isinstance(r.get(metric), (int, float))]
+    return "min" if len(bests) > 1 and bests[-1] < bests[0] else "max"
+
+
 def run_convergence(results: dict[str, Any], metric: str) -> dict[str, Any] | None:
-    """:func:`convergence` of a finished run's results: as recorded, or from its validation history (results
-    written before runs recorded it)."""
-    return results.get("convergence") or convergence(results.get("history") or [], metric)
+    """:func:`convergence` of a finished run's results, judged again from its validation history by today's rule
+    (so results written under an older rule read the same as new ones), with the recorded mode and target;
+    the recorded record where there is no history."""
+    recorded = results.get("convergence") or {}
+    history = results.get("history") or []
+    if not history:
+        return recorded or None
+    return convergence(history, metric, mode=recorded.get("mode") or _selection_mode(history, metric),
+                       target_reached=bool(recorded.get("target_reached")))
 
 
 class ProgressLines:
@@ -1036,7 +1072,7 @@ class Trainer:
             "precision": self.settings.precision,
             "history": p.history,
             # a run stopped at train.stop_at reached its target: converged, however its loss was moving
-            "convergence": convergence(p.history, self.select_metric,
+            "convergence": convergence(p.history, self.select_metric, mode=self.select_mode,
                                        target_reached=self.settings.stop_at is not None and p.stopped_early),
             "data_order": self.data_order(),
         }
