@@ -11,8 +11,9 @@ if not torch.cuda.is_available():
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 # The grid commands choose workers x threads from OMP_NUM_THREADS, else from the cores given
 # (longattn.experiment.threads): a test's grid trains in this process, one run at a time (its monkeypatched data
-# and captured output with it), unless the test asks for --workers.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# and captured output with it), unless the test asks for --workers. Set, not defaulted: CI exports
+# OMP_NUM_THREADS=2 for torch's own threads (read above), which would make every grid start two worker processes.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: the reliability table counts every marked item

@@ -42,16 +42,18 @@ def test_figures_8_and_9_from_a_folds_checkpoints(r8_runs, capsys):
     assert np.all(np.abs(matrix) <= 1)
     for name in ("figure8.png", "figure9_r8.png", "attention_correlation.md"):
         assert (out / name).stat().st_size > 500
-    # the figure of one example is the correlation of the models' pooled maps, recomputed here by hand
+    # the figure of one example is the correlation of the models' pooled maps, recomputed here by hand from the
+    # command's first batch (--batch-size 4): alone, the example's float32 maps round differently by ~1e-8, and
+    # the correlation of a nearly uniform row amplifies that far beyond any tolerance
     fold = load_fold_models(r8_runs / "cv", "r8", ["post_ln", "singularformer"], 0)
-    batch = fold.data.collate([fold.data.test[0]])
+    batch = fold.data.collate([fold.data.test[i] for i in range(4)])
     maps = []
     for model in fold.models.values():
         with torch.no_grad(), record_attention_maps(model) as records:
             model(batch["tokens"], batch["attention_mask"])
         assert len(records) == 1  # TINY: one layer
         maps.append(pooled_attention([r.weights for r in records]))
-    expected = row_pearson(maps[0], maps[1], batch["attention_mask"]).item()
+    expected = row_pearson(maps[0], maps[1], batch["attention_mask"])[0].item()
     assert entry["per_example"]["post_ln|singularformer"][0] == pytest.approx(expected)
 
 

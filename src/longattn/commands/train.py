@@ -11,8 +11,7 @@ import torch
 
 from longattn.commands import VERB_HELP
 from longattn.commands._args import (add_config_arguments, add_data_dir_argument, add_no_progress_argument,
-                                    add_resume_argument, add_renamed_argument, add_run_arguments, no_progress,
-                                    note)
+                                    add_resume_argument, add_renamed_argument, add_run_arguments, no_progress)
 from longattn.config import merge, parse_set
 from longattn.experiment.config import resolve_config
 from longattn.experiment.results import write_results
@@ -34,7 +33,7 @@ def _train(args: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # torchrun's ranks share the machine as it set them up
         plan = plan_threads(1, grid=False)  # a single run: every core it is given (OMP_NUM_THREADS: its budget)
         torch.set_num_threads(plan.threads)
-        note(plan.describe())
+        print(plan.describe(), flush=True)  # the run's log (stdout) opens with it; stderr keeps errors alone
     try:
         results = run(config, args.out, resume=args.resume, overwrite=args.overwrite, log=print,
                       plots=not args.no_plot)
