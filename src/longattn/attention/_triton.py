@@ -23,14 +23,16 @@ import contextvars
 import functools
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
-__all__ = ["SHARED_MEMORY_PER_BLOCK", "Launch", "capture_launches", "interpret_triton", "kernels_run_on", "triton_installed", "triton_runs_on",
-           "use_triton"]
+__all__ = ["MIN_CAPABILITY", "SHARED_MEMORY_PER_BLOCK", "Launch", "capture_launches", "device_takes_kernels",
+           "float32_takes_pytorch_path", "interpret_triton", "kernels_run_on", "triton_importable", "triton_installed",
+           "triton_runs_on", "use_triton"]
 
 # The shared memory one block may use (the opt-in maximum), in bytes, by compute capability (major * 10 + minor;
 # CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"): 163 KB on A100, 227 KB on
@@ -48,13 +50,60 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """A one-line warning, once per process for each message: why the PyTorch GPU path runs instead."""
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Whether triton is installed and imports (a broken install, say a triton built for another CUDA or
+    Python, falls back to the PyTorch GPU path with a warning instead of raising in the middle of a run)."""
+    if not triton_installed():
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 (whatever the breakage, the PyTorch GPU path runs)
+        _say_once(f"triton is installed but fails to import ({type(exc).__name__}: {exc}); the mechanisms run "
+                  "their PyTorch GPU path")
+        return False
+    return True
+
+
+# The kernels' oldest GPU: bf16 tl.dot, and the tiles' shared memory, need sm_80 (Ampere) or newer.
+MIN_CAPABILITY = (8, 0)
+
+
+def device_takes_kernels(device: torch.device) -> bool:
+    """Whether the CUDA device ``device`` runs the kernels: an NVIDIA GPU of compute capability at least
+    MIN_CAPABILITY. ROCm devices (which torch calls "cuda") and older GPUs take the PyTorch GPU path, said
+    once per reason."""
+    if torch.version.hip is not None:
+        _say_once("a ROCm device: the Triton kernels are compiled and checked for NVIDIA GPUs only; the mechanisms "
+                  "run their PyTorch GPU path")
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        _say_once(f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}: the Triton kernels "
+                  f"need sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]} or newer; the mechanisms run their PyTorch GPU path")
+        return False
+    return True
+
+
 def triton_runs_on(t: Tensor) -> bool:
-    """Whether the Triton kernels run for inputs like ``t``: CUDA tensors with triton installed, or
-    CPU tensors inside :func:`interpret_triton`; never inside ``use_triton(False)``."""
-    if not (_ENABLED.get() and triton_installed()):
+    """Whether the Triton kernels run for inputs like ``t``: CUDA tensors on a device that takes them
+    (:func:`device_takes_kernels`) with triton importable, or CPU tensors inside :func:`interpret_triton`;
+    never inside ``use_triton(False)``."""
+    if not (_ENABLED.get() and triton_importable()):
         return False
     if t.device.type == "cuda":
-        return True
+        return device_takes_kernels(t.device)
     if t.device.type == "meta":
         return _CAPTURED.get() is not None
     return _INTERPRETING.get() and t.device.type == "cpu"
@@ -70,6 +119,15 @@ def kernels_run_on(t: Tensor) -> bool:
     if t.device.type in ("cuda", "meta"):  # meta: launches captured for a GPU (capture_launches)
         return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
     return t.dtype != torch.bfloat16
+
+
+def float32_takes_pytorch_path(t: Tensor) -> bool:
+    """Whether float32 inputs like ``t`` skip the block-sparse, linear-scan, reformer and skein kernels on a GPU
+    for the PyTorch GPU path: compiled for sm_80 / sm_90 (``longattn bench compile``, docs/performance.md) their
+    float32 ``input_precision="ieee"`` dots spill up to 92 KB per thread and take more than 60 s to compile;
+    cuBLAS's float32 GEMMs of the PyTorch path are the faster float32 route. The interpreter (CPU) keeps running
+    them in float32 for the tests."""
+    return t.dtype == torch.float32 and t.device.type in ("cuda", "meta")
 
 
 @contextlib.contextmanager

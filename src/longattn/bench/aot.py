@@ -68,7 +68,7 @@ class AotConfig:
     archs: list[int] = field(default_factory=lambda: [80, 90])
     attentions: list[str] = field(default_factory=list)  # empty: every registered mechanism
     dtypes: list[str] = field(default_factory=lambda: list(DTYPES))
-    head_dims: list[int] = field(default_factory=lambda: [32, 64, 128])
+    head_dims: list[int] = field(default_factory=lambda: [64, 128])
     lengths: list[int] = field(default_factory=lambda: [1023, 65536])  # a short (odd) and a long class
     heads: int = 4
     batch: int = 2
@@ -131,10 +131,19 @@ def _signature(launch: Launch, arch: int) -> tuple[Any, dict, dict, dict, Any]:
 
 
 def launch_key(launch: Launch) -> str:
-    """What makes two launches one compiled kernel: the kernel, its argument types and specialisations,
-    its constexprs and options (the target aside)."""
-    _, signature, constexprs, attrs, options = _signature(launch, 90)
-    return f"{launch.kernel.fn.__module__}.{launch.name}|{signature}|{constexprs}|{attrs}|{options}"
+    """The configuration class of a launch: the kernel, its pointer dtypes, its constexprs other than the
+    on/off switches (tile sizes, head-dim blocks, precision, accumulator) and its options. These set the
+    shared memory and the shape of the code; the switches (CAUSAL, HAS_MASK, ...) add masks and branches, and
+    of the launches of one class :func:`run_aot` compiles the one with the most switches on."""
+    _, signature, constexprs, _, options = _signature(launch, 90)
+    pointers = sorted({kind for kind in signature.values() if kind.startswith("*")})
+    sizes = {path: value for path, value in constexprs.items() if not isinstance(value, bool)}
+    return f"{launch.kernel.fn.__module__}.{launch.name}|{pointers}|{sizes}|{options}"
+
+
+def _switches_on(launch: Launch) -> int:
+    _, _, constexprs, _, _ = _signature(launch, 90)
+    return sum(value is True for value in constexprs.values())
 
 
 def _describe(launch: Launch) -> dict[str, Any]:
@@ -253,6 +262,8 @@ def run_aot(config: AotConfig, log: Callable[[str], None] = print) -> dict[str, 
     for form, launch in captured:
         key = f"{launch.kernel.fn.__module__}.{launch.name}" if config.one_per_kernel else launch_key(launch)
         entry = by_key.setdefault(key, {"launch": launch, "forms": [], "attentions": []})
+        if not config.one_per_kernel and _switches_on(launch) > _switches_on(entry["launch"]):
+            entry["launch"] = launch
         entry["forms"].append(form.label())
         if owners[id(launch)] not in entry["attentions"]:
             entry["attentions"].append(owners[id(launch)])
