@@ -77,3 +77,59 @@ def test_speed_rows_switch_triton_only_where_a_kernel_runs_in_the_module_form():
         assert not kernels_run("fnet", 64, config, cpu)
     assert not kernels_run("local", 64, config, cpu)  # outside it no kernel runs on a CPU
     assert {triton for _, _, triton in speed_plan(["local", "fnet"], config, cpu, print)} == {None}
+
+
+def _raising_build(monkeypatch, broken: str, calls: list) -> None:
+    """attention.build as the bench sees it, raising for ``broken`` and counting the builds of the others."""
+    from longattn.bench import gpu
+
+    build = gpu.attention.build
+
+    def fake(name, *args, **kwargs):
+        calls.append(name)
+        if name == broken:
+            raise RuntimeError(f"{name} made to raise")
+        return build(name, *args, **kwargs)
+
+    monkeypatch.setattr(gpu.attention, "build", fake)
+
+
+def test_a_mechanism_that_raises_is_a_recorded_row_and_resume_measures_only_what_is_missing(tmp_path, monkeypatch):
+    out = tmp_path / "gpu"
+    args = ["bench", "gpu", "--device", "cpu", "--smoke", "--parts", "accuracy", "speed", "--attentions", "softmax",
+            "fsat", "linear", "--out", str(out)]
+    calls: list[str] = []
+    _raising_build(monkeypatch, "fsat", calls)
+    saved = []
+    from longattn.commands import _bench_gpu
+
+    save = _bench_gpu._save
+    monkeypatch.setattr(_bench_gpu, "_save", lambda folder, report: (saved.append(json.loads(json.dumps(report))),
+                                                                      save(folder, report)))
+    assert main(args) == 0
+    report = json.loads((out / "gpu.json").read_text())
+    accuracy = {row["attention"]: row for row in report["accuracy"]}
+    assert accuracy["fsat"]["bf16"]["status"] == "error" and "made to raise" in accuracy["fsat"]["bf16"]["error"]
+    assert all(accuracy[name][label]["status"] == "pass" for name in ("softmax", "linear")
+               for label in ("fp32", "bf16", "fp16"))
+    speed = {(r["attention"], r["length"]): r for r in report["speed"]}
+    assert {r["status"] for k, r in speed.items() if k[0] == "fsat"} == {"error"}
+    assert all(r["status"] == "ok" for k, r in speed.items() if k[0] != "fsat")
+    # written after every row: the first save holds one accuracy row, a later one every speed row so far
+    assert [len(s.get("accuracy", [])) for s in saved][:3] == [1, 2, 3]
+    assert any(len(s.get("speed", [])) == 1 for s in saved)
+    table = (out / "gpu.md").read_text()
+    assert "fsat bf16: RuntimeError: fsat made to raise" in table and "fsat N=64: RuntimeError" in table
+
+    # a run cut short: one speed row left unmeasured, one accuracy row missing; --resume measures those only
+    report["speed"][-1] = {**report["speed"][-1], "status": "skipped: the speed part's time share is spent"}
+    skipped = (report["speed"][-1]["attention"], report["speed"][-1]["length"])
+    report["accuracy"] = [row for row in report["accuracy"] if row["attention"] != "linear"]
+    (out / "gpu.json").write_text(json.dumps(report))
+    calls.clear()
+    assert main([*args, "--resume"]) == 0
+    resumed = json.loads((out / "gpu.json").read_text())
+    assert calls.count("softmax") == 0 or skipped[0] == "softmax"
+    assert [r["attention"] for r in resumed["accuracy"]] == ["softmax", "fsat", "linear"]
+    assert {(r["attention"], r["length"]): r["status"] for r in resumed["speed"]}[skipped] == "ok"
+    assert set(calls) <= {"linear", skipped[0]} and resumed["unmeasured"] == []

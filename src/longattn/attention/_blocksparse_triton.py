@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from longattn.attention._triton import float32_takes_pytorch_path
 from longattn.attention.chunked import SparsePattern
 
 __all__ = ["TILE", "blocksparse_attention", "blocksparse_attention_reference", "kernel_supports"]
@@ -51,9 +52,10 @@ _LOG2E = 1.4426950408889634
 
 
 def kernel_supports(query: Tensor, pattern: SparsePattern) -> bool:
-    """Whether the kernels take this input and pattern: fp16, bf16 or float32, head dims up to 256,
-    block lists (if any) in blocks of a power of two of at least 16 rows."""
-    if query.dtype not in _DTYPES or query.shape[-1] > 256:
+    """Whether the kernels take this input and pattern: fp16, bf16 or float32 (float32 in the interpreter
+    only: :func:`float32_takes_pytorch_path`), head dims up to 256, block lists (if any) in blocks of a power
+    of two of at least 16 rows."""
+    if query.dtype not in _DTYPES or query.shape[-1] > 256 or float32_takes_pytorch_path(query):
         return False
     bs = pattern.block_size
     return pattern.blocks is None or (bs >= 16 and bs & (bs - 1) == 0)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention._triton import kernels_run_on
+from longattn.attention._triton import float32_takes_pytorch_path, kernels_run_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -363,7 +363,7 @@ def lsh_attention(
 def _hash_gpu(vectors: Tensor, rotations: Tensor) -> Tensor:
     """Buckets [B, H, R, N] on the GPU path: the Triton kernel where it runs, else the projections of all
     tokens at once ([B, H, N, R, n_buckets / 2] in the GEMM dtype) and their max / min with indices."""
-    if kernels_run_on(vectors):
+    if kernels_run_on(vectors) and not float32_takes_pytorch_path(vectors):
         from longattn.attention._reformer_triton import lsh_hash
 
         return lsh_hash(vectors, rotations)
@@ -444,7 +444,7 @@ def _lsh_gpu(shared_qk: Tensor, value: Tensor, attention_mask: Tensor | None, ro
     keys = F.normalize(qk.to(compute_dtype(dtype)), dim=-1).to(dtype)
     q_rows, k_rows, v_rows = (t.reshape(b * h * n_total, d) for t in (qk, keys, value))
     args = (slot_token, slot_bucket, valid, h, bucket_size, scale, across, causal)
-    if kernels_run_on(qk):
+    if kernels_run_on(qk) and not float32_takes_pytorch_path(qk):
         from longattn.attention._reformer_triton import LSHChunkAttention
 
         out = LSHChunkAttention.apply(q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous(), *args)

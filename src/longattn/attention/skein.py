@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from longattn.attention._triton import kernels_run_on
+from longattn.attention._triton import float32_takes_pytorch_path, kernels_run_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -422,7 +422,7 @@ def _some_real(real: Tensor) -> Tensor:
 def _pilot_square_sums_gpu(q: Tensor, k: Tensor, real: Tensor, pilot: Tensor, used: Tensor, scale: float) -> Tensor:
     """sum_k b_{j_k i}^2 of eq. (5), [B, H, N], no gradient: the Triton kernels where they run (B_J stays in
     registers), else B_J materialised ([B, H, D, N] in float32)."""
-    if kernels_run_on(q):
+    if kernels_run_on(q) and not float32_takes_pytorch_path(q):
         from longattn.attention._skein_triton import pilot_square_sums
 
         return pilot_square_sums(q, k, real, pilot, used, scale)

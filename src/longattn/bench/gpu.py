@@ -29,8 +29,13 @@ import copy
 import datetime as dt
 import json
 import math
+import os
 import platform
+import signal
 import statistics
+import subprocess
+import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -41,7 +46,7 @@ import torch
 
 from longattn import attention
 from longattn.attention import allow_tf32, force_path, output_dtype
-from longattn.attention._triton import triton_installed, use_triton
+from longattn.attention._triton import SHARED_MEMORY_PER_BLOCK, triton_installed, use_triton
 from longattn.bench.speed import count_flops, layer_traffic_bytes, peak_memory
 from longattn.testing import CudaAutocastOnCPU, DispatchCounter, scattered_mask
 
@@ -210,7 +215,12 @@ class GpuCheckConfig:
 
     device: str = "cuda"
     attentions: list[str] = field(default_factory=list)  # empty: every registered mechanism
-    parts: list[str] = field(default_factory=lambda: ["accuracy", "speed", "train", "hf", "recall"])
+    parts: list[str] = field(default_factory=lambda: ["compile", "accuracy", "speed", "train", "hf", "recall"])
+    # compile: the ahead-of-time check (longattn.bench.aot) for the device's own architecture
+    compile_attentions: list[str] = field(default_factory=list)  # empty: every registered mechanism
+    compile_arch: int | None = None  # None: the CUDA device's (a CPU run names one to compile for)
+    # seconds one row of the accuracy or speed part may run before it is recorded as timed out
+    row_timeout_s: float = 60.0
     # accuracy
     accuracy_length: int = 1023
     accuracy_batch: int = 2
@@ -245,13 +255,13 @@ class GpuCheckConfig:
     # seconds for the whole run, and each part's share of it
     budget_s: float = 300.0
     shares: dict[str, float] = field(default_factory=lambda: {
-        "accuracy": 0.13, "speed": 0.52, "train": 0.12, "hf": 0.09, "recall": 0.14})
+        "compile": 0.05, "accuracy": 0.12, "speed": 0.49, "train": 0.11, "hf": 0.09, "recall": 0.14})
     seed: int = 0
 
     @classmethod
     def smoke(cls, **overrides: Any) -> "GpuCheckConfig":
         """Tiny sizes: every part and row runs, in seconds on a CPU."""
-        sizes = dict(accuracy_length=65, accuracy_dim=16, accuracy_heads=2, lengths=[64, 128], tokens=256, dim=32,
+        sizes = dict(compile_attentions=["informer"], compile_arch=90, row_timeout_s=120.0, accuracy_length=65, accuracy_dim=16, accuracy_heads=2, lengths=[64, 128], tokens=256, dim=32,
                      heads=2, warmup=1, repeats=2, train_steps=3,
                      train_overrides=["data.train.num_examples=64", "data.val.num_examples=16",
                                       "data.test.num_examples=16", "train.batch_size=8"],
@@ -392,22 +402,110 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
+@contextlib.contextmanager
+def row_time_limit(seconds: float) -> Iterator[None]:
+    """Raise TimeoutError in the row running when it passes ``seconds`` (checked between Python bytecodes, so a
+    CUDA call in flight finishes first); a no-op off the main thread, where signals cannot be set."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"the row ran past its limit of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# The compile part's child: the suite's ahead-of-time check for one architecture, its report on stdout.
+_COMPILE_SCRIPT = """
+import json, sys
+from longattn.bench.aot import AotConfig, run_aot
+json.dump(run_aot(AotConfig.suite(**json.loads(sys.argv[1])), log=lambda line: print(line, file=sys.stderr)), sys.stdout)
+"""
+
+
+def run_compile_check(config: GpuCheckConfig, device: torch.device, budget: Budget, log: Callable[[str], None]) -> dict:
+    """One configuration of every kernel the mechanisms launch compiled for this device's architecture
+    (longattn.bench.aot), in a child process: a compiler that crashes or hangs fails this part only."""
+    if config.compile_arch is not None:
+        arch = config.compile_arch
+    elif device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = 10 * major + minor
+    else:
+        return {"status": "skipped: no GPU architecture to compile for (set compile_arch)"}
+    if arch not in SHARED_MEMORY_PER_BLOCK:
+        return {"status": f"skipped: no shared-memory limit known for sm_{arch}", "arch": arch}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter's kernels cannot compile
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(attention.__file__).parents[2]), env.get("PYTHONPATH")]))
+    arguments = {"archs": [arch], "attentions": config.compile_attentions or config.attentions,
+                 "workers": max(1, os.cpu_count() or 1)}
+    timeout = max(30.0, budget.left())
+    try:
+        done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(arguments)], env=env, timeout=timeout,
+                              capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "error": f"the compile check did not end in {timeout:.0f} s", "arch": arch}
+    if done.returncode != 0:
+        return {"status": "error", "error": (done.stderr.strip().splitlines() or ["no message"])[-1][:300], "arch": arch}
+    report = json.loads(done.stdout)
+    bad = [f"{r['module']}.{r['kernel']}: {r['status']} {r.get('error', '')}".strip() for r in report["rows"]
+           if r["status"] != "ok"]
+    result = {"status": "pass" if not bad else "fail", "arch": arch, "kernels": len(report["rows"]), "failures": bad,
+              "spilling": [f"{r['module']}.{r['kernel']}: {r['spill_bytes']} B" for r in report["rows"]
+                           if r.get("spills_over_limit")],
+              "attentions": sorted({name for r in report["rows"] for name in r["attentions"]}),
+              "rows": report["rows"], "seconds": report["seconds"]}
+    log(f"compile sm_{arch}: {result['kernels']} kernels, {len(bad)} failing ({'; '.join(bad) or 'none'}), "
+        f"{report['seconds']:.0f} s")
+    return result
+
+
 ACCURACY_RUNS: dict[str, Run] = {"fp32": (torch.float32, False), "fp32_tf32": (torch.float32, True),
                                   "bf16": (torch.bfloat16, False), "fp16": (torch.float16, False)}
 
 
-def run_accuracy(config: GpuCheckConfig, device: torch.device, budget: Budget, log: Callable[[str], None]) -> list[dict]:
-    rows = []
-    for name in _names(config):
+def _measured(row: dict[str, Any]) -> bool:
+    """Whether a row of an earlier run holds a measurement (a pass, a fail or an error: what ``--resume``
+    keeps), not a row skipped for want of time."""
+    statuses = [row["status"]] if "status" in row else [row[label].get("status", "") for label in ACCURACY_RUNS]
+    return all(not status.startswith("skipped") for status in statuses)
+
+
+def _earlier(earlier: Any, key: Callable[[dict], Any]) -> dict[Any, dict]:
+    """The measured rows of an earlier run's part, by ``key`` (nothing if the part did not run or failed)."""
+    return {key(row): row for row in earlier if _measured(row)} if isinstance(earlier, list) else {}
+
+
+def run_accuracy(config: GpuCheckConfig, device: torch.device, budget: Budget, log: Callable[[str], None],
+                 progress: Callable[[list], None] = lambda rows: None, earlier: Any = None,
+                 first: list[str] = ()) -> list[dict]:
+    """Per mechanism (those of ``first`` first: the ones with Triton kernels, so that the first seconds say
+    whether the kernels agree with float64), its runs against float64; rows of ``earlier`` measured are kept."""
+    rows: list[dict] = []
+    done = _earlier(earlier, lambda row: row["attention"])
+    names = _names(config)
+    for name in [n for n in first if n in names] + [n for n in names if n not in first]:
         row: dict[str, Any] = {"attention": name}
+        if name in done:
+            rows.append(done[name])
+            progress(rows)
+            continue
         if budget.left() <= 0:
             rows.append({**row, **{label: {"status": "skipped: the accuracy part's time share is spent"}
                                    for label in ACCURACY_RUNS}})
             continue
         try:
-            results = compare_runs_with_float64(name, ACCURACY_RUNS, device=device, length=config.accuracy_length,
-                                                batch=config.accuracy_batch, dim=config.accuracy_dim,
-                                                heads=config.accuracy_heads)
+            with row_time_limit(config.row_timeout_s):
+                results = compare_runs_with_float64(name, ACCURACY_RUNS, device=device, length=config.accuracy_length,
+                                                    batch=config.accuracy_batch, dim=config.accuracy_dim,
+                                                    heads=config.accuracy_heads)
         except Exception as exc:  # noqa: BLE001 (the reference failed: every run of this mechanism says so)
             results = {label: {"status": "error", "error": _error(exc)} for label in ACCURACY_RUNS}
         for label, (dtype, _) in ACCURACY_RUNS.items():
@@ -419,6 +517,7 @@ def run_accuracy(config: GpuCheckConfig, device: torch.device, budget: Budget, l
                 result = {**result, "bounds": [out_bound, grad_bound], "status": "pass" if passed else "fail"}
             row[label] = result
         rows.append(row)
+        progress(rows)
         log(f"accuracy {name}: " + ", ".join(
             f"{label} {row[label].get('out_ratio', float('nan')):.1e}/{row[label].get('grad_ratio', float('nan')):.1e}"
             f" {row[label]['status']}" for label in ACCURACY_RUNS))
@@ -513,22 +612,34 @@ def speed_plan(names: list[str], config: GpuCheckConfig, device: torch.device,
 
 
 def run_speed_rows(config: GpuCheckConfig, device: torch.device, rates: dict[str, float], budget: Budget,
-                   log: Callable[[str], None]) -> list[dict]:
+                   log: Callable[[str], None], progress: Callable[[list], None] = lambda rows: None,
+                   earlier: Any = None) -> list[dict]:
+    """Each planned (mechanism, length, triton) row, isolated (an exception or out of memory is the row's
+    status); rows of ``earlier`` measured are kept, not measured again."""
     clock = Clock(device)
     names = _names(config)
     names = [SOFTMAX] + [n for n in names if n != SOFTMAX]
-    plan = speed_plan(names, config, device, log)
-    rows = []
+    done = _earlier(earlier, lambda row: (row["attention"], row["length"], row.get("triton")))
+    if isinstance(earlier, list):  # the earlier run's plan (its Triton switches), and rows new to it
+        plan = [(r["attention"], r["length"], r.get("triton")) for r in earlier]
+        planned = {key[:2] for key in plan}
+        plan += [(n, length, None) for n in names for length in config.lengths if (n, length) not in planned]
+    else:
+        plan = speed_plan(names, config, device, log)
+    rows: list[dict] = []
     for index, (name, length, triton) in enumerate(plan):
         batch = max(1, config.tokens // length)
         left = budget.left()
         share = left / (len(plan) - index) / max(1, config.warmup + config.repeats) * config.repeats
         base = {"attention": name, "length": length, "batch": batch, "triton": triton}
+        if (name, length, triton) in done:
+            rows.append(done[name, length, triton])
+            continue
         if left <= 0:
             rows.append({**base, "status": "skipped: the speed part's time share is spent"})
             continue
         try:
-            with _forced(device):
+            with _forced(device), row_time_limit(config.row_timeout_s):
                 row = _timed_row(name, length, batch, triton, config, device, clock, share)
             row["status"] = "ok"
         except torch.cuda.OutOfMemoryError:
@@ -550,6 +661,7 @@ def run_speed_rows(config: GpuCheckConfig, device: torch.device, rates: dict[str
                        floor_note=None if flops is not None else "FLOPs not counted (the GPU path does not run on "
                                                                  "meta tensors, or no time was left): byte floor only")
         rows.append(row)
+        progress(rows)
         log(f"speed {name} N={length} B={batch}{'' if triton is None else ' triton ' + ('on' if triton else 'off')}: "
             + (f"{1000 * row['time_s']:.2f} ms" if row["status"] == "ok" else row["status"]))
     _add_softmax_ratios(rows)
@@ -639,9 +751,11 @@ def run_training(config: GpuCheckConfig, device: torch.device, out: Path, log: C
     return summary
 
 
-def run_hf(config: GpuCheckConfig, device: torch.device, budget: Budget, log: Callable[[str], None]) -> dict:
+def run_hf(config: GpuCheckConfig, device: torch.device, budget: Budget, log: Callable[[str], None],
+           progress: Callable[[dict], None] = lambda result: None, earlier: Any = None) -> dict:
     """A BERT of random weights (transformers, no download) converted to each mechanism: forward + backward
-    under bfloat16 autocast with padding; the softmax conversion also against the original in float32."""
+    under bfloat16 autocast with padding; the softmax conversion also against the original in float32. Rows
+    of ``earlier`` measured are kept."""
     import transformers
 
     from longattn.hf import convert
@@ -667,8 +781,12 @@ def run_hf(config: GpuCheckConfig, device: torch.device, budget: Budget, log: Ca
         got = converted(input_ids=ids, attention_mask=mask).last_hidden_state
     real = mask.bool()
     result["softmax_conversion_max_abs_diff_fp32"] = (got - want)[real].abs().max().item()
+    done = _earlier((earlier or {}).get("rows") if isinstance(earlier, dict) else None, lambda row: row["attention"])
     for name in config.hf_attentions:
         row: dict[str, Any] = {"attention": name}
+        if name in done:
+            result["rows"].append(done[name])
+            continue
         if budget.left() <= 0:
             result["rows"].append({**row, "status": "skipped: the hf part's time share is spent"})
             continue
@@ -698,6 +816,7 @@ def run_hf(config: GpuCheckConfig, device: torch.device, budget: Budget, log: Ca
         except Exception as exc:  # noqa: BLE001
             row.update(status="error", error=_error(exc))
         result["rows"].append(row)
+        progress(result)
         log(f"hf {name}: {row['status']}" + (f", {1000 * row['time_s']:.1f} ms" if "time_s" in row else ""))
     return result
 
@@ -726,8 +845,12 @@ def run_recall_cost(config: GpuCheckConfig, device: torch.device, budget: Budget
 # ----------------------------------------------------------------------------- the run and its tables
 
 
-def run_gpu_check(config: GpuCheckConfig, out: str | Path, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the parts of ``config.parts`` on ``config.device``; returns the report (JSON-ready)."""
+def run_gpu_check(config: GpuCheckConfig, out: str | Path, log: Callable[[str], None] = print,
+                  save: Callable[[dict], None] = lambda report: None, earlier: dict | None = None) -> dict[str, Any]:
+    """Run the parts of ``config.parts`` on ``config.device``; returns the report (JSON-ready). ``save`` gets the
+    report after every row (so a run cut short leaves what it measured); the measured rows of ``earlier`` (an
+    earlier report, ``--resume``) are kept and only the others run."""
+    earlier = earlier or {}
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but no CUDA device is available here (use --device cpu --smoke)")
@@ -739,26 +862,64 @@ def run_gpu_check(config: GpuCheckConfig, out: str | Path, log: Callable[[str], 
     report["rates"] = machine_rates(device, smoke=device.type == "cpu")
     log(f"bf16 GEMM {report['rates']['gemm_bf16_flop_per_s'] / 1e12:.1f} TFLOP/s, "
         f"copy {report['rates']['copy_bytes_per_s'] / 1e9:.0f} GB/s")
+    def progress(part: str) -> Callable[[Any], None]:
+        return lambda partial: (report.__setitem__(part, partial), save(report))
+
+    def kernel_mechanisms() -> list[str]:  # those whose kernels the compile part reached, measured first
+        return report.get("compile", {}).get("attentions", []) if isinstance(report.get("compile"), dict) else []
+
     parts = {
-        "accuracy": lambda: run_accuracy(config, device, budget, log),
-        "speed": lambda: run_speed_rows(config, device, report["rates"], budget, log),
+        "compile": lambda: run_compile_check(config, device, budget, log),
+        "accuracy": lambda: run_accuracy(config, device, budget, log, progress("accuracy"), earlier.get("accuracy"),
+                                         kernel_mechanisms()),
+        "speed": lambda: run_speed_rows(config, device, report["rates"], budget, log, progress("speed"),
+                                        earlier.get("speed")),
         "train": lambda: run_training(config, device, out, log),
-        "hf": lambda: run_hf(config, device, budget, log),
+        "hf": lambda: run_hf(config, device, budget, log, progress("hf"), earlier.get("hf")),
         "recall": lambda: run_recall_cost(config, device, budget, log),
     }
     for index, name in enumerate(config.parts):
         with budget.part(config.shares[name], sum(config.shares[p] for p in config.parts[index:])):
             begin = time.monotonic()
             try:
-                report[name] = parts[name]()
+                if name in ("compile", "train", "recall") and _part_measured(earlier.get(name)):
+                    report[name] = earlier[name]
+                else:
+                    report[name] = parts[name]()
             except Exception as exc:  # noqa: BLE001 (the other parts still run)
                 report[name] = {"status": "error", "error": _error(exc), "traceback": traceback.format_exc()[-3000:]}
                 log(f"{name}: {report[name]['error']}")
             report.setdefault("seconds", {})[name] = round(time.monotonic() - begin, 1)
+            save(report)
     if isinstance(report.get("speed"), list):
         report["verdicts"] = verdicts(report["speed"])
+    report["unmeasured"] = unmeasured(report)
     report.setdefault("seconds", {})["total"] = round(time.monotonic() - budget.start, 1)
+    save(report)
     return report
+
+
+def _part_measured(part: Any) -> bool:
+    """Whether a whole part of an earlier report (compile, train, recall) holds its result."""
+    return isinstance(part, dict) and bool(part) and not str(part.get("status", "")).startswith(("skipped", "error"))
+
+
+def unmeasured(report: dict[str, Any]) -> list[str]:
+    """The rows the run left unmeasured (skipped for want of time or memory), in words: what ``--resume``
+    measures."""
+    left = []
+    for row in report.get("accuracy") or []:
+        if isinstance(row, dict) and not _measured(row):
+            left.append(f"accuracy {row['attention']}")
+    for row in report.get("speed") or []:
+        if isinstance(row, dict) and not _measured(row):
+            triton = "" if row.get("triton") is None else f" triton {'on' if row['triton'] else 'off'}"
+            left.append(f"speed {row['attention']} N={row['length']}{triton}")
+    hf = report.get("hf")
+    for row in hf.get("rows", []) if isinstance(hf, dict) else []:
+        if not _measured(row):
+            left.append(f"hf {row['attention']}")
+    return left
 
 
 def _fmt(value: Any, spec: str = ".2f") -> str:
@@ -777,6 +938,13 @@ def gpu_tables(report: dict[str, Any]) -> str:
              f"{env['date']}; float32 matmul precision {env['float32_matmul_precision']}. Measured: bf16 GEMM "
              f"{rates['gemm_bf16_flop_per_s'] / 1e12:.1f} TFLOP/s ({rates['gemm_size']}^3), copy "
              f"{rates['copy_bytes_per_s'] / 1e9:.0f} GB/s. Seconds per part: {report.get('seconds')}."]
+    compiled = report.get("compile")
+    if isinstance(compiled, dict) and "kernels" in compiled:
+        lines += ["", f"## Kernels compiled ahead of time for sm_{compiled['arch']} (longattn.bench.aot)", "",
+                  f"{compiled['kernels']} kernel configurations (one per kernel, bf16, head dim 64) of "
+                  f"{', '.join(compiled['attentions'])}: {compiled['status']}, {compiled['seconds']:.0f} s."]
+        lines += [f"- failing: {line}" for line in compiled["failures"]]
+        lines += [f"- spilling: {line}" for line in compiled["spilling"]]
     accuracy = report.get("accuracy")
     if isinstance(accuracy, list):
         labels = ["fp32", "fp32_tf32", "bf16", "fp16"]
@@ -795,6 +963,10 @@ def gpu_tables(report: dict[str, Any]) -> str:
                   f"that every dtype makes the same discrete choices: {', '.join(SAME_CHOICES_IN_EVERY_DTYPE)} "
                   "(longattn.bench.gpu.SAME_CHOICES_IN_EVERY_DTYPE).", "",
                   markdown_table(["mechanism", "fp32", "fp32 with TF32 convs", "bf16", "fp16"], rows)]
+        errors = [f"- {row['attention']} {label}: {row[label]['error']}" for row in accuracy for label in labels
+                  if "error" in row.get(label, {})]
+        if errors:
+            lines += ["", *errors]
     speed = report.get("speed")
     if isinstance(speed, list):
         lengths = config["lengths"]
@@ -853,7 +1025,10 @@ def gpu_tables(report: dict[str, Any]) -> str:
 
         lines += ["", "## Recall sweep (MQAR): its cost on this device"]
         lines += ["\n" + cost_estimate_text(cost).rstrip() for cost in recall.values()]
-    for part in ("accuracy", "speed", "train", "hf", "recall"):
+    if report.get("unmeasured"):
+        lines += ["", f"## Not measured ({len(report['unmeasured'])} rows: out of time or memory; `--resume` measures "
+                      "them)", "", ", ".join(report["unmeasured"])]
+    for part in ("compile", "accuracy", "speed", "train", "hf", "recall"):
         if isinstance(report.get(part), dict) and report[part].get("status") == "error":
             lines += ["", f"## {part}: error", "", f"    {report[part]['error']}"]
     return "\n".join(lines)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention._triton import kernels_run_on
+from longattn.attention._triton import float32_takes_pytorch_path, kernels_run_on
 from longattn.attention.base import compute_dtype
 
 CAUSAL_CHUNK = 64
@@ -142,10 +142,11 @@ MAX_KERNEL_VALUE_DIM = 256
 
 def causal_scan(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
     """(o, z) of :func:`causal_scan_chunked`, by the Triton kernels where they run (:func:`kernels_run_on`;
-    values wider than MAX_KERNEL_VALUE_DIM take the PyTorch form). The
+    values wider than MAX_KERNEL_VALUE_DIM, and float32 on a GPU (:func:`float32_takes_pytorch_path`), take
+    the PyTorch form). The
     kernels' chunk is ``chunk`` when it is a power of two from 16 to 128 (a tile), else CAUSAL_CHUNK: the
     chunking changes only the order of the sums."""
-    if kernels_run_on(q) and v.shape[-1] <= MAX_KERNEL_VALUE_DIM:
+    if kernels_run_on(q) and v.shape[-1] <= MAX_KERNEL_VALUE_DIM and not float32_takes_pytorch_path(q):
         from longattn.attention._linear_scan_triton import CausalScan
 
         tile = chunk if chunk in (16, 32, 64, 128) else CAUSAL_CHUNK
