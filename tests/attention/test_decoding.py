@@ -15,6 +15,7 @@ DIM, HEADS = 32, 2
 # options that make each mechanism's windows, chunks and features small next to the sequence
 OPTIONS = {
     "cosformer": {"max_positions": 64},
+    "dsa": {"top_k": 5},
     "flash": {"chunk_size": 4, "query_key_dim": 8},
     "local": {"window_size": 4},
     "longformer": {"attention_window": 4, "dilation": 2, "global_positions": (0, 5, 13)},
@@ -23,6 +24,7 @@ OPTIONS = {
     # one bucket over the whole sequence and one round: LSH attention is then exact causal attention whatever the
     # random rotations (which are drawn afresh at every call), so the recomputing step can be compared
     "reformer": {"bucket_size": 32, "n_hashes": 1, "attend_across_buckets": True},
+    "sliding_sinks": {"window_size": 4, "sink_tokens": 2},
     "transformer_ls": {"window_size": 4, "chunk_size": 3, "chunk_rank": 2},
     "synthesizer": {"variant": "dense+factorized_random", "mix_dot_product": True},
 }
@@ -36,6 +38,7 @@ VARIANTS = [
     ("longformer", {"attention_window": 2, "global_positions": ()}),
     ("luna", {"pack_length": 4, "tie_kv": False}),
     ("realformer", {"residual_scores": False}),
+    ("sliding_sinks", {"window_size": 1, "sink_tokens": 30, "learned_sink": False}),
     ("synthesizer", {"variant": "random+factorized_dense", "factor_a": 4}),
     ("transformer_ls", {"window_size": 1, "chunk_size": 5, "dual_ln": False}),
 ]

@@ -21,6 +21,8 @@ ROUTES = {
     "local": ("llama", "enable", {"window_size": 4}),
     "longformer": ("llama", "enable", {"attention_window": 4, "global_positions": (0, 12, 20)}),
     "realformer": ("llama", "convert", {}),
+    "dsa": ("llama", "convert", {"top_k": 4}),
+    "sliding_sinks": ("llama", "convert", {"window_size": 4, "sink_tokens": 2}),
     "transformer_ls": ("llama", "convert", {"window_size": 4, "chunk_size": 3}),
     "luna": ("bert", "convert", {"pack_length": 4}),
     "synthesizer": ("bert", "convert", {}),

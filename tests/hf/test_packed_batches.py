@@ -11,7 +11,9 @@ from longattn.attention import AttentionError
 LENGTHS = [5, 9, 3]
 LLAMA = {"softmax": {}, "linear": {}, "performer": {"nb_features": 16}, "cosformer": {},
          "local": {"window_size": 4}, "longformer": {"attention_window": 4}, "realformer": {},
-         "transformer_ls": {"window_size": 4, "chunk_size": 3}}
+         "transformer_ls": {"window_size": 4, "chunk_size": 3},
+         "dsa": {"top_k": 3},
+         "sliding_sinks": {"window_size": 3, "sink_tokens": 2}}
 
 
 def llama():
