@@ -9,6 +9,7 @@ from longattn.attention import AttentionError, collect_aux_losses
 from longattn.attention.dsa import dsa_attention, dsa_attention_reference, dsa_indexer_loss_reference
 from longattn.attention.ops import token_select
 from longattn.attention.ops.token_select import indexer_kl_loss, select_top_k, selected_kl_loss
+from longattn.testing import assert_forward_backward_close
 
 B, H, D, HI, DI = 2, 3, 8, 4, 5
 
@@ -39,12 +40,8 @@ def small_chunks(monkeypatch):
 def test_fast_matches_reference_forward_and_backward(path, small_chunks, causal, n):
     q, k, v, index, mask = inputs(n)
     kw = dict(top_k=9, is_causal=causal, **index_options(index))
-    out = dsa_attention(q, k, v, mask, **kw)
-    ref = dsa_attention_reference(q, k, v, mask, **kw)
-    torch.testing.assert_close(out, ref)
-    g = torch.randn_like(out)
-    for a, r in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
-        torch.testing.assert_close(a, r)
+    assert_forward_backward_close(dsa_attention(q, k, v, mask, **kw), dsa_attention_reference(q, k, v, mask, **kw),
+                                  [q, k, v])
 
 
 def fla_naive_dsa():
