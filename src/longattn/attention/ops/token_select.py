@@ -40,8 +40,10 @@ def row_chunks(rows: int, elements_per_row: int, like: Tensor) -> list[slice]:
 
 def index_scores(index_query: Tensor, index_key: Tensor, index_weights: Tensor) -> Tensor:
     """The lightning indexer (DSA eq. 1): I_{t,s} = sum_j w_{t,j} ReLU(q^I_{t,j} . k^I_s), as [B, R, S]."""
-    per_head = torch.relu(index_query @ index_key[:, None].transpose(-1, -2))  # [B, HI, R, S]
-    return torch.einsum("bjrs,bjr->brs", per_head, index_weights)
+    b, heads, rows, dim = index_query.shape
+    # one [HI * R, DI] x [DI, S] product per sequence: broadcasting the key over the heads would copy it HI times
+    per_head = torch.relu(index_query.reshape(b, heads * rows, dim) @ index_key.transpose(-1, -2))
+    return (per_head.view(b, heads, rows, -1) * index_weights[..., None]).sum(1)
 
 
 def visible_keys(key_valid: Tensor, rows: slice, causal: bool, first_position: int = 0) -> Tensor:
@@ -54,13 +56,26 @@ def visible_keys(key_valid: Tensor, rows: slice, causal: bool, first_position: i
     return visible.expand(-1, rows.stop - rows.start, -1)
 
 
+def _top_k_earliest_ties(scores: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The ``count`` largest scores of every row [..., S], ties at the threshold going to the earliest keys: (indices,
+    values), the scores above the threshold first. Two top-k passes (O(S) each), where a stable sort is O(S log S)."""
+    values, indices = torch.topk(scores, count, dim=-1)
+    threshold = values[..., -1:]
+    above = (values > threshold).sum(-1, keepdim=True)  # every score above the threshold is in the top-k
+    positions = torch.arange(scores.shape[-1], 0, -1, device=scores.device)  # larger for earlier keys
+    tied = torch.topk(torch.where(scores == threshold, positions, 0), count, dim=-1).indices
+    slot = torch.arange(count, device=scores.device)
+    from_ties = tied.gather(-1, (slot - above).clamp_min(0))
+    return torch.where(slot < above, indices, from_ties), torch.where(slot < above, values, threshold)
+
+
 @torch.no_grad()
 def select_top_k(index_query: Tensor, index_key: Tensor, index_weights: Tensor, key_valid: Tensor, top_k: int,
                  causal: bool, first_position: int = 0) -> tuple[Tensor, Tensor]:
     """The ``top_k`` visible keys of every query row by the indexer's score: (indices, selected), [B, R, K] with
     K = min(top_k, S). A row with fewer visible keys fills its last slots with unselected ones. Ties go to the
-    earlier key (a stable sort), so a row's selection depends on its scores only, not on how rows are chunked:
-    ReLU makes exact ties (scores of 0) common. The selection is discrete: no gradient flows through it."""
+    earlier key, so a row's selection depends on its scores only, not on how rows are chunked: ReLU makes exact
+    ties (scores of 0) common. The selection is discrete: no gradient flows through it."""
     b, heads, rows, _ = index_query.shape
     keys = index_key.shape[1]
     count = min(top_k, keys)
@@ -69,27 +84,37 @@ def select_top_k(index_query: Tensor, index_key: Tensor, index_weights: Tensor, 
     for part in row_chunks(rows, b * heads * keys, index_query):
         scores = index_scores(index_query[:, :, part], index_key, index_weights[:, :, part])
         scores = scores.masked_fill(~visible_keys(key_valid, part, causal, first_position), float("-inf"))
-        values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-        indices[:, part], selected[:, part] = order[..., :count], values[..., :count] > float("-inf")
+        order, values = _top_k_earliest_ties(scores, count)
+        indices[:, part], selected[:, part] = order, values > float("-inf")
     return indices, selected
 
 
-def _gather(t: Tensor, indices: Tensor) -> Tensor:
-    """Keys or values t [B, H, S, D] at indices [B, R, K]: [B, R, K, H, D] (one gather of token-major rows)."""
-    b, heads, s, d = t.shape
-    flat = indices + (torch.arange(b, device=indices.device) * s)[:, None, None]
-    return t.transpose(1, 2).reshape(b * s, heads, d)[flat]
+def _flat_indices(indices: Tensor, heads: int, length: int) -> Tensor:
+    """Selections [B, R, K] as rows of a head-major [B * H * S, D] view of keys or values: [B, H, R, K]."""
+    b = indices.shape[0]
+    base = (torch.arange(b * heads, device=indices.device) * length).view(b, heads, 1, 1)
+    return indices[:, None] + base
+
+
+def _gather(t: Tensor, flat: Tensor) -> Tensor:
+    """Keys or values t [B, H, S, D] at the rows ``flat`` [B, H, R, K] of _flat_indices: [B, H, R, K, D]."""
+    return t.reshape(-1, t.shape[-1])[flat]
 
 
 def _scores(query: Tensor, keys: Tensor, selected: Tensor, scale: float) -> Tensor:
     """q . k_s * scale over the selected slots, -inf elsewhere: [B, H, R, K]."""
-    scores = torch.einsum("bhrd,brkhd->bhrk", query, keys) * scale
+    scores = (query[..., None, :] @ keys.transpose(-1, -2))[..., 0, :] * scale
     return scores.masked_fill(~selected[:, None], float("-inf"))
 
 
 def _weights(scores: Tensor, lse: Tensor) -> Tensor:
     """softmax weights from the row log-sum-exp; rows without any selected key (lse = -inf) get zeros."""
     return torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
+
+
+def _weighted(weights: Tensor, values: Tensor) -> Tensor:
+    """sum_k weights[..., k] values[..., k, :]: [B, H, R, D]."""
+    return (weights[..., None, :] @ values)[..., 0, :]
 
 
 class _SelectedAttention(torch.autograd.Function):
@@ -103,13 +128,14 @@ class _SelectedAttention(torch.autograd.Function):
         out = query.new_empty(b, heads, rows, value.shape[-1])
         lse = torch.empty(b, heads, rows, dtype=work, device=query.device)
         chunks = row_chunks(rows, b * indices.shape[-1] * heads * max(query.shape[-1], value.shape[-1]), query)
+        length = key.shape[2]
         with autocast_disabled(query.device):
             for part in chunks:
-                idx, sel = indices[:, part], selected[:, part]
-                scores = _scores(query[:, :, part].to(work), _gather(key, idx).to(work), sel, scale)
+                flat, sel = _flat_indices(indices[:, part], heads, length), selected[:, part]
+                scores = _scores(query[:, :, part].to(work), _gather(key, flat).to(work), sel, scale)
                 lse[:, :, part] = torch.logsumexp(scores, dim=-1)
                 weights = _weights(scores, lse[:, :, part])
-                out[:, :, part] = torch.einsum("bhrk,brkhd->bhrd", weights, _gather(value, idx).to(work)).to(out.dtype)
+                out[:, :, part] = _weighted(weights, _gather(value, flat).to(work)).to(out.dtype)
         ctx.save_for_backward(query, key, value, indices, selected, out, lse)
         ctx.scale, ctx.chunks = scale, chunks
         return out
@@ -118,31 +144,26 @@ class _SelectedAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         query, key, value, indices, selected, out, lse = ctx.saved_tensors
-        b, heads, s, _ = key.shape
+        b, heads, length, _ = key.shape
         work = lse.dtype
         grad_q = torch.zeros_like(query, dtype=work)
-        grad_k = key.new_zeros(b * s, heads, key.shape[-1], dtype=work)  # token-major, as _gather reads them
-        grad_v = value.new_zeros(b * s, heads, value.shape[-1], dtype=work)
-        offsets = (torch.arange(b, device=key.device) * s)[:, None, None]
+        grad_k = key.new_zeros(b * heads * length, key.shape[-1], dtype=work)  # head-major rows, as _gather reads
+        grad_v = value.new_zeros(b * heads * length, value.shape[-1], dtype=work)
         with autocast_disabled(query.device):
             for part in ctx.chunks:
-                idx, sel = indices[:, part], selected[:, part]
+                flat, sel = _flat_indices(indices[:, part], heads, length), selected[:, part]
                 q_rows, d_out = query[:, :, part].to(work), grad_out[:, :, part].to(work)
-                keys, values = _gather(key, idx).to(work), _gather(value, idx).to(work)
+                keys, values = _gather(key, flat).to(work), _gather(value, flat).to(work)
                 weights = _weights(_scores(q_rows, keys, sel, ctx.scale), lse[:, :, part])
                 # softmax backward: dS = P (dP - rowsum(dO * O)), dP = dO V^T
-                d_weights = torch.einsum("bhrd,brkhd->bhrk", d_out, values)
+                d_weights = (d_out[..., None, :] @ values.transpose(-1, -2))[..., 0, :]
                 row_term = (d_out * out[:, :, part].to(work)).sum(-1, keepdim=True)
                 d_scores = weights * (d_weights - row_term) * ctx.scale
-                flat = (idx + offsets).reshape(-1)
-                grad_q[:, :, part] = torch.einsum("bhrk,brkhd->bhrd", d_scores, keys)
-                grad_k.index_add_(0, flat, torch.einsum("bhrk,bhrd->brkhd", d_scores, q_rows).flatten(0, 2))
-                grad_v.index_add_(0, flat, torch.einsum("bhrk,bhrd->brkhd", weights, d_out).flatten(0, 2))
-
-        def heads_first(g: Tensor, like: Tensor) -> Tensor:
-            return g.view(b, s, heads, -1).transpose(1, 2).to(like.dtype)
-
-        return grad_q.to(query.dtype), heads_first(grad_k, key), heads_first(grad_v, value), None, None, None
+                grad_q[:, :, part] = _weighted(d_scores, keys)
+                grad_k.index_add_(0, flat.reshape(-1), (d_scores[..., None] * q_rows[..., None, :]).flatten(0, 3))
+                grad_v.index_add_(0, flat.reshape(-1), (weights[..., None] * d_out[..., None, :]).flatten(0, 3))
+        return (grad_q.to(query.dtype), grad_k.view_as(key).to(key.dtype), grad_v.view_as(value).to(value.dtype),
+                None, None, None)
 
 
 def selected_attention(query: Tensor, key: Tensor, value: Tensor, indices: Tensor, selected: Tensor,
@@ -188,9 +209,10 @@ def _selected_kl_rows(query: Tensor, key: Tensor, index_query: Tensor, index_key
     """sum over rows of KL(p_{t,S_t} || softmax(I_{t,S_t})) over each row's selected keys (DSA eq. 4)."""
     work = compute_dtype(index_query.dtype)
     with torch.no_grad():
-        scores = _scores(query.to(work), _gather(key, indices).to(work), selected, scale)
+        scores = _scores(query.to(work), _gather(key, _flat_indices(indices, key.shape[1], key.shape[2])).to(work),
+                         selected, scale)
         target = torch.softmax(scores, dim=-1).nan_to_num(0.0).mean(1)  # [B, R, K]
-    keys = _gather(index_key[:, None], indices)[:, :, :, 0].to(work)  # [B, R, K, DI]
+    keys = _gather(index_key[:, None], _flat_indices(indices, 1, index_key.shape[1]))[:, 0].to(work)  # [B, R, K, DI]
     per_head = torch.relu(torch.einsum("bjrd,brkd->bjrk", index_query.to(work), keys))
     index = torch.einsum("bjrk,bjr->brk", per_head, index_weights.to(work)).masked_fill(~selected, float("-inf"))
     log_index = torch.log_softmax(index, dim=-1)
