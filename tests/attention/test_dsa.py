@@ -178,3 +178,19 @@ def test_bad_options_and_index_tensors_raise_clear_errors():
                            ({"indexer_loss": "kl"}, "indexer_loss"), ({"indexer_loss_weight": -1.0}, "weight")):
         with pytest.raises(AttentionError, match=field):
             attention.build("dsa", dim=16, heads=2, **options)
+
+
+@pytest.mark.parametrize("indexer_loss", ["dense", "selected"])
+def test_no_quadratic_intermediate_with_either_loss_in_a_causal_layer(monkeypatch, indexer_loss):
+    from longattn.testing import LargestTensorRecorder
+
+    monkeypatch.setattr(token_select, "CHUNK_ELEMENTS", 2048)  # at N = 128 an N x N tensor is 8 chunks' worth
+    n = 128
+    torch.manual_seed(0)
+    layer = attention.build("dsa", dim=16, heads=2, causal=True, top_k=8, indexer_heads=2, indexer_dim=4,
+                            indexer_loss=indexer_loss)
+    x = torch.randn(1, n, 16, requires_grad=True)
+    with LargestTensorRecorder() as rec:
+        out = layer(x)
+        (out.sum() + collect_aux_losses(layer)["dsa_indexer_kl"]).backward()
+    assert rec.max_numel <= n * n // 4, (rec.max_shape, rec.max_op)  # the widest linear terms are N x 16

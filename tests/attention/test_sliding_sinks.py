@@ -73,3 +73,15 @@ def test_bad_options_raise_clear_errors():
     with pytest.raises(AttentionError, match="window_size"):
         attention.build("sliding_sinks", dim=16, heads=2, window_size=0)
     assert attention.build("sliding_sinks", dim=16, heads=2, learned_sink=False).sink_logits is None
+
+
+def test_no_quadratic_intermediate_with_both_sinks():
+    from longattn.testing import LargestTensorRecorder
+
+    n = 4096  # the windows of all chunks at once: N x (w + one chunk + sinks) scores per head
+    torch.manual_seed(0)
+    layer = attention.build("sliding_sinks", dim=16, heads=2, causal=True, window_size=16, sink_tokens=4)
+    x = torch.randn(1, n, 16, requires_grad=True)
+    with LargestTensorRecorder() as rec:
+        layer(x).sum().backward()
+    assert rec.max_numel <= n * n // 16, (rec.max_shape, rec.max_op)
