@@ -101,6 +101,9 @@ def _direct_call(name, layer, x, mask):
         options = {"pack_query": torch.randn(2, HEADS, 16, DIM // HEADS, dtype=x.dtype)}
     elif name == "bigbird":
         options = {"random_idx": layer.random_idx(-(-x.shape[1] // layer.block_size)), "block_size": layer.block_size}
+    elif name == "dsa":  # its module form selects once for the attention and the indexer's loss
+        index_query, index_key, index_weights = (t.detach() for t in layer.indexer(q, k))
+        options = {"index_query": index_query, "index_key": index_key, "index_weights": index_weights, "top_k": 5}
     elif name in ("local", "longformer"):  # their module forms project inside the chunks
         options = {}
     elif name in ("deltanet", "gated_deltanet"):  # called from their shared layer, attention/ops/delta_layer.py

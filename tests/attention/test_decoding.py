@@ -16,6 +16,7 @@ DIM, HEADS = 32, 2
 OPTIONS = {
     "cosformer": {"max_positions": 64},
     "deltanet": {"chunk_size": 8},
+    "dsa": {"top_k": 5},
     "flash": {"chunk_size": 4, "query_key_dim": 8},
     "gated_deltanet": {"chunk_size": 8},
     "local": {"window_size": 4},
@@ -27,6 +28,7 @@ OPTIONS = {
     # one bucket over the whole sequence and one round: LSH attention is then exact causal attention whatever the
     # random rotations (which are drawn afresh at every call), so the recomputing step can be compared
     "reformer": {"bucket_size": 32, "n_hashes": 1, "attend_across_buckets": True},
+    "sliding_sinks": {"window_size": 4, "sink_tokens": 2},
     "transformer_ls": {"window_size": 4, "chunk_size": 3, "chunk_rank": 2},
     "synthesizer": {"variant": "dense+factorized_random", "mix_dot_product": True},
 }
@@ -42,6 +44,7 @@ VARIANTS = [
     ("longformer", {"attention_window": 2, "global_positions": ()}),
     ("luna", {"pack_length": 4, "tie_kv": False}),
     ("realformer", {"residual_scores": False}),
+    ("sliding_sinks", {"window_size": 1, "sink_tokens": 30, "learned_sink": False}),
     ("synthesizer", {"variant": "random+factorized_dense", "factor_a": 4}),
     ("transformer_ls", {"window_size": 1, "chunk_size": 5, "dual_ln": False}),
 ]

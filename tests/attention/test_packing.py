@@ -14,7 +14,9 @@ SMALL = {"skeleton": {"s1": 4, "s2": 4}, "nystrom": {"num_landmarks": 4}, "linfo
          "luna": {"pack_length": 4}, "bigbird": {"block_size": 4}, "local": {"window_size": 4},
          "longformer": {"attention_window": 4}, "sinkhorn": {"block_size": 4}, "transformer_ls": {"window_size": 4},
          "performer": {"nb_features": 16}, "reformer": {"bucket_size": 4}, "flash": {"chunk_size": 4, "query_key_dim": 8},
-         "fsat": {"lmax": 16}, "cosformer": {"max_positions": 16}}
+         "fsat": {"lmax": 16}, "cosformer": {"max_positions": 16},
+         "dsa": {"top_k": 3},
+         "sliding_sinks": {"window_size": 3, "sink_tokens": 2}}
 PACKABLE = [n for n in attention.available() if n not in PADDED_LENGTH_DEPENDENT or PADDED_LENGTH_DEPENDENT[n][1]]
 
 

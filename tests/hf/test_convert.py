@@ -135,7 +135,9 @@ PADDED_LENGTH_DEPENDENT = {
 }
 SMALL = {"skeleton": {"s1": 8, "s2": 8}, "nystrom": {"num_landmarks": 4}, "linformer": {"k": 16},
          "luna": {"pack_length": 8}, "bigbird": {"block_size": 4}, "local": {"window_size": 4},
-         "longformer": {"attention_window": 4}, "sinkhorn": {"block_size": 4}, "transformer_ls": {"window_size": 4}}
+         "longformer": {"attention_window": 4}, "sinkhorn": {"block_size": 4}, "transformer_ls": {"window_size": 4},
+         "dsa": {"top_k": 4},
+         "sliding_sinks": {"window_size": 4, "sink_tokens": 2}}
 
 
 def padding_differences(model, tokenizer):

@@ -28,6 +28,8 @@ ROUTES = {
     "moba": ("llama", "enable", {"block_size": 4, "top_k": 2}),
     "nsa": ("llama", "convert", {"compress_block": 4, "compress_stride": 2, "select_block": 4, "local_blocks": 1,
                                  "select_count": 3, "window": 4}),
+    "dsa": ("llama", "convert", {"top_k": 4}),
+    "sliding_sinks": ("llama", "convert", {"window_size": 4, "sink_tokens": 2}),
     "transformer_ls": ("llama", "convert", {"window_size": 4, "chunk_size": 3}),
     "luna": ("bert", "convert", {"pack_length": 4}),
     "synthesizer": ("bert", "convert", {}),

@@ -12,7 +12,9 @@ LENGTHS = [5, 9, 3]
 LLAMA = {"softmax": {}, "linear": {}, "performer": {"nb_features": 16}, "cosformer": {},
          "local": {"window_size": 4}, "longformer": {"attention_window": 4}, "realformer": {},
          "transformer_ls": {"window_size": 4, "chunk_size": 3},
-         "deltanet": {"chunk_size": 4}, "gated_deltanet": {"chunk_size": 4}, "gla": {}, "mamba2": {}}
+         "deltanet": {"chunk_size": 4}, "gated_deltanet": {"chunk_size": 4}, "gla": {}, "mamba2": {},
+         "dsa": {"top_k": 3},
+         "sliding_sinks": {"window_size": 3, "sink_tokens": 2}}
 
 
 def llama():

@@ -122,9 +122,22 @@ def _informer_every_query_active(layer: torch.nn.Module, length: int) -> None:
     layer.factor = float(length)
 
 
+def _dsa_indexer_ties(layer: torch.nn.Module, length: int) -> None:
+    """DSA's selection is the top-k of the indexer's scores (eq. 1), whose near-ties rounding reorders. With the
+    indexer's queries zero every score is exactly 0, so each query selects its first top_k
+    visible keys (ties go to the earlier key) in every dtype, and the comparison measures the arithmetic of the
+    GPU path (indexer, sort, gathers, attention and its gradient scattered back) on a sparse selection; which
+    keys the indexer picks is tested against the reference and fla's naive DSA in test_dsa.py."""
+    with torch.no_grad():
+        layer.indexer.to_query.weight.zero_()
+        layer.indexer.to_query.bias.zero_()
+    layer.top_k = max(1, length // 4)
+
+
 # Per mechanism: what makes its discrete choices the same in every dtype.
 SAME_CHOICES_IN_EVERY_DTYPE: dict[str, Callable[[torch.nn.Module, int], None]] = {
-    "fsat": _pin_fsat_edges, "informer": _informer_every_query_active, "reformer": _reformer_buckets_irrelevant}
+    "fsat": _pin_fsat_edges, "informer": _informer_every_query_active, "reformer": _reformer_buckets_irrelevant,
+    "dsa": _dsa_indexer_ties}
 
 
 def rms_ratio(got: torch.Tensor, want: torch.Tensor) -> float:
