@@ -136,8 +136,9 @@ def check_resume(config: RunConfig, out_dir: Path) -> RunConfig:
 def check_same_schedule(trainer: Trainer, out_dir: Path) -> None:
     """A resumed run must train the schedule its config.yaml records (a training set of another size would
     change the steps per epoch, and with them the run's length and validation interval)."""
-    saved = load_schedule(out_dir / "config.yaml")
-    if saved is None:  # saved before runs recorded their schedule
+    path = out_dir / "config.yaml"
+    saved = load_schedule(path) if path.is_file() else None
+    if saved is None:  # nothing to resume, or saved before runs recorded their schedule
         return
     differing = [f"{name} {entry.get('value')} recorded, {trainer.schedule[name]['value']} now"
                  for name, entry in saved.items() if isinstance(entry, dict) and name in trainer.schedule
