@@ -211,3 +211,45 @@ def test_train_with_stdout_in_a_file_prints_progress_lines(tmp_path, capsys):
     assert lines == ["5", "10", "15", "20"]
     assert '"converged"' in text  # the printed summary says whether the run converged
     assert json.loads((tmp_path / "run" / "results.json").read_text())["convergence"] is not None
+
+
+def test_config_yaml_records_the_schedule_that_ran_and_reruns_it(tmp_path):
+    from longattn.config import read_yaml
+    from longattn.experiment.config import load_saved
+    from longattn.experiment.run import evaluate_run
+
+    # 40 examples / batch 8 = 5 steps per epoch: 2 epochs are 10 steps, not max_steps=1000; eval_every=100 would
+    # validate once, so min_evals=4 validates every 2 steps
+    first = run(tiny("train.epochs=2", "train.max_steps=1000", "train.eval_every=100", "train.min_evals=4"),
+                tmp_path / "a")
+    saved = read_yaml(tmp_path / "a" / "config.yaml")
+    assert (saved["train"]["max_steps"], saved["train"]["eval_every"], saved["train"]["epochs"]) == (10, 2, 2)
+    schedule = saved["schedule"]
+    assert schedule["optimiser_steps"] == {"value": 10, "decided_by": "train.epochs",
+                                           "overrode": {"train.max_steps": 1000}}
+    assert schedule["validation_interval"] == {"value": 2, "decided_by": "train.min_evals",
+                                               "overrode": {"train.eval_every": 100}}
+    assert schedule["steps_per_epoch"]["value"] == 5 and schedule["batch_size"]["value"] == 8
+    assert schedule["warmup_steps"] == {"value": 0, "decided_by": "optim.warmup_steps"}
+    assert first["schedule"] == schedule  # results.json holds the same record
+    assert load_saved(tmp_path / "a" / "config.yaml").train.max_steps == 1000  # the config as asked, for --resume
+
+    again = run(resolve_config(config_file=tmp_path / "a" / "config.yaml"), tmp_path / "b")
+    assert again["steps"] == first["steps"] == 10
+    assert validated_steps(again) == validated_steps(first) == [2, 4, 6, 8, 10]
+    rerun = read_yaml(tmp_path / "b" / "config.yaml")["schedule"]  # the same values, now the file's own settings
+    assert {name: entry["value"] for name, entry in rerun.items()} == {n: e["value"] for n, e in schedule.items()}
+    assert "overrode" not in rerun["validation_interval"]
+    assert evaluate_run(tmp_path / "a")["schedule"] == schedule
+
+
+def test_resume_from_the_runs_own_config_yaml_and_a_changed_training_set(tmp_path):
+    from longattn.config import ConfigError
+
+    asked = tiny("train.epochs=2", "train.min_evals=4")
+    run(asked, tmp_path)
+    saved = resolve_config(config_file=tmp_path / "config.yaml")
+    assert run(saved, tmp_path, resume=True)["steps"] == 10  # the saved (used) form resumes the same run
+    bigger = tiny("train.epochs=2", "train.min_evals=4", "data.options.num_examples=80")
+    with pytest.raises(ConfigError, match="sections"):
+        run(bigger, tmp_path, resume=True)

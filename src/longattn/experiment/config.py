@@ -36,7 +36,9 @@ from longattn.tasks.base import Task, get_task
 from longattn.train.settings import OptimConfig, RunConfig, TrainConfig
 from longattn.utils import warn
 
-__all__ = ["RunConfig", "load_saved", "model_options", "resolve_config", "save_config"]
+__all__ = ["SCHEDULE", "RunConfig", "load_saved", "load_schedule", "model_options", "resolve_config", "save_config"]
+
+SCHEDULE = "schedule"  # config.yaml's section of what a run trained (see save_config)
 
 
 def _as_layer(value: Any, where: str) -> dict[str, Any]:
@@ -95,6 +97,7 @@ def resolve_config(
     if task is not None:
         explicit_layer["task"] = task
     file_layer = read_yaml(config_file) if config_file is not None else {}
+    file_layer.pop(SCHEDULE, None)  # a run's record of what it trained, not a setting: its settings say it
     set_layers = [parse_set(text) for text in overrides]
     late = [file_layer, *set_layers, explicit_layer]
     task_name = _picked(late, "task")
@@ -178,18 +181,53 @@ def _check_model_keys(config: RunConfig, task_obj: Task) -> None:
             config.model[key] = check_value(hints[key], value, f"model.{key}")
 
 
-def save_config(config: RunConfig, path: str | Path) -> None:
-    write_yaml(to_dict(config), path)
+def save_config(config: RunConfig, path: str | Path, schedule: dict[str, Any] | None = None,
+                used: dict[str, Any] | None = None) -> None:
+    """``config`` as YAML; with a run's ``schedule`` (:attr:`longattn.train.loop.Trainer.schedule`) the settings
+    another one replaced hold the values the run ``used`` (dotted names), and the ``schedule`` section says what
+    decided each and what was asked (so that :func:`load_saved` gives back the config as asked)."""
+    tree = to_dict(config)
+    for name, value in (used or {}).items():
+        section, key = name.split(".")
+        tree[section][key] = value
+    if schedule is not None:
+        tree[SCHEDULE] = schedule
+    write_yaml(tree, path)
 
 
-def load_saved(path: str | Path) -> RunConfig:
-    """A run's saved ``config.yaml`` back into the dataclasses."""
+def _read_saved(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; is {path.parent} the --out folder of a run?")
+    return read_yaml(path)
+
+
+def _checked(tree: dict[str, Any], path: str | Path) -> RunConfig:
     try:
-        return build_run_config(read_yaml(path))
+        return build_run_config(tree)
     except ConfigError as err:
         if str(path) in str(err):
             raise
         raise ConfigError(f"{path}: {err} (edited by hand, or written by another version?)") from None
+
+
+def load_saved(path: str | Path, as_used: bool = False) -> RunConfig:
+    """A run's saved ``config.yaml`` back into the dataclasses: the config as asked (the values its schedule
+    section says were overridden put back), or with ``as_used`` as the file writes it (what ran)."""
+    tree = _read_saved(path)
+    schedule = tree.pop(SCHEDULE, None) or {}
+    if not isinstance(schedule, dict):
+        raise ConfigError(f"{path}: `{SCHEDULE}` must be a mapping (edited by hand?)")
+    if not as_used:
+        for entry in schedule.values():
+            for name, asked in (entry.get("overrode") or {} if isinstance(entry, dict) else {}).items():
+                section, key = str(name).split(".", 1)
+                if isinstance(tree.get(section), dict):
+                    tree[section][key] = asked
+    return _checked(tree, path)
+
+
+def load_schedule(path: str | Path) -> dict[str, Any] | None:
+    """The ``schedule`` section of a run's saved ``config.yaml`` (None: written before runs recorded it)."""
+    schedule = _read_saved(path).get(SCHEDULE)
+    return schedule if isinstance(schedule, dict) else None

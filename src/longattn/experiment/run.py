@@ -16,7 +16,7 @@ from typing import Any, Callable, Literal
 from torch import nn
 
 from longattn.config import ConfigError, to_dict
-from longattn.experiment.config import RunConfig, build_run_config, load_saved, save_config
+from longattn.experiment.config import RunConfig, build_run_config, load_saved, load_schedule, save_config
 from longattn.experiment.results import now, write_results
 from longattn.models.registry import build_model
 from longattn.tasks.base import Task, TaskData, get_task
@@ -59,8 +59,11 @@ def config_differences(config: RunConfig, out_dir: Path) -> list[str] | None:
     saved = out_dir / "config.yaml"
     if not saved.is_file():
         return None
-    try:
-        return _sections_differing(load_saved(saved), config)
+    try:  # the config as asked, or as the run used it (`--config` of the run's own config.yaml)
+        as_asked = _sections_differing(load_saved(saved), config)
+        if as_asked and not _sections_differing(load_saved(saved, as_used=True), config):
+            return []
+        return as_asked
     except ConfigError:
         return ["config.yaml"]
 
@@ -119,13 +122,32 @@ def run_status(folder: str | Path, config: RunConfig | None) -> RunStatus:
     return RunStatus("interrupted", files)
 
 
-def check_resume(config: RunConfig, out_dir: Path) -> None:
-    """``--resume`` must continue the same settings: compare with the saved config, section by section."""
+def check_resume(config: RunConfig, out_dir: Path) -> RunConfig:
+    """``--resume`` must continue the same settings: compare with the saved config, section by section; the
+    run continues as the saved config asked (the same fingerprint, whichever form of it ``config`` is)."""
     changed = config_differences(config, out_dir)
     if changed:
         raise ConfigError(f"--resume: the config differs from the one saved in {out_dir / 'config.yaml'} (sections "
                           f"{changed}); resume with the same options, replace the run with --overwrite, or train "
                           "into a new --out folder")
+    return config if changed is None else load_saved(out_dir / "config.yaml")
+
+
+def check_same_schedule(trainer: Trainer, out_dir: Path) -> None:
+    """A resumed run must train the schedule its config.yaml records (a training set of another size would
+    change the steps per epoch, and with them the run's length and validation interval)."""
+    path = out_dir / "config.yaml"
+    saved = load_schedule(path) if path.is_file() else None
+    if saved is None:  # nothing to resume, or saved before runs recorded their schedule
+        return
+    differing = [f"{name} {entry.get('value')} recorded, {trainer.schedule[name]['value']} now"
+                 for name, entry in saved.items() if isinstance(entry, dict) and name in trainer.schedule
+                 and entry.get("value") != trainer.schedule[name]["value"]]
+    if differing:
+        trainer.release()
+        raise ConfigError(f"--resume: this run's schedule differs from the one in {out_dir / 'config.yaml'} "
+                          f"({'; '.join(differing)}): has the training data changed? Resume with the same data, "
+                          "or train into a new --out folder")
 
 
 def run(
@@ -156,7 +178,7 @@ def run(
     # the lock the main process's Trainer already holds and refuse its own run
     check_output_folder(out_dir, resume=resume, overwrite=overwrite, locked=launched_rank() != 0)
     if resume:
-        check_resume(config, out_dir)
+        config = check_resume(config, out_dir)
     data = _data(task, config, data_cache)
     seed_everything(config.seed)  # identical initial weights on every rank and every resume
     model = build_run_model(config, task, data)
@@ -187,12 +209,14 @@ def run(
                   "options": config.chosen_attention_options(), "config": to_dict(config)},
         on_step_end=step_end, fingerprint=config.hash(), write_results=finish,
     )
+    if resume:
+        check_same_schedule(trainer, out_dir)
     if trainer.dist.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         if overwrite:  # the old run goes before the new config is written: never its marker beside our config
             clear_run(out_dir)
         with writing(out_dir, "config.yaml", "nothing of this run was written yet"):
-            save_config(config, out_dir / "config.yaml")
+            save_config(config, out_dir / "config.yaml", trainer.schedule, trainer.schedule_settings)
     results = trainer.fit(resume=resume, overwrite=overwrite)
     if not trainer.dist.is_main:  # the main process added these in finish()
         results.update(task.describe(config, data, results))
@@ -232,4 +256,4 @@ def evaluate_run(out_dir: str | Path, split: str = "test", checkpoint: str = "be
         precision=config.train.precision, split=split,
     )
     return {"task": config.task, "model": config.model_name, "attention": config.attention, "split": split,
-            "checkpoint": str(path), "data_overrides": data_options or {}, **result}
+            "schedule": load_schedule(out_dir / "config.yaml"), "checkpoint": str(path), "data_overrides": data_options or {}, **result}

@@ -503,6 +503,7 @@ class Trainer:
         # Optimiser steps per epoch (a step straddles two epochs when grad_accum does not divide the batches).
         self.steps_per_epoch = max(1, math.ceil(len(self._epoch_batches(0)) / train.grad_accum))
         self._announce = self.dist.is_main  # notes and warnings: once, from the main process
+        asked_train, asked_optim = train, optim
         if train.epochs is not None:
             max_steps = max(1, math.ceil(train.epochs * self.steps_per_epoch))
             if train.min_steps is not None and max_steps < train.min_steps:
@@ -515,6 +516,7 @@ class Trainer:
             train = dataclasses.replace(train, eval_every=every, eval_every_epoch=False, evals=None)
         elif train.eval_every_epoch:
             train = dataclasses.replace(train, eval_every=self.steps_per_epoch)
+        interval_before = train.eval_every
         if val_data is not None:
             train = self._at_least_min_evals(train)
         if optim.warmup_epochs is not None and optim.warmup_ratio is not None:
@@ -527,11 +529,14 @@ class Trainer:
                                         warmup_ratio=None)
         self.settings = train
         self.optim_settings = optim
+        self.schedule, self.schedule_settings = self._schedule_record(
+            asked_train, asked_optim, shortened=val_data is not None and train.eval_every != interval_before,
+            validates=val_data is not None)
         self.collate_fn = collate_fn
         self.step_fn = step_fn
         self.metrics = metrics
         self.out_dir = Path(out_dir)
-        self.run_info = dict(run_info or {})
+        self.run_info = {**(run_info or {}), "schedule": self.schedule}  # results.json: what ran
         self.on_step_end = on_step_end
         self.fingerprint = fingerprint
         self.write_results = write_results
@@ -625,6 +630,49 @@ class Trainer:
             self._say(note, f"validating {was} would validate {planned} times in this run of {total} steps; "
                       f"{instead}")
         return dataclasses.replace(train, eval_every=shorter, eval_every_epoch=False)
+
+    def _schedule_record(self, asked: TrainConfig, asked_optim: OptimConfig, *, shortened: bool,
+                         validates: bool) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        """What this run trains (:attr:`settings` resolved from ``asked``) and which setting decided each value:
+        one entry per quantity (``value``, ``decided_by``, and ``overrode``: the asked values of the settings
+        that another one replaced); and those settings' values as the run used them (dotted names), so that a
+        saved config shows no overridden value as if it were live and reruns the same schedule."""
+        train, optim = self.settings, self.optim_settings
+        steps_by = "train.max_steps"
+        if asked.epochs is not None:
+            floored = asked.min_steps is not None and train.max_steps == asked.min_steps
+            steps_by = "train.epochs, train.min_steps" if floored else "train.epochs"
+        interval_by = ("train.min_evals" if shortened else "train.evals" if asked.evals is not None else
+                       "train.eval_every_epoch" if asked.eval_every_epoch else "train.eval_every")
+        warmup_by = ("optim.warmup_epochs" if asked_optim.warmup_epochs is not None else
+                     "optim.warmup_ratio" if asked_optim.warmup_ratio is not None else "optim.warmup_steps")
+        used = {"train.max_steps": train.max_steps}
+        if validates:  # without a validation split the interval decides nothing
+            used.update({"train.eval_every": train.eval_every,
+                         "train.eval_every_epoch": asked.eval_every_epoch and not shortened,
+                         "train.evals": None if shortened else asked.evals})
+        used["optim.warmup_steps"] = optim.warmup_steps
+        asked_values = {"train": dataclasses.asdict(asked), "optim": dataclasses.asdict(asked_optim)}
+        overrode = {name: asked_values[name.split(".")[0]][name.split(".")[1]] for name in used}
+        overrode = {name: value for name, value in overrode.items() if value != used[name]}
+
+        def entry(value: Any, decided_by: str, *names: str) -> dict[str, Any]:
+            replaced = {name: overrode[name] for name in names if name in overrode}
+            return {"value": value, "decided_by": decided_by, **({"overrode": replaced} if replaced else {})}
+
+        epoch_by = "the training set's size, train.batch_size, train.grad_accum" + (
+            ", train.max_steps_per_epoch" if train.max_steps_per_epoch is not None else "")
+        record = {
+            "optimiser_steps": entry(train.max_steps, steps_by, "train.max_steps"),
+            "steps_per_epoch": entry(self.steps_per_epoch, epoch_by),
+            "validation_interval": (entry(train.eval_every, interval_by, "train.eval_every", "train.eval_every_epoch",
+                                          "train.evals") if validates
+                                    else entry(None, "no validation split")),
+            "warmup_steps": entry(optim.warmup_steps, warmup_by, "optim.warmup_steps"),
+            "batch_size": entry(train.batch_size, "train.batch_size"),
+            "grad_accum": entry(train.grad_accum, "train.grad_accum"),
+        }
+        return record, {name: value for name, value in used.items() if name in overrode}
 
     def _autocast(self) -> Any:
         return precision_autocast(self.device, self.settings.precision)
