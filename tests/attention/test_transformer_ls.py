@@ -167,3 +167,22 @@ def test_bad_projection_logits_raise():
         long_short_attention(q, k, v, projection_logits=logits[:, :1], window_size=4)
     with pytest.raises(AttentionError, match="window_size"):
         long_short_attention(q, k, v, projection_logits=logits, window_size=0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_trains_under_aot_autograd(causal):
+    """torch.compile's training step traces forward and backward with AOT autograd (issue 56): LN_L's backward
+    once got a transposed gradient, whose strides on CPU differ from those traced, and a view after it failed.
+    AOT autograd alone (no dynamo: a second) gives the eager output and gradients (without a mask: the
+    layout that failed)."""
+    from functorch.compile import aot_module, nop
+
+    torch.manual_seed(0)
+    layer = attention.build("transformer_ls", dim=16, heads=2, max_len=19, causal=causal, chunk_size=4)
+    x = torch.randn(2, 19, 16, requires_grad=True)
+    expected = layer(x)
+    expected_grad, = torch.autograd.grad(expected.square().sum(), x)
+    out = aot_module(layer, fw_compiler=nop, bw_compiler=nop)(x)
+    grad, = torch.autograd.grad(out.square().sum(), x)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grad, expected_grad)

@@ -215,7 +215,12 @@ def long_short_attention(
 
     minimum = torch.finfo(query.dtype).min
     scores_short = (q_seg @ k_win.transpose(-1, -2) * scale).masked_fill(~visible_short, minimum)
-    scores_long = (q_seg @ key_long.unsqueeze(2).transpose(-1, -2)) * scale  # [B, H, S, w, r or C r]
+    # every query sees the same projected tokens: one matmul over all segments' queries, [B, H, S, w, r or C r].
+    # As K_bar Q^T, transposed, so that the gradient of K_bar is a contiguous matmul output: LN_L's backward
+    # returns a contiguous gradient for a transposed one on CPU where its meta function (torch.compile's
+    # tracing) keeps the strides, and the views after it then fail under AOT autograd.
+    scores_long = (key_long @ q_seg.flatten(2, 3).transpose(-1, -2)).transpose(-1, -2)
+    scores_long = scores_long.view(b, h, segments, w, -1) * scale
     if visible_long is not None:
         scores_long = scores_long.masked_fill(~visible_long, minimum)
     # one softmax over the union of both key sets (eq. 5)
@@ -223,7 +228,7 @@ def long_short_attention(
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
     w_short, w_long = weights.split([k_win.shape[3], key_long.shape[2]], dim=-1)
-    out = w_short @ v_win + w_long @ value_long.unsqueeze(2)
+    out = w_short @ v_win + (w_long.flatten(2, 3) @ value_long).view(b, h, segments, w, d)
     if visible_long is not None:  # causal: a (padded) query may see no key at all; define it as 0
         sees_something = visible_short.any(-1, keepdim=True) | visible_long.any(-1, keepdim=True)
         out = out.masked_fill(~sees_something, 0.0)
