@@ -14,8 +14,8 @@ SMALL = {"skeleton": {"s1": 4, "s2": 4}, "nystrom": {"num_landmarks": 4}, "linfo
          "longformer": {"attention_window": 4}, "sinkhorn": {"block_size": 4}, "transformer_ls": {"window_size": 4},
          "performer": {"nb_features": 16}, "reformer": {"bucket_size": 4}, "flash": {"chunk_size": 8, "query_key_dim": 8}}
 # causal mechanisms that take Llama's own (rotated) q, k, v; the others would skip its rotary embedding
-LLAMA = ["cosformer", "dsa", "gla", "linear", "local", "longformer", "mamba2", "performer", "realformer",
-         "sliding_sinks", "softmax", "transformer_ls", "deltanet", "gated_deltanet"]
+LLAMA = ["cosformer", "deltanet", "dsa", "gated_deltanet", "gla", "linear", "local", "longformer", "mamba2", "moba",
+         "nsa", "performer", "realformer", "sliding_sinks", "softmax", "transformer_ls"]
 
 
 def tiny(family: str):

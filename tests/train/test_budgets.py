@@ -205,7 +205,9 @@ def test_train_with_stdout_in_a_file_prints_progress_lines(tmp_path, capsys):
         assert not handle.isatty()
         assert main(args) == 0
     text = log.read_text()
-    assert text.startswith("train: 20 optimiser steps (4 epochs of 5), 8 examples per step, validation every 4 steps")
+    threads, schedule = text.split("\n", 2)[:2]  # a single run's log opens with its thread choice
+    assert threads.startswith("threads: ")
+    assert schedule.startswith("train: 20 optimiser steps (4 epochs of 5), 8 examples per step, validation every 4 steps")
     lines = re.findall(r"^train step (\d+)/20 \(\d+%\): loss [\d.]+, [\d.e+-]+ steps/s \([\d.e+-]+ examples/s\), "
                        r"elapsed \d+ s, (?:about .+ left|done); validation at step \d+: accuracy [\d.]+", text, re.M)
     assert lines == ["5", "10", "15", "20"]
