@@ -35,3 +35,24 @@ def test_each_mechanism_at_each_length_one_thread_and_a_failure_ends_its_longer_
 
 def test_length_labels():
     assert [cost.length_label(n) for n in (4096, 16384, 1000, 64)] == ["4k", "16k", "1000", "64"]
+
+
+def test_workers_measure_mechanisms_side_by_side_with_the_same_results(monkeypatch):
+    import threading
+
+    both_running = threading.Barrier(2, timeout=10)  # broken unless two measurements are in flight at once
+
+    def fake(config, timeout_s, memory_limit_bytes):
+        if config.length == 4096:
+            both_running.wait()
+        return {"status": "ok", "forward_backward_s": config.length / 4096, "peak_memory_bytes": 2**20}
+
+    monkeypatch.setattr(speed, "run_in_subprocess", fake)
+    settings = cost.CostSettings(lengths=(4096, 16384))
+    side_by_side = cost.measure_costs(["skein", "softmax"], settings, write=lambda line: None, workers=2)
+    assert list(side_by_side) == ["skein", "softmax"]  # the order asked for, whichever finished first
+    both_running.reset()
+    monkeypatch.setattr(cost, "_measure_mechanism", lambda mechanism, settings, write: {"mechanism": mechanism})
+    assert cost.measure_costs(["skein", "softmax"], settings, workers=1) == {
+        "skein": {"mechanism": "skein"}, "softmax": {"mechanism": "softmax"}}
+    assert side_by_side["softmax"][16384] == {"status": "ok", "forward_backward_s": 4.0, "peak_memory_mb": 1.0}

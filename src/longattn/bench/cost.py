@@ -57,31 +57,42 @@ def length_label(length: int) -> str:
     return f"{length // 1024}k" if length >= 1024 and length % 1024 == 0 else str(length)
 
 
-def measure_costs(mechanisms: list[str], settings: CostSettings,
-                  write: Callable[[str], Any] = print) -> dict[str, dict[int, dict[str, Any]]]:
+def measure_costs(mechanisms: list[str], settings: CostSettings, write: Callable[[str], Any] = print,
+                  workers: int = 1) -> dict[str, dict[int, dict[str, Any]]]:
     """{mechanism: {length: {"status", "forward_backward_s", "peak_memory_mb"}}} for every mechanism and length
-    of ``settings``; one line per measurement."""
+    of ``settings``; one line per measurement. ``workers`` mechanisms are measured at once (each in its own
+    one-thread process, and process CPU time is what is reported, so measurements side by side on separate cores
+    stay each its own; the lengths of one mechanism run in turn, shortest first)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        measured = list(pool.map(lambda mechanism: _measure_mechanism(mechanism, settings, write), mechanisms))
+    return dict(zip(mechanisms, measured))
+
+
+def _measure_mechanism(mechanism: str, settings: CostSettings,
+                       write: Callable[[str], Any]) -> dict[int, dict[str, Any]]:
+    """One mechanism's cost at every length; after a length runs out of time or memory the longer ones are not
+    tried."""
     from longattn.bench.speed import run_in_subprocess
 
-    costs: dict[str, dict[int, dict[str, Any]]] = {}
-    for mechanism in mechanisms:
-        costs[mechanism] = {}
-        failed = None
-        for length in sorted(settings.lengths):
-            if failed is not None:  # out of time or memory at a shorter length: longer ones will be too
-                costs[mechanism][length] = {"status": f"{failed} at a shorter length"}
-                continue
-            row = run_in_subprocess(settings.config(mechanism, length), settings.timeout_s, None)
-            if row["status"] != "ok":
-                failed = row["status"]
-                costs[mechanism][length] = {"status": row["status"], "error": row.get("error")}
-            else:
-                costs[mechanism][length] = {"status": "ok", "forward_backward_s": row["forward_backward_s"],
-                                            "peak_memory_mb": row["peak_memory_bytes"] / 2**20}
-            cost = costs[mechanism][length]
-            write(f"cost: {mechanism} at N={length_label(length)}: " + (
-                f"forward+backward {cost['forward_backward_s']:.3g} s CPU, peak {cost['peak_memory_mb']:.0f} MB"
-                if cost["status"] == "ok" else cost["status"]))
+    costs: dict[int, dict[str, Any]] = {}
+    failed = None
+    for length in sorted(settings.lengths):
+        if failed is not None:  # out of time or memory at a shorter length: longer ones will be too
+            costs[length] = {"status": f"{failed} at a shorter length"}
+            continue
+        row = run_in_subprocess(settings.config(mechanism, length), settings.timeout_s, None)
+        if row["status"] != "ok":
+            failed = row["status"]
+            costs[length] = {"status": row["status"], "error": row.get("error")}
+        else:
+            costs[length] = {"status": "ok", "forward_backward_s": row["forward_backward_s"],
+                             "peak_memory_mb": row["peak_memory_bytes"] / 2**20}
+        cost = costs[length]
+        write(f"cost: {mechanism} at N={length_label(length)}: " + (
+            f"forward+backward {cost['forward_backward_s']:.3g} s CPU, peak {cost['peak_memory_mb']:.0f} MB"
+            if cost["status"] == "ok" else cost["status"]))
     return costs
 
 

@@ -67,7 +67,7 @@ def run_compare(task: str, attentions: list[str], out_dir: str | Path, preset: s
     plan = plan_threads(len(cells) * len(seeds), workers=workers)
     run_cells(cells, seeds, out_dir, run_dir=lambda cell, seed: out_dir / cell.row / f"seed{seed}", resume=resume,
               overwrite=overwrite, plan=plan)
-    costs = measure_costs(attentions, cost) if cost else None
+    costs = measure_costs(attentions, cost, workers=plan.workers) if cost else None
     base = next(cell for cell in cells if cell.attention == reference)
     table = compare_table(task, cells, base, seeds, costs=costs, cost=cost)
     if plan.workers > 1:  # the time and memory columns are then not each mechanism's alone
@@ -207,6 +207,7 @@ def plot_frontier(cells: list[Cell], costs: dict[str, dict[int, dict[str, Any]]]
     measured = [c["forward_backward_s"] for _, c in points if c.get("status") == "ok"]
     edge = max(measured, default=1.0) * 2  # where the mechanisms without a time at this length are drawn
     fig, axes = plt.subplots(figsize=(6.5, 4.5))
+    labels = []
     for index, (cell, point) in enumerate(points):
         summary = summarize(cell.values())
         ok = point.get("status") == "ok"
@@ -215,15 +216,43 @@ def plot_frontier(cells: list[Cell], costs: dict[str, dict[int, dict[str, Any]]]
                       color=f"C{index}", capsize=3)
         label = (f"{cell.attention} ({point['peak_memory_mb']:.0f} MB)" if ok
                  else f"{cell.attention} ({point.get('status', 'not measured')})")
-        axes.annotate(label, (x, summary.mean), textcoords="offset points", xytext=(5, 4), fontsize="small")
+        labels.append((label, x, summary.mean, f"C{index}"))
     unit = " (%)" if task_obj.table_scale == 100 else ""
     axes.set_xscale("log")
     axes.set(xlabel=f"forward+backward at N={length_label(length)}, one layer (s of CPU, 1 thread)",
              ylabel=f"test {task_obj.select_metric}{unit}",
              title=f"{task}: accuracy against cost at N={length_label(length)}")
     fig.tight_layout()
+    _place_labels(fig, axes, labels)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# Label offsets (points from the marker) tried in turn until a label overlaps no label placed before it
+LABEL_OFFSETS = ((5, 4), (5, -12), (5, 14), (5, -22), (5, 24), (-5, 4), (-5, -12))
+
+
+def _place_labels(fig: Any, axes: Any, labels: list[tuple[str, float, float, str]]) -> None:
+    """Writes each label beside its point at the first offset of LABEL_OFFSETS where its box (as the renderer
+    draws it) overlaps no label already placed, so mechanisms of about the same cost and accuracy stay readable;
+    a label that fits nowhere takes the first offset. Offsets to the left are right-aligned."""
+    renderer = fig.canvas.get_renderer()
+
+    def write(label: str, x: float, y: float, color: str, offset: tuple[int, int]) -> Any:
+        return axes.annotate(label, (x, y), textcoords="offset points", xytext=offset, fontsize="small",
+                             color=color, ha="left" if offset[0] > 0 else "right")
+
+    placed = []
+    for label, x, y, color in labels:
+        for offset in LABEL_OFFSETS:
+            text = write(label, x, y, color, offset)
+            box = text.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            text.remove()
+        else:
+            box = write(label, x, y, color, LABEL_OFFSETS[0]).get_window_extent(renderer)
+        placed.append(box)
 
 
 def _cost_settings(args: argparse.Namespace) -> CostSettings | None:
