@@ -9,7 +9,8 @@ with the gate of Section 4.4, a low-rank projection (rank 16) through a sigmoid,
 tau = 16: alpha_t = sigmoid(x_t W_a1 W_a2 + b_a)^(1 / tau), computed as log alpha_t = logsigmoid(.) / tau. The
 layer's output (Section 4.4) is y_t = (LN(o_t) * Swish(x_t W_r + b_r)) W_O: a LayerNorm per head, then the
 output gate. The chunkwise form (Section 4.2-4.3), the decoding step and fla's kernels on CUDA are those of
-:mod:`longattn.attention.ops.gated_scan`. Cost per token: O(C K + K V) per head for chunks of C tokens; decoding
+:mod:`longattn.attention.ops.gated_scan`; the layer around them (scan, decoding state) is Mamba-2's too,
+:class:`~longattn.attention.ops.gated_layer.GatedScanLayer`. Cost per token: O(C K + K V) per head for chunks of C tokens; decoding
 state: the [K, V] matrix per head, O(1) in N.
 
 Every component is an option, on by default as in the paper: ``gate_rank`` (None: a full-rank gate projection),

@@ -10,7 +10,8 @@ is the product of the decays between two tokens (eq. 16). The block around it (S
 come from the input projection, through a short depthwise causal convolution and SiLU; dt = softplus(x W_dt +
 dt_bias) per head and A = -exp(A_log) < 0; the skip D x; the output gate y * SiLU(z) with z = x W_z, then an RMS
 norm (mamba_ssm's ``RMSNormGated``, the gate before the norm), then the output projection. The chunked algorithm
-(Section 6) and the decoding step are those of :mod:`longattn.attention.ops.gated_scan`; on CUDA with
+(Section 6) and the decoding step are those of :mod:`longattn.attention.ops.gated_scan`, the layer around them
+GLA's too (:class:`~longattn.attention.ops.gated_layer.GatedScanLayer`); on CUDA with
 ``fla-core`` installed, fla's ``chunk_simple_gla`` kernel. Cost per token: O(C N_state + N_state P) per head
 (chunks of C tokens, state N_state x P = head size x head size); decoding state: the [Dh, Dh] matrix per head and
 the last ``conv_size - 1`` inputs of the convolution, O(1) in N.
