@@ -17,11 +17,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from gpu_path_checks import assert_gpu_result_close
+from module_checks import DIM, bf16_autocast_losses, largest_intermediate
 
 from longattn import attention
 from longattn.attention import force_path
 from longattn.attention.ops.gated_scan import gated_scan_reference
-from longattn.testing import LargestTensorRecorder, assert_forward_backward_close, random_qkv, scattered_mask
+from longattn.testing import assert_forward_backward_close, random_qkv, scattered_mask
 
 
 class KeepFloat64(TorchFunctionMode):
@@ -141,29 +142,14 @@ def assert_never_looks_ahead(name: str) -> None:
 
 def assert_causal_form_is_subquadratic(name: str, n: int = 4096) -> None:
     """No tensor above N^2 / 8 in forward and backward of the causal form (the contract test covers the other)."""
-    layer = attention.build(name, dim=32, heads=1, causal=True)
-    x = torch.randn(1, n, 32, requires_grad=True)
-    with LargestTensorRecorder() as rec:
-        layer(x).sum().backward()
-    assert rec.max_numel <= n * n // 8, (rec.max_shape, rec.max_op)
+    assert largest_intermediate(name, n) <= n * n // 8
 
 
-def assert_trains_under_bf16_autocast(name: str, dim: int = 32, heads: int = 2, steps: int = 10) -> None:
+def assert_trains_under_bf16_autocast(name: str, heads: int = 2) -> None:
     """Ten Adam steps of the causal module form under CPU bf16 autocast (the CPU path) with scattered padding: the
     output is bf16, every loss finite, the last below the first."""
     torch.manual_seed(0)
-    layer = attention.build(name, dim=dim, heads=heads, causal=True)
-    optimiser = torch.optim.Adam(layer.parameters(), lr=1e-2)
-    x, target = torch.randn(2, 33, dim), torch.randn(2, 33, dim)
-    mask = scattered_mask(2, 33)
-    losses = []
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = layer(x, mask)
-            loss = (out.float() - target)[mask].square().mean()
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-        losses.append(loss.item())
-    assert out.dtype == torch.bfloat16 and all(value == value for value in losses)
+    layer = attention.build(name, dim=DIM, heads=heads, causal=True)
+    losses = bf16_autocast_losses(layer, steps=10, length=33, mask=scattered_mask(2, 33))
+    assert all(value == value for value in losses)
     assert losses[-1] < losses[0]

@@ -15,6 +15,7 @@ from gated_scan_checks import (
     fla_naive,
     switched_layer,
 )
+from module_checks import assert_decoding_equals_forward
 
 from longattn import attention
 from longattn.attention import AttentionError
@@ -100,16 +101,7 @@ def test_decoding_continues_the_convolution(conv_size):
     """prefill + steps equal the causal forward with every convolution width (the state keeps its last inputs)."""
     torch.manual_seed(0)
     layer = attention.build("mamba2", dim=DIM, heads=HEADS, causal=True, conv_size=conv_size).double().eval()
-    x = torch.randn(3, 12, DIM, dtype=torch.float64)
-    mask = torch.ones(3, 12, dtype=torch.bool)
-    mask[1, :2] = False
-    mask[2, :6] = False
-    out, state = layer.prefill(x[:, :2], mask[:, :2])
-    rows = [out]
-    for t in range(2, 12):
-        out, state = layer.step(x[:, t:t + 1], state, mask[:, t:t + 1])
-        rows.append(out)
-    torch.testing.assert_close(torch.cat(rows, dim=1), layer(x, mask))
+    assert_decoding_equals_forward(layer, n=12, prompt=2)
 
 
 def test_causal_module_never_looks_ahead():
