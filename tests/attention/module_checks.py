@@ -1,5 +1,6 @@
 """Checks of a mechanism's module form that the tests of several mechanisms share (gla, mamba2, nsa, moba, linear):
-decoding against the causal forward, the largest intermediate of the causal form, a bf16 autocast training run."""
+the causal form never looks ahead, decoding against the causal forward, the largest intermediate of the causal
+form, a bf16 autocast training run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ from longattn.attention import AttentionBase
 from longattn.testing import LargestTensorRecorder
 
 DIM = 32
+
+
+def assert_never_looks_ahead(name: str) -> None:
+    """Changing tokens 30 on changes no causal output before them, and changes those after."""
+    layer = attention.build(name, dim=16, heads=2, causal=True).double()
+    x = torch.randn(2, 50, 16, dtype=torch.float64)
+    changed = x.clone()
+    changed[:, 30:] += torch.randn_like(changed[:, 30:]) * 10
+    out, moved = layer(x), layer(changed)
+    torch.testing.assert_close(moved[:, :30], out[:, :30])
+    assert not torch.allclose(moved[:, 30:], out[:, 30:])
 
 
 def assert_decoding_equals_forward(layer: AttentionBase, n: int, prompt: int):

@@ -11,12 +11,12 @@ from gated_scan_checks import (
     assert_causal_form_is_subquadratic,
     assert_equals_fla_naive_with_padding,
     assert_functional_equals_reference,
-    assert_never_looks_ahead,
     assert_scan_equals_recurrence,
     assert_trains_under_bf16_autocast,
     fla_naive,
     switched_layer,
 )
+from module_checks import assert_never_looks_ahead
 
 from longattn import attention
 from longattn.attention import AttentionError, force_path
