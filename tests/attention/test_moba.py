@@ -11,7 +11,7 @@ from longattn.attention import AttentionError
 from longattn.attention.moba import MobaOptions, moba_attention, moba_attention_reference, moba_select
 from longattn.attention.ops import block_select
 from longattn.attention.ops.block_select import block_key_means
-from longattn.testing import random_qkv
+from longattn.testing import assert_forward_backward_close, random_qkv
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -21,12 +21,8 @@ def test_fast_paths_equal_the_float64_reference(path, causal, n, masked, monkeyp
     q, k, v = random_qkv(2, 2, n, 8)
     mask = (torch.rand(2, n, generator=torch.Generator().manual_seed(1)) > 0.3) if masked else None
     options = dict(block_size=8, top_k=3, is_causal=causal)
-    out = moba_attention(q, k, v, mask, **options)
-    ref = moba_attention_reference(q, k, v, mask, **options)
-    torch.testing.assert_close(out, ref)
-    grad = torch.randn_like(out)
-    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
-        torch.testing.assert_close(ours, theirs)
+    assert_forward_backward_close(moba_attention(q, k, v, mask, **options),
+                                  moba_attention_reference(q, k, v, mask, **options), [q, k, v])
 
 
 def test_top_k_covering_every_block_is_causal_softmax():

@@ -11,7 +11,7 @@ from longattn import attention
 from longattn.attention import AttentionError
 from longattn.attention.nsa import BlockCompressor, nsa_attention, nsa_attention_reference
 from longattn.attention.ops import block_select
-from longattn.testing import random_qkv
+from longattn.testing import assert_forward_backward_close, random_qkv
 
 SMALL = dict(compress_block=8, compress_stride=4, select_block=8, select_count=3, window=6, local_blocks=1)
 
@@ -35,13 +35,9 @@ def test_fast_paths_equal_the_float64_reference(path, causal, n, masked, monkeyp
     compressors = trained_compressor(8, 8, 0), trained_compressor(8, 8, 1)
     options = dict(SMALL, select_block=16, selection_group=2, is_causal=causal, gates=gates,
                    key_compressor=compressors[0], value_compressor=compressors[1])
-    out = nsa_attention(q, k, v, mask, **options)
-    ref = nsa_attention_reference(q, k, v, mask, **options)
-    torch.testing.assert_close(out, ref)
-    leaves = (q, k, v, gates, *compressors[0].parameters(), *compressors[1].parameters())
-    grad = torch.randn_like(out)
-    for ours, theirs in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
-        torch.testing.assert_close(ours, theirs)
+    leaves = [q, k, v, gates, *compressors[0].parameters(), *compressors[1].parameters()]
+    assert_forward_backward_close(nsa_attention(q, k, v, mask, **options),
+                                  nsa_attention_reference(q, k, v, mask, **options), leaves)
 
 
 @pytest.mark.parametrize("branches", [("compressed",), ("selected",), ("window",), ("selected", "window")])
