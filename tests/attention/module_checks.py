@@ -1,6 +1,6 @@
 """Checks of a mechanism's module form that the tests of several mechanisms share (gla, mamba2, nsa, moba, linear):
 the causal form never looks ahead, decoding against the causal forward, the largest intermediate of the causal
-form, a bf16 autocast training run."""
+form and its growth with N, a bf16 autocast training run."""
 
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ def largest_intermediate(name: str, n: int, **options) -> int:
     with LargestTensorRecorder() as rec:
         layer(x).sum().backward()
     return rec.max_numel
+
+
+def assert_no_quadratic_intermediate(name: str, n: int = 4096, share: int = 4, **options) -> None:
+    """The causal form's largest tensor, forward and backward, is at most N^2 / ``share`` at N = ``n`` and grows
+    linearly: at most 2.5x the one at N / 2."""
+    big = largest_intermediate(name, n, **options)
+    assert big <= n * n // share and big <= 2.5 * largest_intermediate(name, n // 2, **options)
 
 
 def bf16_autocast_losses(layer: AttentionBase, steps: int = 8, length: int = 64,
