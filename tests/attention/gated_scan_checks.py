@@ -16,9 +16,13 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from gpu_path_checks import assert_gpu_result_close
+from module_checks import DIM, bf16_autocast_losses
+
 from longattn import attention
+from longattn.attention import force_path
 from longattn.attention.ops.gated_scan import gated_scan_reference
-from longattn.testing import LargestTensorRecorder, assert_forward_backward_close, scattered_mask
+from longattn.testing import assert_forward_backward_close, random_qkv, scattered_mask
 
 
 class KeepFloat64(TorchFunctionMode):
@@ -71,6 +75,55 @@ def assert_equals_peer_without_padding(out: torch.Tensor, peer, mask: torch.Tens
     assert_forward_backward_close(out, want, inputs)
 
 
+def assert_equals_fla_naive_with_padding(functional, naive_call, n: int, log_decay: torch.Tensor) -> None:
+    """``functional(q, k, v, g, mask, is_causal=True)`` equals fla's naive recurrence ``naive_call(q, k, v, g)`` (fla's
+    [B, N, H, *] layout in and out, run in float64 under :class:`KeepFloat64`) on each row's real tokens alone, with
+    scattered and left padding; forward and gradients of q, k, v and the log decays ``log_decay`` [2, 2, n, *]."""
+    q, k, v = random_qkv(2, 2, n, 8)
+    mask = scattered_mask(2, n)
+    mask[1, : n // 3] = False  # left padding too
+
+    def peer(q_, k_, v_, g_):
+        with KeepFloat64():
+            return to_fla(naive_call(*to_fla(q_, k_, v_, g_)))[0]
+
+    inputs = [q, k, v, log_decay]
+    assert_equals_peer_without_padding(functional(*inputs, mask, is_causal=True), peer, mask, inputs)
+
+
+def assert_functional_equals_reference(functional, reference, log_decay: torch.Tensor, causal: bool, path: str) -> None:
+    """The functional form (chunks of 16, on the CPU or the GPU ``path``) equals the parallel reference with
+    scattered padding, forward and gradients of q, k, v and ``log_decay`` [2, 2, n, *]."""
+    n = log_decay.shape[2]
+    q, k, v = random_qkv(2, 2, n, 8)
+    mask = scattered_mask(2, n)
+    inputs = (q, k, v, log_decay)
+    upstream = torch.randn(2, 2, n, 8, dtype=torch.float64)
+    with force_path(path):
+        out = functional(*inputs, mask, is_causal=causal, chunk_size=16)
+        grads = torch.autograd.grad(out, inputs, upstream)
+    ref = reference(*inputs, mask, is_causal=causal)
+    assert_gpu_result_close(out, grads, ref, inputs, upstream, torch.float64)
+
+
+def switched_layer(name: str, options: dict, dim: int = 32, heads: int = 2) -> torch.nn.Module:
+    """The causal module built with ``options``: its forward and backward run, with finite input gradients, and its
+    output differs from the default layer's (the same seed) unless ``options`` set the chunk size (which leaves the
+    function as it is). Returns the layer for the option's own checks."""
+    torch.manual_seed(0)
+    default = attention.build(name, dim=dim, heads=heads, causal=True).double()
+    torch.manual_seed(0)
+    layer = attention.build(name, dim=dim, heads=heads, causal=True, **options).double()
+    x = torch.randn(2, 11, dim, dtype=torch.float64, requires_grad=True)
+    out = layer(x)
+    out.square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    if "chunk_size" not in options:
+        with torch.no_grad():
+            assert not torch.allclose(out, default(x))
+    return layer
+
+
 def assert_scan_equals_recurrence(scan, inputs: list[torch.Tensor], chunk: int) -> None:
     """``scan(q, k, v, g, chunk)`` gives the token-by-token recurrence's outputs and gradients, and its final state."""
     out, state = scan(*inputs, chunk)
@@ -79,39 +132,11 @@ def assert_scan_equals_recurrence(scan, inputs: list[torch.Tensor], chunk: int) 
     assert_forward_backward_close(out, want, inputs)
 
 
-def assert_never_looks_ahead(name: str) -> None:
-    layer = attention.build(name, dim=16, heads=2, causal=True).double()
-    x = torch.randn(2, 50, 16, dtype=torch.float64)
-    changed = x.clone()
-    changed[:, 30:] += torch.randn_like(changed[:, 30:]) * 10
-    torch.testing.assert_close(layer(changed)[:, :30], layer(x)[:, :30])
-
-
-def assert_causal_form_is_subquadratic(name: str, n: int = 4096) -> None:
-    """No tensor above N^2 / 8 in forward and backward of the causal form (the contract test covers the other)."""
-    layer = attention.build(name, dim=32, heads=1, causal=True)
-    x = torch.randn(1, n, 32, requires_grad=True)
-    with LargestTensorRecorder() as rec:
-        layer(x).sum().backward()
-    assert rec.max_numel <= n * n // 8, (rec.max_shape, rec.max_op)
-
-
-def assert_trains_under_bf16_autocast(name: str, dim: int = 32, heads: int = 2, steps: int = 10) -> None:
+def assert_trains_under_bf16_autocast(name: str, heads: int = 2) -> None:
     """Ten Adam steps of the causal module form under CPU bf16 autocast (the CPU path) with scattered padding: the
     output is bf16, every loss finite, the last below the first."""
     torch.manual_seed(0)
-    layer = attention.build(name, dim=dim, heads=heads, causal=True)
-    optimiser = torch.optim.Adam(layer.parameters(), lr=1e-2)
-    x, target = torch.randn(2, 33, dim), torch.randn(2, 33, dim)
-    mask = scattered_mask(2, 33)
-    losses = []
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = layer(x, mask)
-            loss = (out.float() - target)[mask].square().mean()
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-        losses.append(loss.item())
-    assert out.dtype == torch.bfloat16 and all(value == value for value in losses)
+    layer = attention.build(name, dim=DIM, heads=heads, causal=True)
+    losses = bf16_autocast_losses(layer, steps=10, length=33, mask=scattered_mask(2, 33))
+    assert all(value == value for value in losses)
     assert losses[-1] < losses[0]

@@ -8,16 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gated_scan_checks import (
-    KeepFloat64,
-    assert_causal_form_is_subquadratic,
-    assert_equals_peer_without_padding,
-    assert_never_looks_ahead,
+    assert_equals_fla_naive_with_padding,
+    assert_functional_equals_reference,
     assert_scan_equals_recurrence,
     assert_trains_under_bf16_autocast,
     fla_naive,
-    to_fla,
+    switched_layer,
 )
-from gpu_path_checks import assert_gpu_result_close
+from module_checks import assert_never_looks_ahead, assert_no_quadratic_intermediate
 
 from longattn import attention
 from longattn.attention import AttentionError, force_path
@@ -28,7 +26,7 @@ from longattn.attention.ops.gated_scan import (
     gated_scan_chunked,
     gated_scan_reference,
 )
-from longattn.testing import random_qkv, scattered_mask
+from longattn.testing import random_qkv
 
 DIM, HEADS = 32, 2
 
@@ -44,18 +42,11 @@ def test_equals_fla_naive_recurrence_in_float64_with_padding(n):
     """Padded tokens are skipped (no key, value or decay), so each row equals fla's naive_recurrent_gla on its real
     tokens alone; forward and gradients of q, k, v and the log decays, in float64 (KeepFloat64)."""
     naive = fla_naive("gla")
-    q, k, v = random_qkv(2, 2, n, 8)
-    g = log_decays(2, 2, n, 8)
-    mask = scattered_mask(2, n)
-    mask[1, : n // 3] = False  # left padding too
 
-    def peer(q_, k_, v_, g_):
-        with KeepFloat64():
-            out, _ = naive.naive_recurrent_gla(*to_fla(q_, k_, v_, g_))
-        return to_fla(out)[0]
+    def peer(q, k, v, g):
+        return naive.naive_recurrent_gla(q, k, v, g)[0]
 
-    assert_equals_peer_without_padding(gated_linear_attention(q, k, v, g, mask, is_causal=True), peer, mask,
-                                       [q, k, v, g])
+    assert_equals_fla_naive_with_padding(gated_linear_attention, peer, n, log_decays(2, 2, n, 8))
 
 
 @pytest.mark.parametrize("scan", [gated_scan_chunked, gated_scan_batched], ids=["chunked", "batched"])
@@ -77,15 +68,8 @@ def test_a_chunked_scan_continues_from_a_state():
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("n", [1, 37])
 def test_functional_form_equals_the_parallel_form(path, causal, n):
-    q, k, v = random_qkv(2, 2, n, 8)
-    g = log_decays(2, 2, n, 8)
-    mask = scattered_mask(2, n)
-    upstream = torch.randn(2, 2, n, 8, dtype=torch.float64)
-    with force_path(path):
-        out = gated_linear_attention(q, k, v, g, mask, is_causal=causal, chunk_size=16)
-        grads = torch.autograd.grad(out, (q, k, v, g), upstream)
-    ref = gated_linear_attention_reference(q, k, v, g, mask, is_causal=causal)
-    assert_gpu_result_close(out, grads, ref, (q, k, v, g), upstream, torch.float64)
+    assert_functional_equals_reference(gated_linear_attention, gated_linear_attention_reference, log_decays(2, 2, n, 8),
+                                       causal, path)
 
 
 def test_bidirectional_form_weighs_both_sides_with_the_decays_between():
@@ -120,22 +104,13 @@ def test_module_components_follow_section_4_4():
 @pytest.mark.parametrize("options", [{"gate_rank": None}, {"output_gate": False}, {"norm": False},
                                      {"gate_temperature": 1.0}, {"gate_rank": 4, "chunk_size": 5}])
 def test_every_component_can_be_switched(options):
-    torch.manual_seed(0)
-    default = attention.build("gla", dim=DIM, heads=HEADS, causal=True).double()
-    torch.manual_seed(0)
-    layer = attention.build("gla", dim=DIM, heads=HEADS, causal=True, **options).double()
-    x = torch.randn(2, 11, DIM, dtype=torch.float64, requires_grad=True)
-    out = layer(x)
-    out.square().sum().backward()
-    assert torch.isfinite(x.grad).all()
+    layer = switched_layer("gla", options)
     if options == {"gate_rank": None}:
         assert isinstance(layer.to_gate, torch.nn.Linear)
     if options.get("output_gate") is False:
         assert layer.to_output_gate is None
     if options.get("norm") is False:
         assert layer.head_norm is None
-    if "chunk_size" not in options:
-        assert not torch.allclose(out, default(x))
 
 
 def test_causal_module_never_looks_ahead():
@@ -154,7 +129,7 @@ def test_bad_options_and_inputs_raise():
 
 
 def test_causal_form_builds_no_quadratic_intermediate():
-    assert_causal_form_is_subquadratic("gla")
+    assert_no_quadratic_intermediate("gla", share=8)  # the contract test covers the bidirectional form
 
 
 def test_bf16_autocast_trains_on_the_cpu_path():

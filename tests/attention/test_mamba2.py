@@ -6,22 +6,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gated_scan_checks import (
-    KeepFloat64,
-    assert_causal_form_is_subquadratic,
-    assert_equals_peer_without_padding,
-    assert_never_looks_ahead,
+    assert_equals_fla_naive_with_padding,
+    assert_functional_equals_reference,
     assert_scan_equals_recurrence,
     assert_trains_under_bf16_autocast,
     fla_naive,
-    to_fla,
+    switched_layer,
 )
-from gpu_path_checks import assert_gpu_result_close
+from module_checks import assert_decoding_equals_forward, assert_never_looks_ahead, assert_no_quadratic_intermediate
 
 from longattn import attention
-from longattn.attention import AttentionError, force_path
+from longattn.attention import AttentionError
 from longattn.attention.mamba2 import ssd_attention, ssd_attention_reference
 from longattn.attention.ops.gated_scan import gated_scan_batched, gated_scan_chunked
-from longattn.testing import random_qkv, scattered_mask
+from longattn.testing import random_qkv
 
 DIM, HEADS = 32, 2
 
@@ -37,17 +35,11 @@ def test_equals_fla_naive_simple_gla_recurrence_in_float64_with_padding(n):
     """C, B, dt x and dt A as fla's q, k, v and g (scale 1): each row equals naive_recurrent_simple_gla on its real
     tokens alone; forward and gradients, in float64 (KeepFloat64)."""
     naive = fla_naive("simple_gla")
-    q, k, v = random_qkv(2, 2, n, 8)
-    g = ssd_decays(2, 2, n)
-    mask = scattered_mask(2, n)
-    mask[1, : n // 3] = False
 
-    def peer(q_, k_, v_, g_):
-        with KeepFloat64():
-            out, _ = naive.naive_recurrent_simple_gla(*to_fla(q_, k_, v_), g_[..., 0].transpose(1, 2), scale=1.0)
-        return to_fla(out)[0]
+    def peer(q, k, v, g):  # fla's g: one per head and token, [B, N, H]
+        return naive.naive_recurrent_simple_gla(q, k, v, g[..., 0], scale=1.0)[0]
 
-    assert_equals_peer_without_padding(ssd_attention(q, k, v, g, mask, is_causal=True), peer, mask, [q, k, v, g])
+    assert_equals_fla_naive_with_padding(ssd_attention, peer, n, ssd_decays(2, 2, n))
 
 
 @pytest.mark.parametrize("scan", [gated_scan_chunked, gated_scan_batched], ids=["chunked", "batched"])
@@ -61,15 +53,7 @@ def test_chunked_scan_with_a_scalar_decay_equals_the_step_by_step_recurrence(sca
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("n", [1, 37])
 def test_functional_form_equals_the_quadratic_form(path, causal, n):
-    q, k, v = random_qkv(2, 2, n, 8)
-    g = ssd_decays(2, 2, n)
-    mask = scattered_mask(2, n)
-    upstream = torch.randn(2, 2, n, 8, dtype=torch.float64)
-    with force_path(path):
-        out = ssd_attention(q, k, v, g, mask, is_causal=causal, chunk_size=16)
-        grads = torch.autograd.grad(out, (q, k, v, g), upstream)
-    ref = ssd_attention_reference(q, k, v, g, mask, is_causal=causal)
-    assert_gpu_result_close(out, grads, ref, (q, k, v, g), upstream, torch.float64)
+    assert_functional_equals_reference(ssd_attention, ssd_attention_reference, ssd_decays(2, 2, n), causal, path)
 
 
 def test_block_follows_figure_6():
@@ -103,21 +87,11 @@ def test_dt_and_a_start_in_their_ranges():
 @pytest.mark.parametrize("options", [{"conv_size": None}, {"conv_size": 1}, {"d_skip": False},
                                      {"output_gate": False}, {"norm": False}, {"chunk_size": 5, "conv_size": 2}])
 def test_every_component_can_be_switched(options):
-    torch.manual_seed(0)
-    default = attention.build("mamba2", dim=DIM, heads=HEADS, causal=True).double()
-    torch.manual_seed(0)
-    layer = attention.build("mamba2", dim=DIM, heads=HEADS, causal=True, **options).double()
-    x = torch.randn(2, 11, DIM, dtype=torch.float64, requires_grad=True)
-    out = layer(x)
-    out.square().sum().backward()
-    assert torch.isfinite(x.grad).all()
+    layer = switched_layer("mamba2", options)
     assert (layer.conv is None) == (options.get("conv_size", 4) is None)
     assert (layer.d_skip is None) == (options.get("d_skip") is False)
     assert (layer.to_output_gate is None) == (options.get("output_gate") is False)
     assert (layer.head_norm is None) == (options.get("norm") is False)
-    if "chunk_size" not in options:
-        with torch.no_grad():
-            assert not torch.allclose(out, default(x))
 
 
 @pytest.mark.parametrize("conv_size", [None, 1, 4])
@@ -125,16 +99,7 @@ def test_decoding_continues_the_convolution(conv_size):
     """prefill + steps equal the causal forward with every convolution width (the state keeps its last inputs)."""
     torch.manual_seed(0)
     layer = attention.build("mamba2", dim=DIM, heads=HEADS, causal=True, conv_size=conv_size).double().eval()
-    x = torch.randn(3, 12, DIM, dtype=torch.float64)
-    mask = torch.ones(3, 12, dtype=torch.bool)
-    mask[1, :2] = False
-    mask[2, :6] = False
-    out, state = layer.prefill(x[:, :2], mask[:, :2])
-    rows = [out]
-    for t in range(2, 12):
-        out, state = layer.step(x[:, t:t + 1], state, mask[:, t:t + 1])
-        rows.append(out)
-    torch.testing.assert_close(torch.cat(rows, dim=1), layer(x, mask))
+    assert_decoding_equals_forward(layer, n=12, prompt=2)
 
 
 def test_causal_module_never_looks_ahead():
@@ -148,7 +113,7 @@ def test_bad_options_raise():
 
 
 def test_causal_form_builds_no_quadratic_intermediate():
-    assert_causal_form_is_subquadratic("mamba2")
+    assert_no_quadratic_intermediate("mamba2", share=8)  # the contract test covers the bidirectional form
 
 
 def test_bf16_autocast_trains_on_the_cpu_path():

@@ -3,40 +3,32 @@ effect and no gradient), decoding, packing, bf16 autocast training, and fla's ke
 
 import pytest
 import torch
-from selection_checks import (DIM, HEADS, assert_decoding_equals_forward, assert_packed_equals_padded,
-                              bf16_autocast_losses, largest_intermediate)
+from module_checks import assert_decoding_equals_forward, assert_no_quadratic_intermediate, bf16_autocast_losses
+from selection_checks import DIM, HEADS, assert_packed_equals_padded
 
 from longattn import attention
 from longattn.attention import AttentionError
 from longattn.attention.moba import MobaOptions, moba_attention, moba_attention_reference, moba_select
 from longattn.attention.ops import block_select
 from longattn.attention.ops.block_select import block_key_means
-
-
-def qkv(n, b=2, h=2, d=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3)]
+from longattn.testing import assert_forward_backward_close, random_qkv
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n, masked", [(1, True), (37, False), (37, True), (101, True)])
 def test_fast_paths_equal_the_float64_reference(path, causal, n, masked, monkeypatch):
     monkeypatch.setattr(block_select, "CHUNK_SCORES", 16 * 24)  # chunks of 16 queries, recomputed in backward
-    q, k, v = qkv(n)
+    q, k, v = random_qkv(2, 2, n, 8)
     mask = (torch.rand(2, n, generator=torch.Generator().manual_seed(1)) > 0.3) if masked else None
     options = dict(block_size=8, top_k=3, is_causal=causal)
-    out = moba_attention(q, k, v, mask, **options)
-    ref = moba_attention_reference(q, k, v, mask, **options)
-    torch.testing.assert_close(out, ref)
-    grad = torch.randn_like(out)
-    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
-        torch.testing.assert_close(ours, theirs)
+    assert_forward_backward_close(moba_attention(q, k, v, mask, **options),
+                                  moba_attention_reference(q, k, v, mask, **options), [q, k, v])
 
 
 def test_top_k_covering_every_block_is_causal_softmax():
     from longattn.attention.softmax import softmax_attention_reference
 
-    q, k, v = qkv(40)
+    q, k, v = random_qkv(2, 2, 40, 8)
     torch.testing.assert_close(moba_attention(q, k, v, block_size=8, top_k=5, is_causal=True),
                                softmax_attention_reference(q, k, v, is_causal=True))
 
@@ -44,7 +36,7 @@ def test_top_k_covering_every_block_is_causal_softmax():
 @pytest.mark.parametrize("causal", [False, True])
 def test_keys_outside_the_selection_have_no_effect_and_no_gradient(causal):
     n, block, top_k, t = 64, 8, 3, 50
-    q, k, v = qkv(n, b=1, h=1)
+    q, k, v = random_qkv(1, 1, n, 8)
     options = MobaOptions(block, top_k, causal, 8 ** -0.5)
     means, ok = block_key_means(k.detach(), block, None)
     blocks, valid = moba_select(q.detach()[:, :, t:t + 1], means, ok, torch.tensor([t]), options)
@@ -63,8 +55,7 @@ def test_keys_outside_the_selection_have_no_effect_and_no_gradient(causal):
 
 
 def test_no_quadratic_intermediate_in_the_causal_form():
-    big = largest_intermediate("moba", 4096)
-    assert big <= 4096 * 4096 // 4 and big <= 2.5 * largest_intermediate("moba", 2048)
+    assert_no_quadratic_intermediate("moba")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -93,7 +84,7 @@ def test_bad_options_raise_clear_errors():
         attention.build("moba", dim=DIM, heads=HEADS, block_size=0)
     with pytest.raises(AttentionError, match="top_k"):
         attention.build("moba", dim=DIM, heads=HEADS, top_k=0)
-    q, k, v = qkv(8)
+    q, k, v = random_qkv(2, 2, 8, 8)
     with pytest.raises(AttentionError, match="top_k"):
         moba_attention(q, k, v, top_k=-1)
 

@@ -4,20 +4,16 @@ naive references for the compressed branch, the top-n selection and the selected
 
 import pytest
 import torch
-from selection_checks import (DIM, HEADS, assert_decoding_equals_forward, assert_packed_equals_padded,
-                              bf16_autocast_losses, largest_intermediate)
+from module_checks import assert_decoding_equals_forward, assert_no_quadratic_intermediate, bf16_autocast_losses
+from selection_checks import DIM, HEADS, assert_packed_equals_padded
 
 from longattn import attention
 from longattn.attention import AttentionError
 from longattn.attention.nsa import BlockCompressor, nsa_attention, nsa_attention_reference
 from longattn.attention.ops import block_select
+from longattn.testing import assert_forward_backward_close, random_qkv
 
 SMALL = dict(compress_block=8, compress_stride=4, select_block=8, select_count=3, window=6, local_blocks=1)
-
-
-def qkv(n, b=2, h=4, d=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3)]
 
 
 def trained_compressor(block, d, seed):
@@ -33,24 +29,20 @@ def trained_compressor(block, d, seed):
 @pytest.mark.parametrize("n, masked", [(1, True), (37, False), (53, True)])
 def test_fast_paths_equal_the_float64_reference(path, causal, n, masked, monkeypatch):
     monkeypatch.setattr(block_select, "CHUNK_SCORES", 16 * 48)  # chunks of 16 queries, recomputed in backward
-    q, k, v = qkv(n)
+    q, k, v = random_qkv(2, 4, n, 8)
     gates = torch.rand(2, 4, n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
     mask = (torch.rand(2, n, generator=torch.Generator().manual_seed(1)) > 0.3) if masked else None
     compressors = trained_compressor(8, 8, 0), trained_compressor(8, 8, 1)
     options = dict(SMALL, select_block=16, selection_group=2, is_causal=causal, gates=gates,
                    key_compressor=compressors[0], value_compressor=compressors[1])
-    out = nsa_attention(q, k, v, mask, **options)
-    ref = nsa_attention_reference(q, k, v, mask, **options)
-    torch.testing.assert_close(out, ref)
-    leaves = (q, k, v, gates, *compressors[0].parameters(), *compressors[1].parameters())
-    grad = torch.randn_like(out)
-    for ours, theirs in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
-        torch.testing.assert_close(ours, theirs)
+    leaves = [q, k, v, gates, *compressors[0].parameters(), *compressors[1].parameters()]
+    assert_forward_backward_close(nsa_attention(q, k, v, mask, **options),
+                                  nsa_attention_reference(q, k, v, mask, **options), leaves)
 
 
 @pytest.mark.parametrize("branches", [("compressed",), ("selected",), ("window",), ("selected", "window")])
 def test_each_branch_alone_equals_the_reference(branches):
-    q, k, v = qkv(29)
+    q, k, v = random_qkv(2, 4, 29, 8)
     options = dict(SMALL, branches=branches, is_causal=True)
     torch.testing.assert_close(nsa_attention(q, k, v, **options), nsa_attention_reference(q, k, v, **options))
 
@@ -90,7 +82,7 @@ def test_keys_outside_the_selection_have_no_effect_and_no_gradient(causal):
     do not change it and their keys and values get no gradient (the compressed scores that chose the blocks
     are a discrete choice)."""
     n, t = 64, 45
-    q, k, v = qkv(n, b=1, h=1)
+    q, k, v = random_qkv(1, 1, n, 8)
     options = dict(SMALL, select_count=3, branches=("selected",), is_causal=causal)
     out = nsa_attention(q, k, v, **options)
     grads = torch.autograd.grad(out[0, 0, t].sum(), (k, v))
@@ -105,8 +97,7 @@ def test_keys_outside_the_selection_have_no_effect_and_no_gradient(causal):
 
 
 def test_no_quadratic_intermediate_in_the_causal_form():
-    big = largest_intermediate("nsa", 4096)
-    assert big <= 4096 * 4096 // 4 and big <= 2.5 * largest_intermediate("nsa", 2048)
+    assert_no_quadratic_intermediate("nsa")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -154,6 +145,6 @@ def test_bad_options_raise_clear_errors(bad, match):
 
 
 def test_bad_gates_raise_a_clear_error():
-    q, k, v = qkv(8)
+    q, k, v = random_qkv(2, 4, 8, 8)
     with pytest.raises(AttentionError, match="gates"):
         nsa_attention(q, k, v, gates=torch.ones(2, 4, 8, 2, dtype=torch.float64))

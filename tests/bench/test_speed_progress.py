@@ -7,16 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from fake_clock import FakeClock
 
 from longattn.bench import speed
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_line_at_least_every_minute_while_rows_run(monkeypatch):

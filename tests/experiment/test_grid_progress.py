@@ -6,16 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from fake_clock import FakeClock
 
 from longattn.experiment.progress import GridProgress, latest_step
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

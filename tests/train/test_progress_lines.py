@@ -7,17 +7,10 @@ import contextlib
 import re
 
 import pytest
+from fake_clock import FakeClock
 
 from longattn.cli import main
 from longattn.train.loop import ProgressLines
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _simulate(step_s: int, steps: int, log_every: int, every_s: float = 60.0) -> list[tuple[float, str]]:

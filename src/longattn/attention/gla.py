@@ -9,7 +9,8 @@ with the gate of Section 4.4, a low-rank projection (rank 16) through a sigmoid,
 tau = 16: alpha_t = sigmoid(x_t W_a1 W_a2 + b_a)^(1 / tau), computed as log alpha_t = logsigmoid(.) / tau. The
 layer's output (Section 4.4) is y_t = (LN(o_t) * Swish(x_t W_r + b_r)) W_O: a LayerNorm per head, then the
 output gate. The chunkwise form (Section 4.2-4.3), the decoding step and fla's kernels on CUDA are those of
-:mod:`longattn.attention.ops.gated_scan`. Cost per token: O(C K + K V) per head for chunks of C tokens; decoding
+:mod:`longattn.attention.ops.gated_scan`; the layer around them (scan, decoding state) is Mamba-2's too,
+:class:`~longattn.attention.ops.gated_layer.GatedScanLayer`. Cost per token: O(C K + K V) per head for chunks of C tokens; decoding
 state: the [K, V] matrix per head, O(1) in N.
 
 Every component is an option, on by default as in the paper: ``gate_rank`` (None: a full-rank gate projection),
@@ -24,23 +25,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention.base import (
-    AttentionBase,
-    AttentionError,
-    Capabilities,
-    QKVProjection,
-    padding_safe,
-    register_attention,
-    split_heads,
-)
-from longattn.attention.decoding import RecurrentState
-from longattn.attention.ops.gated_scan import (
-    SCAN_CHUNK,
-    gated_parallel_reference,
-    gated_scan_step,
-    masked_gated_scan,
-    without_padding,
-)
+from longattn.attention.base import AttentionError, Capabilities, padding_safe, register_attention, split_heads
+from longattn.attention.ops.gated_layer import GatedScanLayer, ScanInputs
+from longattn.attention.ops.gated_scan import SCAN_CHUNK, gated_parallel_reference, masked_gated_scan, without_padding
 
 GATE_RANK = 16  # Section 4.4: W_a1 W_a2 of rank 16
 GATE_TEMPERATURE = 16.0  # Section 4.4: tau
@@ -95,7 +82,7 @@ def gated_linear_attention_reference(
     reference=gated_linear_attention_reference,
     paper="Gated Linear Attention Transformers with Hardware-Efficient Training (Yang et al., ICML 2024)",
 )
-class GatedLinearAttention(AttentionBase):
+class GatedLinearAttention(GatedScanLayer):
     """Gated linear attention: a data-dependent decay per key channel; causal, bidirectional as an encoder."""
 
     def __init__(
@@ -112,16 +99,13 @@ class GatedLinearAttention(AttentionBase):
         chunk_size: int = SCAN_CHUNK,
         bias: bool = True,
     ) -> None:
-        super().__init__(dim, heads, max_len, causal)
+        super().__init__(dim, heads, max_len, causal, chunk_size=chunk_size, bias=bias)
         if gate_rank is not None and (not isinstance(gate_rank, int) or gate_rank <= 0):
             raise AttentionError(f"gate_rank must be a positive int or None (full rank), got {gate_rank!r}")
         if not gate_temperature > 0:
             raise AttentionError(f"gate_temperature must be > 0, got {gate_temperature!r}")
         if scale is not None and not scale > 0:
             raise AttentionError(f"scale must be > 0 or None, got {scale!r}")
-        if not isinstance(chunk_size, int) or chunk_size <= 0:
-            raise AttentionError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        self.proj = QKVProjection(dim, heads, bias=bias)
         # x W_a1 W_a2 + b_a (Section 4.4): the low-rank factor has no bias of its own
         self.to_gate = (nn.Linear(dim, dim) if gate_rank is None
                         else nn.Sequential(nn.Linear(dim, gate_rank, bias=False), nn.Linear(gate_rank, dim)))
@@ -129,40 +113,21 @@ class GatedLinearAttention(AttentionBase):
         self.head_norm = nn.LayerNorm(self.head_dim) if norm else None
         self.gate_temperature = gate_temperature
         self.scale = scale
-        self.chunk_size = chunk_size
+
+    @property
+    def scan_scale(self) -> float:
+        return _scale_of(self.scale, self.head_dim)
 
     def log_decay(self, x: Tensor) -> Tensor:
         """log alpha_t = logsigmoid(x_t W_a1 W_a2 + b_a) / tau per key channel: [B, H, N, Dh], <= 0."""
         return split_heads(F.logsigmoid(self.to_gate(x)) / self.gate_temperature, self.heads)
 
-    def finish(self, x: Tensor, heads_out: Tensor) -> Tensor:
+    def scan_inputs(self, x: Tensor, attention_mask: Tensor | None, extra: dict[str, Tensor]) -> ScanInputs:
+        """q, k, v of the projections and the gate's log alpha (eq. 3): GLA keeps nothing besides its state."""
+        return ScanInputs(*self.proj.qkv(x), self.log_decay(x))
+
+    def finish(self, x: Tensor, heads_out: Tensor, inputs: ScanInputs) -> Tensor:
         """(LN(o) * Swish(x W_r + b_r)) W_O, each part as configured (Section 4.4)."""
         if self.head_norm is not None:
             heads_out = self.head_norm(heads_out)
-        if self.to_output_gate is not None:
-            heads_out = heads_out * split_heads(F.silu(self.to_output_gate(x)), self.heads)
-        return self.proj.out(heads_out)
-
-    def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        q, k, v = self.proj.qkv(x)
-        out = gated_linear_attention(q, k, v, self.log_decay(x), attention_mask, is_causal=self.causal,
-                                     scale=self.scale, chunk_size=self.chunk_size)
-        return self.finish(x, out)
-
-    # -- decoding: the [K, V] state of eq. 3 -----------------------------------------------------------
-    decode_state = "recurrent"
-
-    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
-                       layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
-        q, k, v = self.proj.qkv(x)
-        out, state = masked_gated_scan(q, k, v, self.log_decay(x), attention_mask, is_causal=True,
-                                       scale=_scale_of(self.scale, self.head_dim), chunk=self.chunk_size)
-        return self.finish(x, out), RecurrentState(length=x.shape[1], sums=state)
-
-    def step_attend(self, x: Tensor, state: RecurrentState, real: Tensor | None,
-                    layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
-        q, k, v = self.proj.qkv(x)
-        log_decay = self.log_decay(x)
-        k, v, log_decay = without_padding(None if real is None else real[:, None], k, v, log_decay)
-        out, state.sums = gated_scan_step(q * _scale_of(self.scale, self.head_dim), k, v, log_decay, state.sums)
-        return self.finish(x, out), state
+        return self.proj.out(self.output_gated(x, heads_out))

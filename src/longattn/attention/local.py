@@ -40,6 +40,7 @@ from longattn.attention.chunked import (
     windowed_attention,
 )
 from longattn.attention.decoding import WindowState, attend_keys, ones_or
+from longattn.attention.ops.window import dense_window_scores, window_band
 
 
 # Query tokens per chunk: the chunk's neighbourhood copies, SDPA mask and temporaries are the only
@@ -159,7 +160,7 @@ def local_attention(
 def local_band(window: int, look_backward: int, look_forward: int, exact_window: bool) -> Band:
     """The keys of query i: |j - i| within the window (exact), or whole neighbouring blocks."""
     if exact_window:
-        return Band(1, -window * look_backward, window * look_forward + 1)
+        return window_band(window * look_backward, window * look_forward)
     return Band(window, -window * look_backward, window * (look_forward + 1))
 
 
@@ -206,21 +207,15 @@ def local_attention_reference(
 ) -> Tensor:
     """Dense N x N version: the same band (or block-neighbour) pattern as a full mask. Tests only."""
     look_forward = (0 if is_causal else 1) if look_forward is None else look_forward
-    n, d = query.shape[-2], query.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    i = torch.arange(n)[:, None]
-    j = torch.arange(n)[None, :]
-    if exact_window:
-        allowed = (j - i <= window_size * look_forward) & (i - j <= window_size * look_backward)
-    else:
+
+    def sees(i: Tensor, j: Tensor) -> Tensor:
+        if exact_window:
+            return (j - i <= window_size * look_forward) & (i - j <= window_size * look_backward)
         bi, bj = i // window_size, j // window_size
-        allowed = (bj - bi <= look_forward) & (bi - bj <= look_backward)
-    if is_causal:
-        allowed = allowed & (j <= i)
-    allowed = allowed[None, None]
-    if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, None, :]
-    scores = (query @ key.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+        return (bj - bi <= look_forward) & (bi - bj <= look_backward)
+
+    scores = dense_window_scores(query, key, attention_mask, sees, is_causal=is_causal,
+                                 scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
     return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ value
 
 

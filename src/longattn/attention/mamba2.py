@@ -10,7 +10,8 @@ is the product of the decays between two tokens (eq. 16). The block around it (S
 come from the input projection, through a short depthwise causal convolution and SiLU; dt = softplus(x W_dt +
 dt_bias) per head and A = -exp(A_log) < 0; the skip D x; the output gate y * SiLU(z) with z = x W_z, then an RMS
 norm (mamba_ssm's ``RMSNormGated``, the gate before the norm), then the output projection. The chunked algorithm
-(Section 6) and the decoding step are those of :mod:`longattn.attention.ops.gated_scan`; on CUDA with
+(Section 6) and the decoding step are those of :mod:`longattn.attention.ops.gated_scan`, the layer around them
+GLA's too (:class:`~longattn.attention.ops.gated_layer.GatedScanLayer`); on CUDA with
 ``fla-core`` installed, fla's ``chunk_simple_gla`` kernel. Cost per token: O(C N_state + N_state P) per head
 (chunks of C tokens, state N_state x P = head size x head size); decoding state: the [Dh, Dh] matrix per head and
 the last ``conv_size - 1`` inputs of the convolution, O(1) in N.
@@ -31,23 +32,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longattn.attention.base import (
-    AttentionBase,
     AttentionError,
     Capabilities,
-    QKVProjection,
     merge_heads,
     padding_safe,
     register_attention,
     split_heads,
 )
-from longattn.attention.decoding import RecurrentState
-from longattn.attention.ops.gated_scan import (
-    SCAN_CHUNK,
-    gated_parallel_reference,
-    gated_scan_step,
-    masked_gated_scan,
-    without_padding,
-)
+from longattn.attention.ops.gated_layer import GatedScanLayer, ScanInputs
+from longattn.attention.ops.gated_scan import SCAN_CHUNK, gated_parallel_reference, masked_gated_scan, without_padding
 
 CONV_SIZE = 4  # mamba_ssm's d_conv
 DT_RANGE = (1e-3, 1e-1)  # dt_min, dt_max: dt is initialised log-uniformly in it
@@ -102,7 +95,7 @@ def _inverse_softplus(x: Tensor) -> Tensor:
     paper="Transformers are SSMs: Generalized Models and Efficient Algorithms Through Structured State Space "
           "Duality (Dao and Gu, ICML 2024)",
 )
-class Mamba2(AttentionBase):
+class Mamba2(GatedScanLayer):
     """Mamba-2's SSD layer: a scalar data-dependent decay per head, short convolution, gate and norm; causal,
     bidirectional as an encoder."""
 
@@ -121,15 +114,13 @@ class Mamba2(AttentionBase):
         chunk_size: int = SCAN_CHUNK,
         bias: bool = True,
     ) -> None:
-        super().__init__(dim, heads, max_len, causal)
+        # the projections of C, B and x of Figure 6 (as queries, keys and values) are GatedScanLayer's
+        super().__init__(dim, heads, max_len, causal, chunk_size=chunk_size, bias=bias)
         if conv_size is not None and (not isinstance(conv_size, int) or conv_size <= 0):
             raise AttentionError(f"conv_size must be a positive int or None (no convolution), got {conv_size!r}")
         for label, (low, high) in (("dt_range", dt_range), ("a_range", a_range)):
             if not 0 < low <= high:
                 raise AttentionError(f"{label} must be (low, high) with 0 < low <= high, got {(low, high)!r}")
-        if not isinstance(chunk_size, int) or chunk_size <= 0:
-            raise AttentionError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        self.proj = QKVProjection(dim, heads, bias=bias)  # C, B and x of Figure 6 as queries, keys and values
         # depthwise causal convolution over the channels of C, B and x, with bias (mamba_ssm's conv1d)
         self.conv = nn.Conv1d(3 * dim, 3 * dim, conv_size, groups=3 * dim) if conv_size is not None else None
         self.to_dt = nn.Linear(dim, heads)  # its bias is dt_bias
@@ -142,7 +133,6 @@ class Mamba2(AttentionBase):
         self.to_output_gate = nn.Linear(dim, dim) if output_gate else None  # z
         self.head_norm = nn.RMSNorm(self.head_dim, eps=NORM_EPS) if norm else None
         self.conv_size = conv_size
-        self.chunk_size = chunk_size
 
     # -- the parts of the block -------------------------------------------------------------------------
     def convolve(self, channels: Tensor, past: Tensor | None = None) -> Tensor:
@@ -160,62 +150,38 @@ class Mamba2(AttentionBase):
                                                         for tap in range(self.conv_size))
         return F.silu(mixed)
 
-    def scan_inputs(self, x: Tensor, attention_mask: Tensor | None, past: Tensor | None = None
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """(C, B, dt x, dt A, x) per head [B, H, N, *] and the convolution's inputs [B, N, 3 dim] (for the decoding
-        state). Padded tokens enter the convolution as zeros, as before the sequence."""
+    def scan_inputs(self, x: Tensor, attention_mask: Tensor | None, extra: dict[str, Tensor]) -> ScanInputs:
+        """C, B, dt x and dt A per head [B, H, N, *] as the scan's queries, keys, values and log decays, x for the
+        skip and the convolution's inputs [B, N, 3 dim] (for the decoding state), the convolution continuing
+        ``extra["conv"]``. Padded tokens enter the convolution as zeros, as before the sequence."""
         q, k, v = self.proj.qkv(x)
         channels = torch.cat([merge_heads(q), merge_heads(k), merge_heads(v)], dim=-1)
         if attention_mask is not None:
             channels = channels.masked_fill(~attention_mask[..., None], 0.0)
-        c, b, values = (split_heads(t, self.heads) for t in self.convolve(channels, past).chunk(3, dim=-1))
+        convolved = self.convolve(channels, extra.get("conv"))
+        c, b, values = (split_heads(t, self.heads) for t in convolved.chunk(3, dim=-1))
         dt = F.softplus(self.to_dt(x)).transpose(1, 2)[..., None]  # [B, H, N, 1]
         log_decay = -self.a_log.exp()[:, None, None] * dt  # dt A <= 0
-        return c, b, values * dt.to(values.dtype), log_decay, values, channels
+        return ScanInputs(c, b, values * dt.to(values.dtype), log_decay, skip=values, carry=channels)
 
-    def finish(self, x: Tensor, heads_out: Tensor, values: Tensor) -> Tensor:
+    def finish(self, x: Tensor, heads_out: Tensor, inputs: ScanInputs) -> Tensor:
         """y + D x, then RMSNorm(y * SiLU(z)), then the output projection (Figure 6), each as configured."""
         if self.d_skip is not None:
-            heads_out = heads_out + self.d_skip[:, None, None] * values
-        if self.to_output_gate is not None:
-            heads_out = heads_out * split_heads(F.silu(self.to_output_gate(x)), self.heads)
+            heads_out = heads_out + self.d_skip[:, None, None] * inputs.skip
+        heads_out = self.output_gated(x, heads_out)
         if self.head_norm is not None:
             heads_out = self.head_norm(heads_out)
         return self.proj.out(heads_out)
 
-    def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        c, b, dt_x, log_decay, values, _ = self.scan_inputs(x, attention_mask)
-        out = ssd_attention(c, b, dt_x, log_decay, attention_mask, is_causal=self.causal, chunk_size=self.chunk_size)
-        return self.finish(x, out, values)
-
-    # -- decoding: the [Dh, Dh] state per head and the convolution's last inputs --------------------------
-    decode_state = "recurrent"
-
-    def _conv_history(self, channels: Tensor, past: Tensor | None) -> Tensor | None:
-        """The convolution's last ``conv_size - 1`` inputs after ``channels`` [B, n, 3 dim] (zeros before the
-        sequence)."""
+    # -- decoding: the [Dh, Dh] state per head (GatedScanLayer) and the convolution's last inputs -------------
+    def continued_extra(self, inputs: ScanInputs, extra: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The convolution's last ``conv_size - 1`` inputs after ``inputs.carry`` [B, n, 3 dim], continuing
+        ``extra["conv"]`` (zeros before the sequence)."""
         if self.conv is None:
-            return None
+            return {}
         width = self.conv_size - 1
+        channels, past = inputs.carry, extra.get("conv")
         if past is None:
             past = channels.new_zeros(channels.shape[0], width, channels.shape[2])
         joined = torch.cat([past.to(channels.dtype), channels], dim=1)
-        return joined[:, joined.shape[1] - width:]
-
-    def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
-                       layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
-        c, b, dt_x, log_decay, values, channels = self.scan_inputs(x, attention_mask)
-        out, state = masked_gated_scan(c, b, dt_x, log_decay, attention_mask, is_causal=True, scale=1.0,
-                                       chunk=self.chunk_size)
-        extra = {} if self.conv is None else {"conv": self._conv_history(channels, None)}
-        return self.finish(x, out, values), RecurrentState(length=x.shape[1], sums=state, extra=extra)
-
-    def step_attend(self, x: Tensor, state: RecurrentState, real: Tensor | None,
-                    layer_state: dict | None) -> tuple[Tensor, RecurrentState]:
-        mask = None if real is None else real[:, None]
-        c, b, dt_x, log_decay, values, channels = self.scan_inputs(x, mask, state.extra.get("conv"))
-        b, dt_x, log_decay = without_padding(mask, b, dt_x, log_decay)  # a padded token leaves the state as it is
-        out, state.sums = gated_scan_step(c, b, dt_x, log_decay, state.sums)
-        if self.conv is not None:
-            state.extra["conv"] = self._conv_history(channels, state.extra["conv"])
-        return self.finish(x, out, values), state
+        return {"conv": joined[:, joined.shape[1] - width:]}

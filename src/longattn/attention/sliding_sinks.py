@@ -38,8 +38,9 @@ from longattn.attention.base import (
     padding_safe,
     register_attention,
 )
-from longattn.attention.chunked import Band, SparsePattern, window_chunk, windowed_attention
+from longattn.attention.chunked import SparsePattern, window_chunk, windowed_attention
 from longattn.attention.decoding import WindowState, attend_keys, ones_or
+from longattn.attention.ops.window import dense_window_scores, window_band
 
 
 def _check_options(window_size: int, sink_tokens: int) -> None:
@@ -47,11 +48,6 @@ def _check_options(window_size: int, sink_tokens: int) -> None:
         raise AttentionError(f"window_size must be a positive int, got {window_size!r}")
     if not isinstance(sink_tokens, int) or sink_tokens < 0:
         raise AttentionError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
-
-
-def sliding_band(window_size: int, is_causal: bool) -> Band:
-    """The window of query i: keys i - w + 1 .. i (causal) or i - w + 1 .. i + w - 1."""
-    return Band(1, 1 - window_size, 1 if is_causal else window_size)
 
 
 def with_sink_feature(query: Tensor, key: Tensor, sink_logits: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -104,7 +100,7 @@ def sliding_sinks_attention(
         extra_pos.append(torch.arange(sinks, device=query.device))
         extra_valid.append(valid[:, :sinks])
         valid = F.pad(valid[:, sinks:], (sinks, 0), value=False)
-    band = sliding_band(window_size, is_causal)
+    band = window_band(window_size - 1, 0 if is_causal else window_size - 1)  # i - w + 1 .. i (+ w - 1)
     pattern = SparsePattern(band, is_causal, key_valid=valid,
                             extra_pos=torch.cat(extra_pos) if extra_pos else None,
                             extra_valid=torch.cat(extra_valid, dim=1) if extra_valid else None)
@@ -130,16 +126,12 @@ def sliding_sinks_attention_reference(
 ) -> Tensor:
     """Dense N x N version: the window and sink tokens as a mask, the sink logit as one more softmax column. Tests only."""
     b, h, n, d = query.shape
-    i = torch.arange(n)[:, None]
-    j = torch.arange(n)[None, :]
-    allowed = ((i - j).abs() < window_size) | (j < sink_tokens)
-    if is_causal:
-        allowed = allowed & (j <= i)
-    allowed = allowed[None, None]
-    if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, None, :]
-    scores = (query @ key.transpose(-1, -2) * (1.0 / math.sqrt(d) if scale is None else scale))
-    scores = scores.masked_fill(~allowed, float("-inf"))
+
+    def sees(i: Tensor, j: Tensor) -> Tensor:  # the window, and the sink tokens from anywhere
+        return ((i - j).abs() < window_size) | (j < sink_tokens)
+
+    scores = dense_window_scores(query, key, attention_mask, sees, is_causal=is_causal,
+                                 scale=1.0 / math.sqrt(d) if scale is None else scale)
     if sink_logits is not None:
         scores = torch.cat([scores, sink_logits.to(scores.dtype).view(1, h, 1, 1).expand(b, h, n, 1)], dim=-1)
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)[..., :n]
