@@ -352,6 +352,37 @@ def test_resume_refuses_other_data_naming_the_split_and_what_changed(tmp_path):
     assert make(edited, data[:3], "old").fit(resume=True)["steps"] == 4
 
 
+def test_a_run_resumed_on_other_data_files_is_refused(tmp_path, monkeypatch):
+    """Through run(), on ListOps tsv files: the config is the same (the same data_dir), the files are not."""
+    import longattn.data.lra as lra_data
+    from longattn.config import ConfigError
+    from longattn.data import listops
+    from longattn.tasks.lra import LRATask
+
+    monkeypatch.setattr(LRATask, "data_api", lra_data)  # the real files, not the stand-in
+    data_dir = tmp_path / "data"
+    sizes = {"train": 24, "val": 8, "test": 8}
+
+    def write(seed, train=24):
+        listops.write_listops_splits(data_dir, sizes={**sizes, "train": train}, seed=seed, min_length=5, max_length=20)
+
+    base = ["train.batch_size=8", "train.eval_every=2", "optim.lr=3e-3", "optim.warmup_steps=1", "model.dim=16",
+            "model.hidden=32", "train.progress=false", "train.min_evals=1", f"data.data_dir={data_dir}"]
+    for steps, out in (("train.max_steps=4", "steps"), ("train.epochs=2", "epochs")):
+        write(seed=0)
+        config = resolve_config("listops", attention="softmax", overrides=[*base, steps])
+        with pytest.raises(Interrupt):
+            run(config, tmp_path / out, on_step_end=interrupt_at(2))
+        write(seed=1, train=24 if out == "steps" else 16)
+        if out == "steps":  # the same number of examples, other ones
+            with pytest.raises(ValueError, match=r"trained on other data than this run reads \(the training set: the "
+                                                 r"same 24 examples in number, but other ones; the validation set: "):
+                run(config, tmp_path / out, resume=True)
+        else:  # a training set of another size changes an epoch's steps, which the saved schedule shows first
+            with pytest.raises(ConfigError, match=r"steps_per_epoch 3 recorded, 2 now.*has the training data changed"):
+                run(config, tmp_path / out, resume=True)
+
+
 def test_ema_of_the_weights_is_what_validation_and_test_see(tmp_path):
     """A loop option is the config field, the loop and this test: train.ema_decay."""
     g = torch.Generator().manual_seed(0)
