@@ -484,7 +484,9 @@ def load_forecast_data(
     and other files the custom 7:1:2 split. With ``calendar=False`` the marks are empty ([T, 0]).
     Rows that repeat the row before are kept with a warning; ``strict_time_order`` and the rows it lets
     through are those of :func:`read_series_csv`. ``fill_values="interpolate"`` replaces the fill values
-    (:data:`FILL_VALUES`) by linear interpolation before scaling; ``"keep"`` leaves them as numbers.
+    (:data:`FILL_VALUES`) by linear interpolation before scaling; ``"keep"`` leaves them as numbers. A
+    benchmark read by name from a file of another shape than the published one (rows x value columns) is read
+    with a warning: its splits are not the benchmark's.
     """
     if fill_values not in FILL_POLICIES:
         raise TimeSeriesDataError(f"fill_values must be one of {', '.join(FILL_POLICIES)}, got {fill_values!r}")
@@ -494,6 +496,7 @@ def load_forecast_data(
         )
     if features not in ("M", "S", "MS"):
         raise TimeSeriesDataError(f"features must be 'M', 'S' or 'MS', got {features!r}")
+    published: SeriesInfo | None = None  # the benchmark read by name, whose published shape the file should have
     if dataset.lower().endswith(".csv") or os.sep in dataset:
         path, name, split_kind = Path(dataset), Path(dataset).stem, kind or "custom"
     else:
@@ -503,8 +506,13 @@ def load_forecast_data(
         found = [candidate for candidate in series_candidates(info, Path(data_dir)) if candidate.is_file()]
         if not found:
             raise FileNotFoundError(missing_series_message(name, info, Path(data_dir)))
-        path, split_kind = found[0], kind or info.kind
+        path, split_kind, published = found[0], kind or info.kind, info
     table = read_series_csv(path, date_column=date_column, strict_time_order=strict_time_order)
+    if published is not None and published.shape is not None and table.values.shape != published.shape:
+        warn(f"{path}: {table.values.shape[0]:,} rows x {table.values.shape[1]} value columns, the published {name} "
+             f"file {published.shape[0]:,} x {published.shape[1]}: its splits are not the benchmark's, so its figures "
+             f"do not compare with the papers' (a partial, edited or other copy? `longattn data download {name}` "
+             "fetches the published one)")
     if table.repeated_lines:
         warn(f"{path}: {len(table.repeated_lines)} row(s) repeat the date and values of the row before "
              f"({_lines_text(table.repeated_lines)}); kept, as the published splits count them")
