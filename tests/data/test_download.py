@@ -40,6 +40,16 @@ def test_download_verify_extract(tmp_path, fake_archive):
         assert server.ranges == [None]
 
 
+def test_a_tar_is_extracted_whatever_its_name(tmp_path, monkeypatch):
+    data = _tarball()  # LRA publishes its gzipped tar as lra_release.gz
+    monkeypatch.setitem(dl.ARCHIVES, "release", dl.Archive("release", "release.gz", "https://example.invalid/release.gz",
+                                                           sha256=hashlib.sha256(data).hexdigest(), md5=None,
+                                                           size=None, contents="aclImdb/"))
+    with _Server({"release.gz": data}) as server:
+        dl.download("release", tmp_path, base_url=server.url, progress=False)
+    assert (tmp_path / "aclImdb" / "train" / "pos" / "0_9.txt").read_bytes() == b"good"
+
+
 def test_resume_from_partial_file(tmp_path, fake_archive):
     archive, data = fake_archive
     (tmp_path / (archive.filename + ".part")).write_bytes(data[:100])

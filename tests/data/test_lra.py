@@ -44,9 +44,9 @@ def test_collate_dual():
     assert batch["label"].tolist() == [1, 0]
 
 
-def test_dispatch_and_option_errors(tmp_path):
-    ds = build_dataset("listops", "test", data_dir=str(tmp_path), num_examples=20, min_length=10, max_length=40)
-    assert len(ds) == 20  # no tsv files there: generated
+def test_dispatch_and_option_errors():
+    ds = build_dataset("listops", "test", num_examples=20, min_length=10, max_length=40)
+    assert len(ds) == 20  # no data folder: generated
     with pytest.raises(DatasetError, match="unexpected keyword"):
         build_dataset("listops", "train", num_exmples=5)
     with pytest.raises(DatasetError, match="unknown split"):
@@ -57,6 +57,40 @@ def test_dispatch_and_option_errors(tmp_path):
         build_dataset("retrieval", "val")
     with pytest.raises(DatasetError, match="cifar-10-batches-py"):
         build_dataset("image", "train")
+
+
+@pytest.mark.parametrize("task, layout", [("listops", "basic_{train,val,test}.tsv (header Source<TAB>Target)"),
+                                          ("pathfinder", "curv_contour_length_14/metadata/*.npy")])
+def test_a_data_folder_without_the_release_names_its_layouts_instead_of_generating(tmp_path, task, layout):
+    for folder, expected in ((tmp_path / "empty", "is empty"), (tmp_path / "other", "holds notes.txt, photos/"),
+                             (tmp_path / "missing", "does not exist")):
+        if expected != "does not exist":
+            folder.mkdir()
+        if expected.startswith("holds"):
+            (folder / "notes.txt").write_text("x")
+            (folder / "photos").mkdir()
+        with pytest.raises(DatasetError) as error:
+            build_dataset(task, "train", data_dir=str(folder))
+        message = str(error.value)
+        assert f"no usable data in {folder}, which {expected}; accepted: " in message and layout in message
+        assert "lra_release/lra_release/" in message and "no --data-dir): the " in message
+        assert message.endswith(f"`longattn data download lra_release --data-dir {folder} --allow-unverified`")
+
+
+def test_the_unpacked_release_layout_is_found(tmp_path):
+    nested = tmp_path / "lra_release" / "lra_release"
+    (nested / "listops-1000").mkdir(parents=True)
+    (nested / "listops-1000" / "basic_val.tsv").write_text("Source\tTarget\n( ( [MAX 1 ) 2 ) ] )\t2\n")
+    (nested / "tsv_data").mkdir()
+    (nested / "tsv_data" / "new_aan_pairs.eval.tsv").write_text("1\ta\tb\txy\tz\n")
+    assert build_dataset("listops", "val", data_dir=str(tmp_path))[0]["label"] == 2
+    assert build_dataset("retrieval", "val", data_dir=str(tmp_path))[0]["tokens0"].tolist() == [120, 121]
+    with pytest.raises(DatasetError, match="ListOps: no basic_train.tsv: no usable data in .*accepted: basic_"):
+        build_dataset("listops", "train", data_dir=str(tmp_path))
+    (nested / "pathfinder32" / "curv_baseline").mkdir(parents=True)
+    with pytest.raises(DatasetError, match=r"Pathfinder: no curv_contour_length_14/ \(it has curv_baseline; option "
+                                           r"difficulty picks one\): no usable data in "):
+        build_dataset("pathfinder", "train", data_dir=str(tmp_path))
 
 
 def test_dataloader_round_trip():

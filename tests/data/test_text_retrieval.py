@@ -122,5 +122,6 @@ def test_retrieval_errors(tmp_path):
 def test_a_folder_without_the_aan_pairs_names_what_it_holds_and_the_download_command(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(DatasetError, match=r"which holds notes.txt; accepted: new_aan_pairs.train.tsv in the folder; "
-                                           r"tsv_data/new_aan_pairs.train.tsv .*`longattn data download lra_release"):
+                                           r"tsv_data/new_aan_pairs.train.tsv; the unpacked LRA release: .*"
+                                           r"lra_release/lra_release/tsv_data/; .*`longattn data download lra_release"):
         build_dataset("retrieval", "train", data_dir=str(tmp_path))

@@ -401,5 +401,26 @@ def test_a_missing_benchmark_file_names_the_folder_the_file_and_the_download_com
         ts.load_forecast_data("weather", tmp_path)
     message = str(error.value)
     assert "holds notes.txt" in message and "the file weather.csv" in message
+    assert "or from weather/weather.csv as in Time-Series-Library's dataset/ folder" in message
     assert f"longattn data download weather --data-dir {tmp_path}" in message
     assert "forecast-download" not in message
+
+
+@pytest.mark.parametrize("name, folder", [("ETTh2", "ETT-small"), ("exchange", "exchange_rate"), ("ili", "illness")])
+def test_time_series_librarys_dataset_folder_is_read_as_it_is(tmp_path, capsys, name, folder):
+    """--data-dir pointed at Time-Series-Library's dataset/ (DIR/ETT-small/ETTh2.csv, DIR/illness/...) reads the
+    same file as one in DIR itself."""
+    filename = ts.SERIES[name].filename
+    (tmp_path / "library" / folder).mkdir(parents=True)
+    (tmp_path / "flat").mkdir()
+    for where in (tmp_path / "library" / folder, tmp_path / "flat"):
+        write_csv(where / filename, 14500)
+    library = ts.load_forecast_data(name, tmp_path / "library", seq_len=24, label_len=12, pred_len=12)
+    flat = ts.load_forecast_data(name, tmp_path / "flat", seq_len=24, label_len=12, pred_len=12)
+    assert library.borders == flat.borders and library.description.startswith(f"{filename}: 14,500 rows")
+    last = len(flat.test) - 1
+    rows, columns = ts.SERIES[name].shape
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2 and f"{filename}: 14,500 rows x 3 value columns, the published {name} file " \
+        f"{rows:,} x {columns}: its splits are not the benchmark's" in warnings[0]  # the Weather-layout test: none at the published shape
+    assert torch.equal(library.train[0][0], flat.train[0][0]) and torch.equal(library.test[last][1], flat.test[last][1])

@@ -13,7 +13,7 @@ from torch import nn
 from longattn.attention import AttentionBase
 from longattn.experiment.config import resolve_config
 from longattn.experiment.run import run
-from longattn.train.checkpoint import load_checkpoint
+from longattn.train.checkpoint import load_checkpoint, save_atomic
 from longattn.train.loop import StepOutput, Trainer, accuracy, build_scheduler, mae, mse
 from longattn.train.settings import OptimConfig, TrainConfig
 
@@ -324,6 +324,63 @@ def test_resume_refuses_another_fingerprint(tmp_path):
     assert make("a").fit(resume=True)["steps"] == 2
     with pytest.raises(ValueError, match="another configuration"):
         make("b").fit(resume=True)
+
+
+def test_resume_refuses_other_data_naming_the_split_and_what_changed(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(3, 4, generator=g), torch.randn((), generator=g)) for _ in range(6)]
+    settings = loop_settings(max_steps=4, eval_every=2, batch_size=2, progress=False, select_metric="loss",
+                             select_mode="min")
+    make = lambda train, val, out: Trainer(Regressor(), train, val, None, collate_regression,  # noqa: E731
+                                           regression_step, {}, **settings, out_dir=tmp_path / out,
+                                           on_step_end=interrupt_at(2))
+    for out in ("edited", "shorter", "old"):
+        with pytest.raises(Interrupt):
+            make(data, data[:3], out).fit()
+    edited = [*data[:5], (data[5][0] + 1e-3, data[5][1])]  # one example of the training set changed
+    with pytest.raises(ValueError, match=r"last.pt was trained on other data than this run reads \(the training set: "
+                                         r"the same 6 examples in number, but other ones\): has a data file changed"):
+        make(edited, data[:3], "edited").fit(resume=True)
+    with pytest.raises(ValueError, match="the validation set: 3 examples when the checkpoint was written, 2 now"):
+        make(data, data[:2], "shorter").fit(resume=True)
+    assert make(data, data[:3], "edited").fit(resume=True)["steps"] == 4  # the same data: resumed
+    checkpoint = tmp_path / "old" / "checkpoints" / "last.pt"
+    state = load_checkpoint(checkpoint)
+    assert state["data"]["train"]["examples"] == 6 and state["data"]["test"] is None
+    del state["data"]  # a checkpoint written before runs recorded their data: nothing to compare
+    save_atomic(state, checkpoint)
+    assert make(edited, data[:3], "old").fit(resume=True)["steps"] == 4
+
+
+def test_a_run_resumed_on_other_data_files_is_refused(tmp_path, monkeypatch):
+    """Through run(), on ListOps tsv files: the config is the same (the same data_dir), the files are not."""
+    import longattn.data.lra as lra_data
+    from longattn.config import ConfigError
+    from longattn.data import listops
+    from longattn.tasks.lra import LRATask
+
+    monkeypatch.setattr(LRATask, "data_api", lra_data)  # the real files, not the stand-in
+    data_dir = tmp_path / "data"
+    sizes = {"train": 24, "val": 8, "test": 8}
+
+    def write(seed, train=24):
+        listops.write_listops_splits(data_dir, sizes={**sizes, "train": train}, seed=seed, min_length=5, max_length=20)
+
+    base = ["train.batch_size=8", "train.eval_every=2", "optim.lr=3e-3", "optim.warmup_steps=1", "model.dim=16",
+            "model.hidden=32", "train.progress=false", "train.min_evals=1", f"data.data_dir={data_dir}"]
+    for steps, out in (("train.max_steps=4", "steps"), ("train.epochs=2", "epochs")):
+        write(seed=0)
+        config = resolve_config("listops", attention="softmax", overrides=[*base, steps])
+        with pytest.raises(Interrupt):
+            run(config, tmp_path / out, on_step_end=interrupt_at(2))
+        write(seed=1, train=24 if out == "steps" else 16)
+        if out == "steps":  # the same number of examples, other ones
+            with pytest.raises(ValueError, match=r"trained on other data than this run reads \(the training set: the "
+                                                 r"same 24 examples in number, but other ones; the validation set: "):
+                run(config, tmp_path / out, resume=True)
+        else:  # a training set of another size changes an epoch's steps, which the saved schedule shows first
+            with pytest.raises(ConfigError, match=r"steps_per_epoch 3 recorded, 2 now.*has the training data changed"):
+                run(config, tmp_path / out, resume=True)
 
 
 def test_ema_of_the_weights_is_what_validation_and_test_see(tmp_path):

@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import ARCHIVE_ERRORS, DatasetError, check_tar_complete
+from .common import ARCHIVE_ERRORS, DatasetError, check_tar_complete, download_command
 
 BASE_URL_ENV = "LONGATTN_DATA_BASE_URL"
 
@@ -144,7 +144,7 @@ def verify_known_archive(path: str | Path, archive: Archive) -> None:
         _VERIFIED[key] = verify(path, archive)
     except DownloadError as error:
         raise DownloadError(f"{error}: not the official {archive.filename} (damaged or modified); fetch it "
-                            f"again (python -m longattn.data.download {archive.name} DIR) or give a "
+                            f"again (`{download_command(archive.name, path.parent)}`) or give a "
                             "deliberate copy another name") from None
 
 
@@ -210,12 +210,12 @@ def download_file(url: str, dest: str | Path, *, sha256: str | None = None, md5:
     return dest
 
 
-ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+def is_archive(path: Path) -> bool:
+    """Whether the file ``path`` is extracted after download: a zip or a tar (any compression), told by its
+    content, not its name (LRA's ``lra_release.gz`` is a gzipped tar); other files are used as they are."""
+    import zipfile
 
-
-def is_archive(filename: str) -> bool:
-    """Whether `filename` is extracted after download (tar or zip); other files are used as they are."""
-    return filename.endswith(ARCHIVE_SUFFIXES)
+    return zipfile.is_zipfile(path) or tarfile.is_tarfile(path)
 
 
 def _extract_zip(path: Path, staging: Path) -> None:
@@ -255,7 +255,7 @@ def _safe_extract(path: Path, dest: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        (_extract_zip if path.name.endswith(".zip") else _extract_tar)(path, staging)
+        (_extract_zip if zipfile.is_zipfile(path) else _extract_tar)(path, staging)
     except (*ARCHIVE_ERRORS, zipfile.BadZipFile, DatasetError) as error:
         shutil.rmtree(staging, ignore_errors=True)
         raise DownloadError(f"{path}: cannot extract ({error})") from error
@@ -290,7 +290,7 @@ def download(name: str, dest: str | Path, *, base_url: str | None = None, extrac
     if archive.sha256 is None:
         print(f"{archive.filename}: SHA256 {check_digests(final)} (no reference checksum to compare with)",
               file=sys.stderr)
-    if extract and is_archive(archive.filename):
+    if extract and is_archive(final):
         _safe_extract(final, dest)
     return final
 

@@ -395,7 +395,8 @@ def build_cifar100(split: str, data_dir: str | Path | None = None, *, label_mode
     and fold k of a stratified K-fold split of the official training set (the paper's 5-fold CV)."""
     check_split(split)
     if data_dir is None:
-        raise DatasetError("CIFAR-100 needs data_dir: cifar-100-python/ (python -m longattn.data.download cifar100 DIR)")
+        raise DatasetError("CIFAR-100 needs data_dir: the folder holding cifar-100-python/ (download it with "
+                           f"`{download_command('cifar100', 'DIR')}`)")
     if split == "val" and fold is None:
         raise DatasetError("CIFAR-100 has no validation set: pass fold=k for fold k of the cross-validation")
     data, labels, classes = load_cifar100(data_dir, "test" if split == "test" else "train", label_mode, check_counts)

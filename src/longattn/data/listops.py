@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .common import DatasetError, SequenceDataset, check_split, find_first
+from .common import DatasetError, SequenceDataset, check_split, download_command, find_first, no_layout_error
 
 MAX, MIN, MED, SUM_MOD, END = "[MAX", "[MIN", "[MED", "[SM", "]"
 OPERATORS = (MAX, MIN, MED, SUM_MOD)
@@ -228,10 +228,22 @@ def _read_rows(path: str | Path) -> list[tuple[int, str, int]]:
     return rows
 
 
+# The folders of data_dir that may hold the tsv files: itself, LRA's listops-1000/, and the unpacked release
+# (lra_release.gz nests a second lra_release/ folder, which LRA's own dataset_setup.sh reads).
+TSV_FOLDERS = ("", "listops-1000/", "lra_release/listops-1000/", "lra_release/lra_release/listops-1000/")
+LAYOUTS = ("basic_{train,val,test}.tsv (header Source<TAB>Target) in the folder or in its listops-1000/",
+           "the unpacked LRA release: lra_release/listops-1000/ or lra_release/lra_release/listops-1000/",
+           "no data folder (data.data_dir unset, no --data-dir): the examples are generated")
+
+
 def tsv_path(data_dir: str | Path, split: str) -> Path | None:
-    """The official file for `split` in data_dir or its `listops-1000/` subfolder (LRA release layout)."""
+    """The official file for `split` in the first of :data:`TSV_FOLDERS` of data_dir that holds it."""
     name = f"basic_{check_split(split)}.tsv"
-    return find_first(data_dir, [name, f"listops-1000/{name}", f"lra_release/listops-1000/{name}"])
+    return find_first(data_dir, [folder + name for folder in TSV_FOLDERS])
+
+
+def _no_tsv_error(what: str, data_dir: str | Path) -> DatasetError:
+    return no_layout_error(what, data_dir, LAYOUTS, download_command("lra_release", data_dir, unverified=True))
 
 
 def has_tsv(data_dir: str | Path | None) -> bool:
@@ -242,7 +254,7 @@ def load_listops(data_dir: str | Path, split: str, *, keep_parens: bool = False)
     """The official `basic_<split>.tsv` as a dataset of token ids."""
     path = tsv_path(data_dir, split)
     if path is None:
-        raise DatasetError(f"ListOps: no basic_{split}.tsv in {data_dir} (nor in its listops-1000/ folder)")
+        raise _no_tsv_error(f"ListOps: no basic_{split}.tsv", data_dir)
     rows = _read_rows(path)
     # the line of the file, blank lines counted: an error names the line an editor shows
     sequences = [tokenize(source, keep_parens=keep_parens, where=f"{path}:{line}: ") for line, source, _ in rows]
@@ -253,16 +265,19 @@ def build_listops(split: str, data_dir: str | Path | None = None, *, num_example
                   min_length: int | None = None, max_length: int | None = None, max_depth: int | None = None,
                   max_args: int | None = None, seed: int | None = None, keep_parens: bool = False
                   ) -> SequenceDataset:
-    """Load `split` from LRA's tsv files when data_dir has them, otherwise generate it.
+    """Load `split` from LRA's tsv files in data_dir, or generate it when data_dir is None.
 
-    Generator options left as None take LRA's values (500..2000 tokens, depth 10, 10 arguments, the
-    LRA split size, seed 0); passing one while data_dir holds tsv files is an error, not ignored.
-    Generated splits use the seed stream (seed, split), so each split is reproducible on its own.
+    A data_dir without the files is an error naming the layouts, never generated data in place of the
+    files asked for. Generator options left as None take LRA's values (500..2000 tokens, depth 10, 10
+    arguments, the LRA split size, seed 0); passing one while data_dir holds tsv files is an error, not
+    ignored. Generated splits use the seed stream (seed, split), so each split is reproducible on its own.
     """
     check_split(split)
     generator_options = dict(num_examples=num_examples, min_length=min_length, max_length=max_length,
                              max_depth=max_depth, max_args=max_args, seed=seed)
-    if has_tsv(data_dir):
+    if data_dir is not None:
+        if not has_tsv(data_dir):
+            raise _no_tsv_error("ListOps", data_dir)
         given = sorted(name for name, value in generator_options.items() if value is not None)
         if given:
             raise DatasetError(f"ListOps: generator options {given} do not apply to the tsv files in {data_dir}")

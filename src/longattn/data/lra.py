@@ -77,8 +77,8 @@ def build_dataset(name: str, split: str = "train", data_dir: str | Path | None =
                   cache_dir: str | Path | None = None, **options: Any) -> Dataset:
     """The dataset of task `name` for `split`; options go to the task's builder (see docs/data.md).
 
-    listops and pathfinder are generated when data_dir has no official files; text, retrieval and
-    image need data_dir. Unknown options raise DatasetError naming the accepted ones.
+    listops and pathfinder are generated when data_dir is None and read the official files from data_dir
+    otherwise (a data_dir without them is an error); text, retrieval and image need data_dir. Unknown options raise DatasetError naming the accepted ones.
     cache_dir: keep the built dataset there (keyed by task, split, data_dir and its mtime, options),
     so slow generation or decoding (200k Pathfinder images, 50k JPEGs) happens once.
     """

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .common import DatasetError, check_split, find_first
+from .common import DatasetError, check_split, download_command, find_first, no_layout_error
 from .image import PixelDataset
 
 VOCAB_SIZE = 256
@@ -314,25 +314,43 @@ def read_metadata(folder: Path) -> tuple[list[Path], np.ndarray]:
     return paths, np.asarray(labels, dtype=np.int64)
 
 
+# The difficulty folders of the pathfinder32 release (option ``difficulty``), and the folders of data_dir that
+# may hold them: itself, pathfinder32/, and the unpacked release (lra_release.gz nests a second lra_release/
+# folder, which LRA's own dataset_setup.sh reads).
+DIFFICULTIES = ("curv_baseline", "curv_contour_length_9", "curv_contour_length_14")
+RELEASE_FOLDERS = ("", "pathfinder32/", "lra_release/pathfinder32/", "lra_release/lra_release/pathfinder32/")
+
+
 def difficulty_folder(data_dir: str | Path, difficulty: str) -> Path | None:
-    return find_first(data_dir, [difficulty, f"pathfinder32/{difficulty}", f"lra_release/pathfinder32/{difficulty}",
-                                 f"lra_release/lra_release/pathfinder32/{difficulty}"])
+    return find_first(data_dir, [folder + difficulty for folder in RELEASE_FOLDERS])
+
+
+def _no_release_error(data_dir: str | Path, difficulty: str) -> DatasetError:
+    others = [name for name in DIFFICULTIES if name != difficulty and difficulty_folder(data_dir, name) is not None]
+    found = f" (it has {', '.join(others)}; option difficulty picks one)" if others else ""
+    layouts = [f"{difficulty}/metadata/*.npy and the images they list, in the folder or in its pathfinder32/",
+               f"the unpacked LRA release: lra_release/pathfinder32/{difficulty}/ or "
+               f"lra_release/lra_release/pathfinder32/{difficulty}/",
+               "no data folder (data.data_dir unset, no --data-dir): the images are generated"]
+    return no_layout_error(f"Pathfinder: no {difficulty}/{found}", data_dir, layouts,
+                           download_command("lra_release", data_dir, unverified=True))
 
 
 def build_pathfinder(split: str, data_dir: str | Path | None = None, *, difficulty: str = "curv_contour_length_14",
                      num_examples: int | None = None, seed: int = 0, **generator_options) -> Dataset:
-    """The official images when data_dir holds the pathfinder32 layout, else generated images."""
+    """The official images of ``difficulty`` in data_dir's pathfinder32 layout, or generated images when
+    data_dir is None; a data_dir without that layout is an error naming it, never generated images instead."""
     check_split(split)
-    folder = difficulty_folder(data_dir, difficulty) if data_dir is not None else None
-    if folder is not None:
+    if data_dir is not None:
+        folder = difficulty_folder(data_dir, difficulty)
+        if folder is None:
+            raise _no_release_error(data_dir, difficulty)
         if generator_options or num_examples is not None:
             raise DatasetError(f"pathfinder: generator options {sorted(generator_options)} do not apply to the "
                                f"official images in {folder}")
         paths, labels = read_metadata(folder)
         lo, hi = (int(round(f * len(labels))) for f in _SPLIT_RANGES[split])
         return PathfinderFiles(paths[lo:hi], labels[lo:hi])
-    if data_dir is not None and Path(data_dir).exists() and any(Path(data_dir).glob("**/metadata")):
-        raise DatasetError(f"pathfinder: {data_dir} has metadata/ folders but no {difficulty}/ folder")
     count = LRA_SPLIT_SIZES[split] if num_examples is None else num_examples
     images, labels = generate_pathfinder(count, seed=seed * 3 + _SPLIT_CODE[split], **generator_options)
     return PixelDataset(images.reshape(count, -1), labels, split=split)

@@ -22,7 +22,9 @@ FILE_SPLIT = {"train": "train", "val": "eval", "test": "test"}
 
 def tsv_path(data_dir: str | Path, split: str) -> Path | None:
     name = f"new_aan_pairs.{FILE_SPLIT[check_split(split)]}.tsv"
-    return find_first(data_dir, [name, f"tsv_data/{name}", f"lra_release/tsv_data/{name}"])
+    # lra_release.gz unpacks to lra_release/lra_release/tsv_data/ (as LRA's own dataset_setup.sh reads it)
+    return find_first(data_dir, [name, f"tsv_data/{name}", f"lra_release/tsv_data/{name}",
+                                 f"lra_release/lra_release/tsv_data/{name}"])
 
 
 def read_pairs(path: str | Path) -> list[tuple[int, str, str, bytes, bytes]]:
@@ -61,7 +63,8 @@ def build_retrieval(split: str, data_dir: str | Path | None = None, *, max_lengt
     path = tsv_path(data_dir, split)
     if path is None:
         raise no_layout_error(f"retrieval (AAN): no {expected}", Path(data_dir),
-                              [f"{expected} in the folder", f"tsv_data/{expected} (lra_release/, extracted)"],
+                              [f"{expected} in the folder", f"tsv_data/{expected}",
+                               "the unpacked LRA release: lra_release/tsv_data/ or lra_release/lra_release/tsv_data/"],
                               download_command("lra_release", data_dir, unverified=True))
     rows = read_pairs(path)
     first = [encode_bytes(row[3], max_length) for row in rows]

@@ -61,6 +61,9 @@ class SeriesInfo:
     homepage: str
     shape: tuple[int, int] | None = None  # (rows, value columns) of the official file, checked after a download
     target: str = "OT"
+    # The file's folder in Time-Series-Library's dataset/ tree (the Autoformer authors' Google Drive folder and
+    # Hugging Face copy): a data folder laid out like it (DIR/weather/weather.csv) is read as it is.
+    library_folder: str = ""
 
 
 # SHA-256 of the copies the project was developed with; docs/forecasting.md says which were cross-checked
@@ -72,25 +75,30 @@ _THUML_HF = "https://huggingface.co/datasets/thuml/Time-Series-Library/resolve/m
 _ETT_HOME = "https://github.com/zhouhaoyi/ETDataset"
 SERIES: dict[str, SeriesInfo] = {
     "ETTh1": SeriesInfo("ETTh1.csv", "ETTh", _ETT_RAW + "ETTh1.csv",
-                        "f18de3ad269cef59bb07b5438d79bb3042d3be49bdeecf01c1cd6d29695ee066", _ETT_HOME, (17420, 7)),
+                        "f18de3ad269cef59bb07b5438d79bb3042d3be49bdeecf01c1cd6d29695ee066", _ETT_HOME, (17420, 7),
+                        library_folder="ETT-small"),
     "ETTh2": SeriesInfo("ETTh2.csv", "ETTh", _ETT_RAW + "ETTh2.csv",
-                        "a3dc2c597b9218c7ce1cd55eb77b283fd459a1d09d753063f944967dd6b9218b", _ETT_HOME, (17420, 7)),
-    "ETTm1": SeriesInfo("ETTm1.csv", "ETTm", _ETT_RAW + "ETTm1.csv", None, _ETT_HOME, (69680, 7)),
+                        "a3dc2c597b9218c7ce1cd55eb77b283fd459a1d09d753063f944967dd6b9218b", _ETT_HOME, (17420, 7),
+                        library_folder="ETT-small"),
+    "ETTm1": SeriesInfo("ETTm1.csv", "ETTm", _ETT_RAW + "ETTm1.csv", None, _ETT_HOME, (69680, 7),
+                        library_folder="ETT-small"),
     "ETTm2": SeriesInfo("ETTm2.csv", "ETTm", _ETT_RAW + "ETTm2.csv",
-                        "db973ca252c6410a30d0469b13d696cf919648d0f3fd588c60f03fdbdbadd1fd", _ETT_HOME, (69680, 7)),
+                        "db973ca252c6410a30d0469b13d696cf919648d0f3fd588c60f03fdbdbadd1fd", _ETT_HOME, (69680, 7),
+                        library_folder="ETT-small"),
     "exchange": SeriesInfo("exchange_rate.csv", "custom", _THUML_HF + "exchange_rate/exchange_rate.csv",
                            "48b4d9d3d508f5104162e85b9a6042e3557fde11aa9f2944eba8c0d0efc89842",
-                           _AUTOFORMER_DRIVE, (7588, 8)),
+                           _AUTOFORMER_DRIVE, (7588, 8), library_folder="exchange_rate"),
     "ili": SeriesInfo("national_illness.csv", "custom", _THUML_HF + "illness/national_illness.csv",
-                      "93601f64d2566dc796ca4305adad8b8560c2db1a1ff04543c3bd813a7263570a", _AUTOFORMER_DRIVE, (966, 7)),
+                      "93601f64d2566dc796ca4305adad8b8560c2db1a1ff04543c3bd813a7263570a", _AUTOFORMER_DRIVE, (966, 7),
+                      library_folder="illness"),
     # No copy of these three was available to hash (docs/forecasting.md): a download is checked against the
     # official shape (SKTformer Table 13 / the Autoformer paper: rows, and columns besides the date) instead.
     "weather": SeriesInfo("weather.csv", "custom", _THUML_HF + "weather/weather.csv", None, _AUTOFORMER_DRIVE,
-                          (52696, 21)),
+                          (52696, 21), library_folder="weather"),
     "electricity": SeriesInfo("electricity.csv", "custom", _THUML_HF + "electricity/electricity.csv", None,
-                              _AUTOFORMER_DRIVE, (26304, 321)),
+                              _AUTOFORMER_DRIVE, (26304, 321), library_folder="electricity"),
     "traffic": SeriesInfo("traffic.csv", "custom", _THUML_HF + "traffic/traffic.csv", None, _AUTOFORMER_DRIVE,
-                          (17544, 862)),
+                          (17544, 862), library_folder="traffic"),
 }
 _ALIASES = {"exchange_rate": "exchange", "national_illness": "ili", "illness": "ili", "ecl": "electricity"}
 
@@ -439,11 +447,19 @@ def split_borders(kind: str, rows: int, seq_len: int) -> dict[str, tuple[int, in
     }
 
 
+def series_candidates(info: SeriesInfo, data_dir: Path) -> list[Path]:
+    """Where a benchmark's file may lie, in order: ``DIR/<file>`` (what ``longattn data download`` writes), then
+    ``DIR/<folder>/<file>``, Time-Series-Library's ``dataset/`` tree (``dataset/weather/weather.csv``)."""
+    return [data_dir / info.filename, data_dir / info.library_folder / info.filename]
+
+
 def missing_series_message(name: str, info: SeriesInfo, data_dir: Path) -> str:
     """What a run says when a benchmark's file is not in ``data_dir``: what the folder holds, the file name
-    it looks for and the command that downloads it."""
-    return (f"{data_dir / info.filename} not found: {name} is read from the file {info.filename} (a CSV with a "
-            f"'date' column) in the data folder, which {folder_contents(data_dir)}; download it with "
+    and the places it looks for it, and the command that downloads it."""
+    first, library = series_candidates(info, data_dir)
+    return (f"{first} not found: {name} is read from the file {info.filename} (a CSV with a 'date' column) in the "
+            f"data folder, or from {library.relative_to(data_dir)} as in Time-Series-Library's dataset/ folder; "
+            f"the data folder {folder_contents(data_dir)}; download it with "
             f"`longattn data download {name} --data-dir {data_dir}` or from {info.homepage}")
 
 
@@ -468,7 +484,9 @@ def load_forecast_data(
     and other files the custom 7:1:2 split. With ``calendar=False`` the marks are empty ([T, 0]).
     Rows that repeat the row before are kept with a warning; ``strict_time_order`` and the rows it lets
     through are those of :func:`read_series_csv`. ``fill_values="interpolate"`` replaces the fill values
-    (:data:`FILL_VALUES`) by linear interpolation before scaling; ``"keep"`` leaves them as numbers.
+    (:data:`FILL_VALUES`) by linear interpolation before scaling; ``"keep"`` leaves them as numbers. A
+    benchmark read by name from a file of another shape than the published one (rows x value columns) is read
+    with a warning: its splits are not the benchmark's.
     """
     if fill_values not in FILL_POLICIES:
         raise TimeSeriesDataError(f"fill_values must be one of {', '.join(FILL_POLICIES)}, got {fill_values!r}")
@@ -478,16 +496,23 @@ def load_forecast_data(
         )
     if features not in ("M", "S", "MS"):
         raise TimeSeriesDataError(f"features must be 'M', 'S' or 'MS', got {features!r}")
+    published: SeriesInfo | None = None  # the benchmark read by name, whose published shape the file should have
     if dataset.lower().endswith(".csv") or os.sep in dataset:
         path, name, split_kind = Path(dataset), Path(dataset).stem, kind or "custom"
     else:
         name, info = resolve_series(dataset)
         if data_dir is None:
             raise TimeSeriesDataError(f"dataset {name} needs a data directory (--data-dir)")
-        path, split_kind = Path(data_dir) / info.filename, kind or info.kind
-        if not path.is_file():
+        found = [candidate for candidate in series_candidates(info, Path(data_dir)) if candidate.is_file()]
+        if not found:
             raise FileNotFoundError(missing_series_message(name, info, Path(data_dir)))
+        path, split_kind, published = found[0], kind or info.kind, info
     table = read_series_csv(path, date_column=date_column, strict_time_order=strict_time_order)
+    if published is not None and published.shape is not None and table.values.shape != published.shape:
+        warn(f"{path}: {table.values.shape[0]:,} rows x {table.values.shape[1]} value columns, the published {name} "
+             f"file {published.shape[0]:,} x {published.shape[1]}: its splits are not the benchmark's, so its figures "
+             f"do not compare with the papers' (a partial, edited or other copy? `longattn data download {name}` "
+             "fetches the published one)")
     if table.repeated_lines:
         warn(f"{path}: {len(table.repeated_lines)} row(s) repeat the date and values of the row before "
              f"({_lines_text(table.repeated_lines)}); kept, as the published splits count them")

@@ -57,6 +57,7 @@ from longattn.train.outputs import (
     write_text_atomic,
     writing,
 )
+from longattn.train.data_record import data_differences, dataset_record
 from longattn.train.settings import OptimConfig, TrainConfig
 from longattn.train.distributed import (
     DistInfo,
@@ -567,6 +568,7 @@ class Trainer:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.finished_path = self.checkpoint_dir / "finished.json"
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
+        self._data_record: dict[str, Any] | None = None  # see data_record
         # (step, epoch, [task loss, aux loss, gradient norm] on the device) of the steps not yet read: see _read_losses
         self._unread: list[tuple[int, int, Tensor]] = []
         self._lock = self._lock_out_dir()
@@ -786,6 +788,14 @@ class Trainer:
         return self.settings.progress and self.dist.is_main and sys.stderr.isatty()
 
     # ------------------------------------------------------------------ checkpoints
+    def data_record(self) -> dict[str, Any]:
+        """Every split's number of examples and digest (:func:`longattn.train.data_record.dataset_record`), read
+        once per Trainer: the checkpoints carry it, and a resume against other data is refused."""
+        if self._data_record is None:
+            self._data_record = {split: dataset_record(dataset) for split, dataset in
+                                 (("train", self.train_data), ("val", self.val_data), ("test", self.test_data))}
+        return self._data_record
+
     def _state(self, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
@@ -796,6 +806,7 @@ class Trainer:
             "rng": rng_states,  # one entry per rank: each rank resumes its own random stream
             "settings": dataclasses.asdict(self.settings),
             "fingerprint": self.fingerprint,
+            "data": self.data_record(),
             "model_layout": model_layout(self.model),
             "ema": self.ema.state_dict() if self.ema is not None else None,
         }
@@ -823,6 +834,13 @@ class Trainer:
         if state.get("fingerprint") != self.fingerprint:
             raise TrainingError(another.format(f"fingerprint {state.get('fingerprint')!r}, this run's "
                                                f"{self.fingerprint!r}"))
+        # Before the model's layout: other data can change it (a vocabulary built from the training set).
+        # A checkpoint written before runs recorded their data has no record to compare.
+        changed = data_differences(state["data"], self.data_record()) if "data" in state else []
+        if changed:
+            raise TrainingError(f"{source} was trained on other data than this run reads ({'; '.join(changed)}): "
+                                "has a data file changed? Resume with the data it was trained on, train into a new "
+                                "output folder, or replace the run there with --overwrite (overwrite=True)")
         saved_layout = state.get("model_layout")
         if saved_layout is not None and saved_layout != model_layout(self.model):
             raise TrainingError(another.format("its model has other parameters: "
