@@ -5,8 +5,11 @@ The modules named in :data:`VERBS` add the top-level verbs through their ``regis
 ``--version`` import none: they list each verb's line of :data:`longattn.commands.VERB_HELP` and answer before
 torch could load); for the verbs of :data:`PLUGGED_VERBS` every module of :mod:`longattn.commands` is
 imported, so that a module that registers a ``bench``, ``paper`` or ``report`` entry plugs in by existing. The
-command names of earlier versions are kept in :data:`ALIASES`: they still work and say, in one line, what
-replaced them.
+command modules import torch and the experiments in the functions that run a command (an entry of ``bench``,
+``paper`` or ``report`` adds its options when it is used: :class:`longattn.commands._args.EntryParser`), so
+``longattn VERB --help`` answers without them, except where the help lists a registry's entries (``train``,
+``pretrain``; tests/commands/test_cli_startup.py). The command names of earlier versions are kept in
+:data:`ALIASES`: they still work and say, in one line, what replaced them.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from longattn.cli import ALIASES, build_parser, main, resolve_aliases
-from longattn.commands._args import ListAction, add_list_argument, help_text
+from longattn.commands._args import EntryParser, ListAction, add_list_argument, help_text
 from longattn.experiment.progress import GridProgress, duration
 
 # Options that hold several values: each must take them space-separated (nargs + or *).
@@ -20,6 +20,8 @@ LIST_OPTIONS = {"attentions", "seeds", "tasks", "models", "datasets", "horizons"
 
 
 def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    if isinstance(parser, EntryParser):
+        parser.complete()  # an entry of bench, paper or report adds its options when it is used
     yield path, parser
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):

@@ -21,9 +21,9 @@ from typing import Any
 from longattn.registry import nearest
 from longattn.utils import note
 
-__all__ = ["HelpFormatter", "ListAction", "add_config_arguments", "add_data_dir_argument", "add_list_argument",
+__all__ = ["EntryParser", "HelpFormatter", "ListAction", "add_config_arguments", "add_data_dir_argument", "add_list_argument",
            "add_renamed_argument", "add_run_arguments", "add_set_argument", "add_workers_argument", "attention_names", "deprecated_alias",
-           "help_text", "length", "name_type", "no_progress", "note", "preset_help", "task_data_dirs", "task_names"]
+           "glue_task_names", "help_text", "length", "name_type", "no_progress", "note", "preset_help", "task_data_dirs", "task_names"]
 
 Names = Callable[[], Iterable[str]]
 
@@ -61,6 +61,38 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             action = copy.copy(action)
             action.default = " ".join(map(str, action.default))
         return super()._expand_help(action)
+
+
+class EntryParser(argparse.ArgumentParser):
+    """The parser of one entry of a registry of subcommands (``bench NAME``, ``paper NAME``, ``report NAME``),
+    made with ``add_subparsers(parser_class=EntryParser)`` and ``add_parser(..., add_arguments=fn)``: ``fn`` adds
+    its options when this entry parses or prints its help, not when the tree is built. The defaults of an entry's
+    options come from its own modules (torch, for most); ``longattn bench --help`` lists the entries without them."""
+
+    def __init__(self, *args: Any, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._add_arguments = add_arguments
+
+    def complete(self) -> "EntryParser":
+        """This parser with its entry's options added (once)."""
+        add, self._add_arguments = self._add_arguments, None
+        if add is not None:
+            add(self)
+        return self
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self.complete()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self.complete()
+        return super().format_help()
 
 
 def _resolved(action: argparse.Action) -> argparse.Action:
@@ -182,6 +214,12 @@ def attention_names() -> list[str]:
     return attention.available()
 
 
+def glue_task_names() -> list[str]:
+    from longattn.data.glue import GLUE_TASKS
+
+    return GLUE_TASKS.names()
+
+
 def add_attentions_argument(parser: argparse.ArgumentParser, help: str, **kwargs: Any) -> argparse.Action:
     """``--attentions`` (also ``--attention``): registered mechanisms, checked with the nearest-name hint."""
     return add_list_argument(parser, "--attentions", "--attention", dest="attentions", names=attention_names,
@@ -295,15 +333,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, tasks: list[str] | Non
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, task_required: bool = True) -> None:
-    """--task / --model / --attention with their names checked against the registries."""
-    from longattn.tasks.base import task_names
-
+    """--task / --model / --attention with their names checked against the registries (read when a name is
+    checked or this help printed)."""
     parser.add_argument("--task", required=task_required, type=name_type("task", task_names), metavar="TASK",
-                        help=f"registered task: {', '.join(task_names())}")
+                        help=lambda: f"registered task: {', '.join(task_names())}")
     parser.add_argument("--model", dest="model_name", metavar="MODEL",
                         help="registered model of the task's family (default: the task's)")
     parser.add_argument("--attention", type=name_type("mechanism", attention_names), metavar="MECHANISM",
-                        help=f"registered mechanism (default: the config's, else the model's): "
+                        help=lambda: "registered mechanism (default: the config's, else the model's): "
                         f"{', '.join(attention_names())}")
 
 

@@ -8,24 +8,26 @@ import json
 import shutil
 from pathlib import Path
 
-from longattn.bench.gpu import GpuCheckConfig, gpu_tables, run_gpu_check
 from longattn.commands._args import add_attentions_argument, add_list_argument, attention_names, name_type
 from longattn.commands.bench import _write
 from longattn.experiment.analyses import register_analysis
-from longattn.experiment.results import write_results
 
-_DEFAULTS = GpuCheckConfig()
 _PARTS = ("compile", "accuracy", "speed", "train", "hf", "recall")
 
 
 def _save(out: Path, report: dict) -> None:
     """gpu.json and gpu.md as they stand (after every row: a run cut short keeps what it measured)."""
+    from longattn.bench.gpu import gpu_tables
+    from longattn.experiment.results import write_results
+
     out.mkdir(parents=True, exist_ok=True)
     write_results(out / "gpu.json", {"rows": [], **report})
     (out / "gpu.md").write_text(gpu_tables(report) + "\n")
 
 
 def _run(args: argparse.Namespace) -> int:
+    from longattn.bench.gpu import GpuCheckConfig, gpu_tables, run_gpu_check
+
     out = Path(args.out)
     if args.resume and args.overwrite:
         raise ValueError("--resume keeps the rows of --out's gpu.json, --overwrite measures them again: pass one")
@@ -47,26 +49,29 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=_DEFAULTS.device, help="cuda, cuda:1, ... or cpu (with --smoke)")
+    from longattn.bench.gpu import GpuCheckConfig
+
+    defaults = GpuCheckConfig()
+    parser.add_argument("--device", default=defaults.device, help="cuda, cuda:1, ... or cpu (with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: every part in seconds (a CPU check)")
     add_list_argument(parser, "--parts", names=lambda: _PARTS, kind="part",
                       help=f"parts to run (default: all, {' '.join(_PARTS)})")
     add_attentions_argument(parser, help="mechanisms (default: all registered)")
     add_list_argument(parser, "--lengths", item="length", kind="length",
                       help="sequence lengths of the speed part, k/m suffixes (default: 1k 4k 16k 64k)")
-    parser.add_argument("--tokens", type=int, help=f"tokens per call of the speed part (default: {_DEFAULTS.tokens})")
-    parser.add_argument("--dim", type=int, help=f"model width of the speed part (default: {_DEFAULTS.dim})")
-    parser.add_argument("--heads", type=int, help=f"heads of the speed part (default: {_DEFAULTS.heads})")
+    parser.add_argument("--tokens", type=int, help=f"tokens per call of the speed part (default: {defaults.tokens})")
+    parser.add_argument("--dim", type=int, help=f"model width of the speed part (default: {defaults.dim})")
+    parser.add_argument("--heads", type=int, help=f"heads of the speed part (default: {defaults.heads})")
     parser.add_argument("--train-attention", type=name_type("mechanism", attention_names),
-                        help=f"mechanism of the training part (default: {_DEFAULTS.train_attention})")
-    parser.add_argument("--train-steps", type=int, help=f"steps of the training part (default: {_DEFAULTS.train_steps})")
+                        help=f"mechanism of the training part (default: {defaults.train_attention})")
+    parser.add_argument("--train-steps", type=int, help=f"steps of the training part (default: {defaults.train_steps})")
     add_list_argument(parser, "--hf-attentions", names=attention_names, kind="mechanism",
-                      help=f"mechanisms of the Hugging Face part (default: {' '.join(_DEFAULTS.hf_attentions)})")
+                      help=f"mechanisms of the Hugging Face part (default: {' '.join(defaults.hf_attentions)})")
     parser.add_argument("--budget-s", type=float, help="seconds for the whole run; rows past a part's share are "
-                        f"skipped and say so (default: {_DEFAULTS.budget_s:.0f})")
-    parser.add_argument("--seed", type=int, help=f"seed of weights and inputs (default: {_DEFAULTS.seed})")
+                        f"skipped and say so (default: {defaults.budget_s:.0f})")
+    parser.add_argument("--seed", type=int, help=f"seed of weights and inputs (default: {defaults.seed})")
     parser.add_argument("--row-timeout-s", type=float, help="seconds one accuracy or speed row may run before it is "
-                        f"recorded as timed out (default: {_DEFAULTS.row_timeout_s:.0f})")
+                        f"recorded as timed out (default: {defaults.row_timeout_s:.0f})")
     parser.add_argument("--out", default="runs/bench-gpu", help="folder written: gpu.json, gpu.md, train/")
     parser.add_argument("--overwrite", action="store_true", help="measure again into an --out that holds results")
     parser.add_argument("--resume", action="store_true", help="keep the measured rows of --out's gpu.json and "

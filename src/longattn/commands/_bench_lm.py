@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from longattn.bench import lm
 from longattn.commands._args import (add_data_dir_argument, add_list_argument,
                                     add_resume_argument, add_set_argument, add_workers_argument, preset_help)
 from longattn.experiment.analyses import register_analysis
 
 
 def _run(args: argparse.Namespace) -> int:
+    from longattn.bench import lm
+
     config = lm.LMBenchConfig(
         preset=args.preset, attentions=args.attentions, seeds=args.seeds, data_dir=args.data_dir,
         overrides=list(args.overrides), measure=args.measure, prefixes=args.prefixes,
@@ -28,6 +29,8 @@ def _causal() -> list[str]:
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.bench import lm
+
     parser.add_argument("--preset", default="cpu", help=preset_help(["lm"]))
     add_list_argument(parser, "--attentions", "--attention", dest="attentions", names=_causal, kind="causal mechanism",
                       default=list(lm.DEFAULT_ATTENTIONS),

@@ -19,16 +19,11 @@ import argparse
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from longattn.bench import speed as speed_defaults
-from longattn.bench.speed import MODEL_DEFAULTS
-from longattn.bench.targets import SDPA
 from longattn.commands._args import (add_attentions_argument, add_data_dir_argument, add_list_argument,
                                     add_overwrite_argument, add_resume_argument, add_set_argument, attention_names,
-                                    name_type, preset_help, task_data_dirs)
+                                    name_type, preset_help, task_data_dirs, task_names)
 from longattn.commands.bench import _lengths, _options, _write
 from longattn.experiment.analyses import register_analysis, register_paper
-from longattn.experiment.grid import default_seeds
-from longattn.tasks.base import task_names
 
 # FSAT Table 2 / Figure 3: FSAT and the baselines of its efficiency comparison
 FSAT_BASELINES = ("softmax", "local", "linformer", "reformer", "sinkhorn", "synthesizer", "bigbird", "linear", "performer")
@@ -60,7 +55,8 @@ def _flops_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fsat_fig3(args: argparse.Namespace) -> int:
-    from longattn.bench.speed import per_sequence_table, plot_speed, run_speed
+    from longattn.bench.speed import MODEL_DEFAULTS, per_sequence_table, plot_speed, run_speed
+    from longattn.bench.targets import SDPA
 
     base = replace(MODEL_DEFAULTS, batch=args.batch, threads=args.threads, repeats=args.repeats, seed=args.seed,
                    options=_options(args.options))
@@ -76,6 +72,9 @@ def _fsat_fig3(args: argparse.Namespace) -> int:
 
 
 def _fsat_fig3_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.bench import speed as speed_defaults
+    from longattn.bench.speed import MODEL_DEFAULTS
+
     add_attentions_argument(parser, help=f"mechanisms (default: fsat {' '.join(FSAT_BASELINES)})")
     _lengths(parser, FSAT_LENGTHS)
     parser.add_argument("--batch", type=int, default=4, help="sequences per training step (figures are per sequence)")
@@ -91,6 +90,8 @@ def _fsat_fig3_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _seeds(args: argparse.Namespace) -> list[int]:
     """--seeds if given, else the number of seeds the project uses for the preset (one place: grid.default_seeds)."""
+    from longattn.experiment.grid import default_seeds
+
     return list(args.seeds) if args.seeds else default_seeds(args.preset)
 
 
@@ -139,6 +140,7 @@ def _incoherence_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _batch_limit(args: argparse.Namespace) -> int:
     from longattn.bench.batch_limit import batch_table, plot_batch, run_batch_limit
+    from longattn.bench.speed import MODEL_DEFAULTS
 
     base = replace(MODEL_DEFAULTS, threads=args.threads, repeats=args.repeats, warmup=args.warmup, seed=args.seed)
     rows = run_batch_limit(args.attentions, args.length, int(args.budget_mib * 2**20), args.paper_batch, base,
@@ -151,8 +153,10 @@ def _batch_limit(args: argparse.Namespace) -> int:
 
 
 def _batch_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.bench import speed as speed_defaults
     from longattn.bench.batch_limit import PAPER_BATCH, TABLE_2_MECHANISMS
     from longattn.bench.flops import PAPER_FEATURES
+    from longattn.bench.speed import MODEL_DEFAULTS
 
     add_attentions_argument(parser, default=list(TABLE_2_MECHANISMS), help="mechanisms (Skeinformer Table 2's)")
     parser.add_argument("--length", type=int, default=4096, help="sequence length N (LRA Text: 4096)")

@@ -6,13 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from longattn.bench import seqpar
 from longattn.commands._args import add_list_argument
 from longattn.commands.bench import _lengths, _write
 from longattn.experiment.analyses import register_analysis
 
 
 def _run(args: argparse.Namespace) -> int:
+    from longattn.bench import seqpar
+
     names = args.attentions or list(seqpar.DEFAULT_ATTENTIONS)
     options = dict(seqpar.MECHANISM_OPTIONS)
     for name, extra in json.loads(args.options).items():
@@ -44,6 +45,8 @@ def _parallel_forms() -> list[str]:
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.bench import seqpar
+
     add_list_argument(parser, "--attentions", "--attention", dest="attentions", names=_parallel_forms,
                       kind="mechanism with a sequence-parallel form",
                       help=f"mechanisms (default: {' '.join(seqpar.DEFAULT_ATTENTIONS)})")

@@ -7,15 +7,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from longattn.bench import thresholds
-from longattn.bench.speed import SpeedConfig
 from longattn.commands._args import (add_attentions_argument, add_data_dir_argument, add_set_argument, preset_help,
                                     add_list_argument, add_renamed_argument, add_resume_argument,
-                                    name_type)
+                                    name_type, task_names)
 from longattn.commands.bench import _write
 from longattn.experiment.analyses import register_paper
-from longattn.models.registry import model_names
-from longattn.tasks.base import task_names
 
 LINEAR_MODELS = ("bigbird", "linformer", "flash", "singular")
 # The vocabulary only sizes the embedding table, which the memory figures leave out (peak above resident).
@@ -36,6 +32,9 @@ def _paper_model(layers: int | None, hidden: int | None) -> tuple[dict, int, int
 
 
 def _thresholds(args: argparse.Namespace) -> int:
+    from longattn.bench import thresholds
+    from longattn.bench.speed import SpeedConfig
+
     model, heads, head_dim = _paper_model(args.layers, args.hidden)
     base = SpeedConfig(target="", length=0, batch=args.batch, heads=args.heads or heads,
                        head_dim=args.head_dim or head_dim,
@@ -55,6 +54,9 @@ def _thresholds(args: argparse.Namespace) -> int:
 
 
 def _thresholds_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.bench import thresholds
+    from longattn.bench.speed import SpeedConfig
+
     add_attentions_argument(parser, default=list(LINEAR_MODELS), help="linear models compared with Post-LN softmax")
     add_list_argument(parser, "--grid", item="length", kind="N", default=list(thresholds.DEFAULT_GRID),
                       help="lengths where every model is measured before bisecting (k suffix allowed)")
@@ -110,6 +112,8 @@ def _correlation_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _classifiers() -> list[str]:
+    from longattn.models.registry import model_names
+
     return model_names("classifier")
 
 

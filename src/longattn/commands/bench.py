@@ -10,18 +10,19 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from longattn.commands import VERB_HELP
-from longattn import attention
-from longattn.commands._args import (add_attentions_argument, add_data_dir_argument, add_list_argument,
-                                    add_set_argument, attention_names)
+from longattn.commands._args import (EntryParser, add_attentions_argument, add_data_dir_argument, add_list_argument,
+                                    add_set_argument, length)
 from longattn.experiment.analyses import ANALYSES, register_analysis, register_paper
-from longattn.experiment.results import write_results
-from longattn.bench import speed as speed_defaults
-from longattn.bench.speed import MODEL_DEFAULTS, SpeedConfig
-from longattn.bench.targets import SDPA, SDPA_MATH, all_target_names, available_peers, peer_of
-from longattn.commands._args import length
+
+# The measurements (and torch with them) are imported by the functions that run an entry or add its options, not
+# here: every module of longattn.commands is imported to list `longattn bench`'s entries, and `longattn bench
+# --help` answers without torch (tests/commands/test_cli_startup.py).
 
 
 def _targets(args: argparse.Namespace) -> list[str]:
+    from longattn import attention
+    from longattn.bench.targets import SDPA, SDPA_MATH, peer_of
+
     names = args.attentions or [n for n in attention.available() if n != SDPA]
     targets = [SDPA] + [n for n in names if n != SDPA]
     if args.math and SDPA_MATH not in targets:
@@ -32,6 +33,8 @@ def _targets(args: argparse.Namespace) -> list[str]:
 
 
 def _write(out: Path, stem: str, rows: list[dict], table: str, extra: dict | None = None) -> None:
+    from longattn.experiment.results import write_results
+
     out.mkdir(parents=True, exist_ok=True)
     write_results(out / f"{stem}.json", {"rows": rows, **(extra or {})})
     (out / f"{stem}.md").write_text(table + "\n")
@@ -50,7 +53,8 @@ def _options(text: str) -> dict:
 
 
 def _speed(args: argparse.Namespace) -> int:
-    from longattn.bench.speed import growth, plot_speed, run_speed, speed_table
+    from longattn.bench.speed import SpeedConfig, growth, plot_speed, run_speed, speed_table
+    from longattn.bench.targets import available_peers
 
     base = SpeedConfig(target="", length=0, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                         device=args.device, dtype=args.dtype, threads=args.threads, warmup=args.warmup,
@@ -71,7 +75,9 @@ def _speed(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
-    from longattn.bench.speed import model_table, run_speed
+    from longattn import attention
+    from longattn.bench.speed import MODEL_DEFAULTS, model_table, run_speed
+    from longattn.bench.targets import SDPA
 
     base = replace(MODEL_DEFAULTS, batch=args.batch, device=args.device, threads=args.threads, repeats=args.repeats,
                         seed=args.seed)
@@ -85,6 +91,7 @@ def _model(args: argparse.Namespace) -> int:
 def _footprint(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from longattn import attention
     from longattn.bench.footprint import footprint, footprint_table
 
     names = args.attentions or attention.available()
@@ -144,6 +151,10 @@ def _lengths(parser: argparse.ArgumentParser, default: str | list[str], help: st
 
 
 def _speed_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.bench import speed as speed_defaults
+    from longattn.bench.speed import SpeedConfig
+    from longattn.bench.targets import all_target_names
+
     add_list_argument(parser, "--attentions", "--attention", dest="attentions", names=all_target_names,
                       kind="mechanism", help="mechanisms or peer packages (default: all registered mechanisms)")
     _lengths(parser, speed_defaults.DEFAULT_LENGTHS)
@@ -193,6 +204,9 @@ def _approx_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.bench import speed as speed_defaults
+    from longattn.bench.speed import MODEL_DEFAULTS
+
     add_attentions_argument(parser, help="mechanisms (default: all registered)")
     _lengths(parser, speed_defaults.MODEL_LENGTHS)
     parser.add_argument("--batch", type=int, default=MODEL_DEFAULTS.batch, help="sequences per training step")
@@ -254,10 +268,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                   description="Measured cost of the mechanisms and models, each written as JSON, a "
                                   "markdown table and a plot into --out. The papers' own measurements are also "
                                   "under `longattn paper`.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="MEASUREMENT", required=True)
+    sub = bench.add_subparsers(dest="bench_command", metavar="MEASUREMENT", required=True, parser_class=EntryParser)
     for name in ANALYSES.names():
         analysis = ANALYSES.get(name)
-        parser = sub.add_parser(name, help=analysis.help, description=analysis.help)
-        analysis.arguments(parser)
+        parser = sub.add_parser(name, help=analysis.help, description=analysis.help, add_arguments=analysis.arguments)
         parser.set_defaults(func=analysis.run)
 

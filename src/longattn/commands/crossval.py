@@ -7,14 +7,13 @@ import argparse
 
 from longattn.commands._args import (add_config_arguments, add_data_dir_argument, add_list_argument,
                                     add_no_progress_argument, add_resume_argument, add_workers_argument,
-                                    deprecated_alias, no_progress)
+                                    deprecated_alias, no_progress, task_names)
 from longattn.experiment.analyses import register_paper, register_report
-from longattn.experiment.crossval import TABLE4_DATASETS, run_crossval, table4_models
-from longattn.models.registry import model_names
-from longattn.tasks.base import task_names
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    from longattn.experiment.crossval import run_crossval
+
     overrides = no_progress(args)
     if args.data_dir:
         overrides.insert(0, f"data.data_dir={args.data_dir}")
@@ -28,6 +27,9 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
+    from longattn.experiment.crossval import TABLE4_DATASETS, table4_models
+    from longattn.models.registry import model_names
+
     add_list_argument(parser, "--tasks", names=task_names, kind="task", default=["r8"],
                       help=f"datasets (Table 4's: {', '.join(TABLE4_DATASETS)})")
     add_list_argument(parser, "--models", names=lambda: model_names("classifier"), kind="model",

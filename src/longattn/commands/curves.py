@@ -7,10 +7,11 @@ import argparse
 from pathlib import Path
 
 from longattn.experiment.analyses import register_report
-from longattn.experiment.curves import groups_from_folder, write_learning_curves
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    from longattn.experiment.curves import groups_from_folder, write_learning_curves
+
     written = write_learning_curves(groups_from_folder(args.run), args.run)
     print((args.run / "curves.md").read_text())
     print(f"wrote {', '.join(str(path) for path in written)}")

@@ -7,25 +7,31 @@ from __future__ import annotations
 import argparse
 
 from longattn.commands import VERB_HELP
-from longattn.commands._args import add_data_dir_argument, add_list_argument
-from longattn.data.download import ARCHIVES, download
-from longattn.data.glue import GLUE_TASKS, download_glue
-from longattn.data.textcls import TEXTCLS_DATASETS, download_textcls
-from longattn.data.timeseries import SERIES, download_series, resolve_series
+from longattn.commands._args import add_data_dir_argument, add_list_argument, glue_task_names
 from longattn.registry import nearest
+
+# The dataset modules (torch with them) are imported by the functions that name or fetch the datasets, not here:
+# `longattn data --help` answers without them.
 
 
 def _textcls() -> list[str]:
+    from longattn.data.textcls import TEXTCLS_DATASETS
+
     return [name for name in TEXTCLS_DATASETS.names() if name != "mimic3_50"]  # MIMIC-III is never downloaded
 
 
 def downloadable() -> list[str]:
     """Every name ``data download`` takes: series, glue, text classification sets, then the other archives."""
+    from longattn.data.download import ARCHIVES
+    from longattn.data.timeseries import SERIES
+
     archives = [name for name in sorted(ARCHIVES) if not name.startswith(("glue_", "r8_")) and name not in _textcls()]
     return [*SERIES, "glue", *_textcls(), *archives]
 
 
 def _dataset(text: str) -> str:
+    from longattn.data.timeseries import resolve_series
+
     if text in downloadable():
         return text
     try:
@@ -36,6 +42,11 @@ def _dataset(text: str) -> str:
 
 
 def _download(args: argparse.Namespace) -> int:
+    from longattn.data.download import download
+    from longattn.data.glue import download_glue
+    from longattn.data.textcls import download_textcls
+    from longattn.data.timeseries import SERIES, download_series
+
     options = {"base_url": args.base_url, "allow_unverified": args.allow_unverified}
     for name in args.datasets:
         if name in SERIES:
@@ -58,9 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        description="Download each dataset into --data-dir and verify it (SHA-256 or MD5 where "
                        "published; the forecasting CSVs also by shape). A verified copy already there is kept.")
     d.add_argument("datasets", nargs="+", type=_dataset, metavar="NAME",
-                   help=f"datasets: {', '.join(downloadable())}")
+                   help=lambda: f"datasets: {', '.join(downloadable())}")
     add_data_dir_argument(d, required=True, help="the folder the datasets go into")
-    add_list_argument(d, "--glue-tasks", names=GLUE_TASKS.names, kind="GLUE task",
+    add_list_argument(d, "--glue-tasks", names=glue_task_names, kind="GLUE task",
                       help="with glue: these tasks only (default: all eight)")
     d.add_argument("--base-url", help="mirror folder URL (file names are appended)")
     d.add_argument("--allow-unverified", action="store_true",

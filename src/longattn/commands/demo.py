@@ -6,17 +6,20 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
-
 from longattn.commands import VERB_HELP
-from longattn import attention
 from longattn.commands._args import add_attentions_argument
-from longattn.experiment.results import write_results
-from longattn.utils import seed_everything
+
+# torch and the mechanisms are imported by the functions that run them, not here: `longattn demo --help` answers
+# without them (tests/commands/test_cli_startup.py).
 
 
 def run_demo(names: list[str], length: int, dim: int, heads: int, batch: int, seed: int) -> list[dict]:
     """Forward + backward of each mechanism once (after a warm-up) on random data."""
+    import torch
+
+    from longattn import attention
+    from longattn.utils import seed_everything
+
     rows = []
     for name in names:
         seed_everything(seed)
@@ -44,6 +47,8 @@ def run_demo(names: list[str], length: int, dim: int, heads: int, batch: int, se
 
 def clock_label(threads: int | None = None) -> str:
     """What the ms column is: wall time of one call, at this process's torch thread count."""
+    import torch
+
     threads = torch.get_num_threads() if threads is None else threads
     return (f"fwd_bwd_ms: wall time of one forward + backward after a warm-up, {threads} torch "
             f"thread{'s' if threads != 1 else ''} on the CPU (OMP_NUM_THREADS sets them); one call on random data, "
@@ -59,6 +64,9 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    from longattn import attention
+    from longattn.experiment.results import write_results
+
     names = args.attentions or attention.available()
     rows = run_demo(names, args.length, args.dim, args.heads, args.batch, args.seed)
     print(format_table(rows, ["attention", "output_shape", "parameters", "fwd_bwd_ms", "finite"]))

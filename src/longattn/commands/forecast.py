@@ -10,14 +10,14 @@ from pathlib import Path
 from longattn.commands._args import (add_data_dir_argument, add_list_argument, add_overwrite_argument,
                                     add_set_argument, add_workers_argument, deprecated_alias)
 from longattn.experiment.analyses import register_paper, register_report
-from longattn.experiment.grid import PAPER_SEEDS
-from longattn.experiment.results import write_results
-from longattn.forecast.table import difference_table, format_table, run_table, summarise
 
 DEFAULT_MODELS = ("skt", "dlinear", "encoder:softmax", "encoder:skein")
 
 
 def _table(args: argparse.Namespace) -> int:
+    from longattn.experiment.results import write_results
+    from longattn.forecast.table import difference_table, format_table, run_table, summarise
+
     if args.reference and args.reference not in args.models:  # say so before hours of training, not after
         raise ValueError(f"--reference {args.reference!r} is not among --models ({', '.join(args.models)})")
     out = args.run if args.collect_only else args.out
@@ -50,6 +50,8 @@ def _table_run(args: argparse.Namespace) -> int:
 
 
 def _cells(parser: argparse.ArgumentParser) -> None:
+    from longattn.experiment.grid import PAPER_SEEDS
+
     add_list_argument(parser, "--datasets", required=True, kind="dataset",
                       help="benchmark series names (ETTm2 exchange ili ...) or CSV paths")
     add_list_argument(parser, "--horizons", item=int, kind="horizon", help="default: each dataset's config horizons")

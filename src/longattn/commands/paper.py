@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from longattn.commands import VERB_HELP
+from longattn.commands._args import EntryParser
 from longattn.experiment.analyses import PAPERS
 
 
@@ -26,11 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     paper = subparsers.add_parser("paper", help=VERB_HELP["paper"],
                                   description="Each entry runs one table or figure of a paper with the "
                                   "paper's settings by default; `longattn paper` alone lists them.")
-    sub = paper.add_subparsers(dest="paper_command", metavar="NAME")
+    sub = paper.add_subparsers(dest="paper_command", metavar="NAME", parser_class=EntryParser)
     for name in PAPERS.names():
         entry = PAPERS.get(name)
         parser = sub.add_parser(name, help=f"{entry.paper} {entry.item}: {entry.help}",
-                                description=f"{entry.paper} {entry.item}: {entry.help}.")
-        entry.arguments(parser)
+                                description=f"{entry.paper} {entry.item}: {entry.help}.", add_arguments=entry.arguments)
         parser.set_defaults(func=entry.run)
     paper.set_defaults(func=_list)

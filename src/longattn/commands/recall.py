@@ -8,8 +8,6 @@ import argparse
 from longattn.commands._args import (add_list_argument, add_resume_argument, add_set_argument,
                                      add_workers_argument)
 from longattn.experiment.analyses import register_paper
-from longattn.experiment.recall import (estimate_sweep_cost, load_recall_sweep, plan_sweep, run_recall_sweep,
-                                        write_cost_estimate)
 
 SWEEP = "zoology_fig2"
 
@@ -43,6 +41,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from longattn.experiment.recall import (estimate_sweep_cost, load_recall_sweep, plan_sweep, run_recall_sweep,
+                                            write_cost_estimate)
+
     spec = load_recall_sweep(args.config)
     plan = plan_sweep(spec, args.preset, attentions=args.attentions, lengths=args.lengths, widths=args.widths,
                       seeds=args.seeds, lrs=args.lrs, extra_overrides=args.overrides,

@@ -12,7 +12,6 @@ from longattn.commands._args import (add_attentions_argument, add_data_dir_argum
                                     add_resume_argument, add_set_argument, add_workers_argument)
 from longattn.commands.compare import _data_dir, _sweep, sweep_arguments
 from longattn.experiment.analyses import register_paper
-from longattn.experiment.grid import DEMO_SEEDS, PAPER_SEEDS, run_sweep
 
 NOISE_LEVELS = (0, 2, 4, 8)
 NOISE_ATTENTIONS = ("softmax", "skeleton", "nystrom", "linformer", "performer")
@@ -42,6 +41,8 @@ def noise_spec(attentions: list[str], levels: list[float]) -> dict[str, Any]:
 
 
 def _noise(args: argparse.Namespace) -> int:
+    from longattn.experiment.grid import run_sweep
+
     spec = noise_spec(args.attentions, args.levels)
     summary = run_sweep(spec, args.out, preset=args.preset, extra_overrides=_data_dir(args) + args.overrides,
                         seeds=args.seeds, resume=args.resume, reference=args.reference, workers=args.workers,
@@ -50,6 +51,8 @@ def _noise(args: argparse.Namespace) -> int:
 
 
 def _noise_arguments(parser: argparse.ArgumentParser) -> None:
+    from longattn.experiment.grid import DEMO_SEEDS, PAPER_SEEDS
+
     add_attentions_argument(parser, default=list(NOISE_ATTENTIONS), help="the mechanisms (rows)")
     add_list_argument(parser, "--levels", item=float, kind="level", default=list(NOISE_LEVELS),
                       help="noise amplitudes a of U(-a, a) added to every pixel, train and test (columns)")

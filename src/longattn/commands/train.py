@@ -7,22 +7,25 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 from longattn.commands import VERB_HELP
 from longattn.commands._args import (add_config_arguments, add_data_dir_argument, add_no_progress_argument,
                                     add_resume_argument, add_renamed_argument, add_run_arguments, no_progress)
 from longattn.config import merge, parse_set
-from longattn.experiment.config import resolve_config
-from longattn.experiment.results import write_results
-from longattn.experiment.run import evaluate_run, run
-from longattn.experiment.threads import plan_threads
-from longattn.data.timeseries import SERIES
-from longattn.tasks.base import get_task
-from longattn.tasks.forecasting import find_preset
+
+# torch and the experiment modules are imported by the functions that run a command, not here: `longattn eval
+# --help` answers without them (`longattn train --help` lists the registered tasks and mechanisms, which loads
+# them).
 
 
 def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from longattn.experiment.config import resolve_config
+    from longattn.experiment.run import run
+    from longattn.experiment.threads import plan_threads
+    from longattn.tasks.base import get_task
+    from longattn.tasks.forecasting import find_preset
+
     preset = args.preset
     if args.task == "forecasting" and args.dataset and preset is None and args.config is None:
         preset = find_preset(args.dataset)  # the dataset's shipped config (configs/forecast/<dataset>.yaml)
@@ -45,6 +48,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from longattn.experiment.results import write_results
+    from longattn.experiment.run import evaluate_run
+
     options: dict = {}
     for text in args.data_option:
         options = merge(options, parse_set(text))
@@ -53,6 +59,12 @@ def _eval(args: argparse.Namespace) -> int:
     write_results(Path(args.run) / f"eval_{args.split}_{Path(args.checkpoint).stem}{suffix}.json", result)
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _series() -> list[str]:
+    from longattn.data.timeseries import SERIES
+
+    return list(SERIES)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "none)")
     p.add_argument("--seed", type=int, help="seed of the weights and the data order (default: the config's, 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the config's)")
-    p.add_argument("--dataset", help=f"forecasting: {', '.join(SERIES)} or a path to a CSV with a date column "
+    p.add_argument("--dataset", help=lambda: f"forecasting: {', '.join(_series())} or a path to a CSV with a date column "
                    "(its shipped config is the preset unless --preset or --config is given)")
     p.add_argument("--pred-len", type=int, help="forecasting: the horizon, in time steps")
     p.add_argument("--out", required=True, help="output folder")

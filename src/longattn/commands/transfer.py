@@ -15,20 +15,19 @@ from pathlib import Path
 from longattn.commands import VERB_HELP
 from longattn.commands._args import (add_attentions_argument, add_config_arguments, add_data_dir_argument,
                                     add_list_argument, add_no_progress_argument, add_resume_argument, add_set_argument,
-                                    add_workers_argument, attention_names, deprecated_alias, name_type, no_progress,
-                                    task_data_dirs)
+                                    add_workers_argument, attention_names, deprecated_alias, glue_task_names, name_type,
+                                    no_progress, task_data_dirs)
 from longattn.config import ConfigError
-from longattn.experiment.config import load_saved, resolve_config
 from longattn.experiment.analyses import register_paper, register_report
-from longattn.experiment.results import now
-from longattn.experiment.run import run
-from longattn.data.glue import GLUE_TASKS
-from longattn.experiment.transfer import (collect_finetune_cells, finetune_grid, load_spec, run_table3,
-                                          write_transfer_table)
-from longattn.hf.bert import MINILM
+
+# The experiment modules (and torch and transformers with them) are imported by the functions that run a command,
+# not here: `longattn pretrain --help` and `longattn finetune --help` answer without them.
 
 
 def _pretrain(args: argparse.Namespace) -> int:
+    from longattn.experiment.config import resolve_config
+    from longattn.experiment.run import run
+
     overrides = [*no_progress(args), *([f"data.data_dir={args.data_dir}"] if args.data_dir else [])]
     config = resolve_config("mlm", args.preset, args.config, overrides, attention=args.attention)
     results = run(config, args.out, resume=args.resume, overwrite=args.overwrite)
@@ -39,6 +38,9 @@ def _pretrain(args: argparse.Namespace) -> int:
 
 
 def _pretrained_attention(folder: str) -> str:
+    from longattn.experiment.config import load_saved
+    from longattn.hf.bert import MINILM
+
     saved = Path(folder) / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"--pretrained {folder}: no config.yaml there; give `longattn pretrain` --out folders "
@@ -54,6 +56,10 @@ def _table_naming(from_minilm: bool, mechanisms: set[str], folder: Path) -> dict
 
 
 def _finetune(args: argparse.Namespace) -> int:
+    from longattn.experiment.results import now
+    from longattn.experiment.transfer import finetune_grid, load_spec, write_transfer_table
+    from longattn.hf.bert import MINILM
+
     spec = load_spec(args.config or (DEFAULT_MINILM_SPEC if args.pretrained == [MINILM] else "table3_cpu"))
     if args.tasks:
         spec.setdefault("finetune", {})["tasks"] = list(args.tasks)
@@ -81,6 +87,9 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from longattn.experiment.transfer import collect_finetune_cells, write_transfer_table
+    from longattn.hf.bert import MINILM
+
     folders = [Path(folder) for folder in args.run]
     if args.out is None and len(folders) > 1:
         raise ConfigError("--out is required with several --run folders (where the merged table is written)")
@@ -108,6 +117,8 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _table3(args: argparse.Namespace) -> int:
+    from longattn.experiment.transfer import load_spec, run_table3
+
     spec = load_spec(args.config)
     folders = task_data_dirs(args.data_dir, list(TABLE3_DATA), what="part")
     missing = [key for key in TABLE3_DATA if key not in folders]
@@ -173,7 +184,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_attentions_argument(f, help="with --pretrained minilm: the mechanisms (default: the spec's)")
     f.add_argument("--config", help=f"transfer spec (a file, or shipped: {SPECS}); default: {DEFAULT_MINILM_SPEC} "
                    "(the fine-tuning recipe) with --pretrained minilm, table3_cpu with pretraining folders")
-    add_list_argument(f, "--tasks", names=GLUE_TASKS.names, kind="GLUE task", help="GLUE tasks (default: the spec's)")
+    add_list_argument(f, "--tasks", names=glue_task_names, kind="GLUE task", help="GLUE tasks (default: the spec's)")
     add_list_argument(f, "--seeds", item=int, kind="seed", help="seeds of every run (default: the spec's)")
     add_data_dir_argument(f, "the glue_data/ folder", "--glue-dir", required=True)
     add_set_argument(f, help="override for every fine-tuning run (repeatable)")
