@@ -108,7 +108,7 @@ def test_on_device_makes_the_tensors_cuda_device_current(monkeypatch):
 
 
 # One module per GPU-path function that takes kernels (every launcher of every kernel module is reached), with
-# options that make its kernels run at 37 tokens.
+# options that make its kernels run at 37 tokens (bigbird: 97, below which it attends densely).
 SHARED_MEMORY_CASES = [
     ("local", dict(window_size=8)),
     ("bigbird", dict(block_size=16, random_blocks=1)),
@@ -141,7 +141,7 @@ def test_a_kernel_over_the_devices_shared_memory_takes_the_pytorch_gpu_path_said
 
     torch.manual_seed(0)
     layer = attention.build(name, dim=16, heads=2, **options)
-    x = torch.randn(2, 37, 16, requires_grad=True)
+    x = torch.randn(2, 97 if name == "bigbird" else 37, 16, requires_grad=True)
 
     def run():
         torch.manual_seed(1)
@@ -167,7 +167,10 @@ def test_a_kernel_over_the_devices_shared_memory_takes_the_pytorch_gpu_path_said
     assert messages and len(messages) == len(set(messages))
     assert all("1,000,000 B of shared memory per block, cpu has 1,000 B" in m for m in messages)
     torch.testing.assert_close(got, want)
+    # the Smoother's steps fall back one by one: with only its backward kernels too big its forward ran the kernels,
+    # whose float32 sums round apart from the PyTorch steps' in the last bits
+    tolerance = dict(rtol=1e-4, atol=1e-4) if name == "skeleton" and too_big == "backward kernels" else {}
     for a, b in zip(got_grads, want_grads):
         assert (a is None) == (b is None)
         if a is not None:
-            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, b, **tolerance)

@@ -122,7 +122,7 @@ def _statistics(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, vc_ptr, wc_ptr, b, t, 
     mean2 = tl.zeros([BT], dtype=tl.float32)
     m22 = tl.zeros([BT], dtype=tl.float32)
     for h in range(H):
-        h = h.to(tl.int64)  # 64-bit offsets (b, h and the tokens t index everything below: see _core_fwd_kernel)
+        h = tl.cast(h, tl.int64)  # 64-bit offsets (b, h and the tokens index everything: see _core_fwd_kernel)
         if ROW:
             _q, _k, _v, _f, _p, _w, o1 = _row_branch(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, b, h, t, N, H, S1, DH,
                                                      q_sb, q_sn, keep_scale, MASK_SAMPLES, DROPOUT, IEEE, UPCAST,
@@ -150,7 +150,7 @@ def _core_fwd_kernel(q_ptr, vc_ptr, k_ptr, v_ptr, wc_ptr, valid_ptr, keep_ptr, g
     inside = (t < N)[:, None] & (d < DH)[None, :]
     rows = b * N + t
     for h in range(H):
-        h = h.to(tl.int64)
+        h = tl.cast(h, tl.int64)
         f = h * DH + d
         out = tl.zeros([BT, DHP], dtype=tl.float32)
         if ROW:
@@ -221,7 +221,7 @@ def _core_bwd_kernel(q_ptr, vc_ptr, k_ptr, v_ptr, wc_ptr, valid_ptr, keep_ptr, g
         sum_g2 = tl.zeros([BT], dtype=tl.float32)
         sum_gx2 = tl.zeros([BT], dtype=tl.float32)
         for h in range(H):
-            h = h.to(tl.int64)
+            h = tl.cast(h, tl.int64)
             f = h * DH + d
             grad = tl.load(go_ptr + b * go_sb + t[:, None] * go_sn + f[None, :], mask=inside, other=0.0).to(tl.float32)
             if ROW:
@@ -241,7 +241,7 @@ def _core_bwd_kernel(q_ptr, vc_ptr, k_ptr, v_ptr, wc_ptr, valid_ptr, keep_ptr, g
                 sum_gx2 += tl.sum(scaled * xhat, 1)
         # third pass: the gradients, head by head
         for h in range(H):
-            h = h.to(tl.int64)
+            h = tl.cast(h, tl.int64)
             f = h * DH + d
             grad = tl.load(go_ptr + b * go_sb + t[:, None] * go_sn + f[None, :], mask=inside, other=0.0).to(tl.float32)
             norm_part = dnorm_ptr + part * 4 * DIM + f
