@@ -231,7 +231,8 @@ def test_layer_through_the_kernels_under_bfloat16_autocast():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records the interpreter's launches")
 def test_kernel_path_dispatches_a_fixed_number_of_operations(monkeypatch):
     """With the kernels' launches recorded instead of run (their outputs are then garbage, the shapes are right),
-    the Triton path's aten operations and kernel launches are the same at N = 1k and 64k, batch 2 and 64."""
+    the Triton path's aten operations and kernel launches are the same at N = 1k and 64k, batch 2 and 64. In
+    bfloat16: meta tensors stand for a GPU's, where float32 takes the core's PyTorch path."""
     import triton.runtime.interpreter as interpreter
 
     import longattn.attention.skeleton as skeleton_module
@@ -246,8 +247,8 @@ def test_kernel_path_dispatches_a_fixed_number_of_operations(monkeypatch):
     for length, batch in ((1024, 2), (65536, 2), (1024, 64)):
         launches.clear()
         with torch.device("meta"):
-            layer = attention.build("skeleton", dim=512, heads=8, max_len=length).train()
-        x = torch.randn(batch, length, 512, device="meta", requires_grad=True)
+            layer = attention.build("skeleton", dim=512, heads=8, max_len=length).train().to(torch.bfloat16)
+        x = torch.randn(batch, length, 512, device="meta", dtype=torch.bfloat16, requires_grad=True)
         with force_path("gpu"), DispatchCounter() as ops:
             layer(x, torch.ones(batch, length, dtype=torch.bool, device="meta")).sum().backward()
         seen.add((tuple(sorted(ops.counts.items())), tuple(sorted(launches.items()))))

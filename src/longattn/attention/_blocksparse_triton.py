@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from longattn.attention._triton import float32_takes_pytorch_path
+from longattn.attention._triton import (check_backward, float32_takes_pytorch_path, launch,
+                                       launches_on_input_device)
 from longattn.attention.chunked import SparsePattern
 
 __all__ = ["TILE", "blocksparse_attention", "blocksparse_attention_reference", "kernel_supports"]
@@ -108,7 +109,8 @@ def _fwd_tile(acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_vn, cols, n_cols
               DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile of the online softmax: scores in float32 (log2 units), running max and sum."""
     col_ok = cols < n_cols
-    k = tl.load(k_ptr + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :] & (offs_d[:, None] < D),
+    keys = cols.to(tl.int64)  # 64-bit offsets: key x stride may pass 2^31
+    k = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :] & (offs_d[:, None] < D),
                 other=0.0)
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
     s = tl.where(ok, s, float("-inf"))
@@ -119,7 +121,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_vn, cols, n_cols
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(_keep(seed, bh, rows, drop_cols, n_rows, n_drop_cols, dropout_p), p / (1.0 - dropout_p), 0.0)
-    v = tl.load(v_ptr + cols[:, None] * stride_vn + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV),
+    v = tl.load(v_ptr + keys[:, None] * stride_vn + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV),
                 other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
@@ -145,7 +147,7 @@ def _fwd_kernel(Q, K, V, KE, VE, O, LSE, KVALID, EPOS, EVALID, EEND, BLOCKS,
     pos_i = rows + Q_OFFSET
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     k_ptr = K + b * stride_kb + h * stride_kh
     v_ptr = V + b * stride_vb + h * stride_vh
@@ -168,7 +170,7 @@ def _fwd_kernel(Q, K, V, KE, VE, O, LSE, KVALID, EPOS, EVALID, EEND, BLOCKS,
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_vn, cols, NK, ok, offs_d, offs_dv,
                                   D, DV, qk_scale, seed, bh, rows, NQ, cols, n_drop_cols, dropout_p, DROPOUT, PRECISION)
     if HAS_LIST:
-        list_ptr = BLOCKS + h * stride_blh + ((tile * BM) // LIST_BLOCK) * stride_blm
+        list_ptr = BLOCKS + h * stride_blh + ((tile * BM) // LIST_BLOCK).to(tl.int64) * stride_blm
         for slot in range(N_LIST):
             block = tl.load(list_ptr + slot)
             if block >= 0:
@@ -194,7 +196,7 @@ def _fwd_kernel(Q, K, V, KE, VE, O, LSE, KVALID, EPOS, EVALID, EEND, BLOCKS,
 
     seen = l_i > 0.0  # a row that sees no key outputs zeros
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_dv[None, :],
+    tl.store(O + b * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_on + offs_dv[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(LSE + bh * NQ + rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), 0.0), mask=row_ok)
 
@@ -217,10 +219,11 @@ def _delta_kernel(O, DO, DELTA, SKIP, stride_ob, stride_oh, stride_on, stride_do
     b = bh // H
     h = bh % H
     rows = tile * BM + tl.arange(0, BM)
+    rows64 = rows.to(tl.int64)  # 64-bit offsets: row x stride may pass 2^31
     offs = tl.arange(0, BDV)
     mask = _rows_used(SKIP, rows, NQ, HAS_SKIP)[:, None] & (offs < DV)[None, :]
-    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs[None, :], mask=mask,
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows64[:, None] * stride_on + offs[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows64[:, None] * stride_don + offs[None, :], mask=mask,
                  other=0.0)
     tl.store(DELTA + bh * NQ + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < NQ)
 
@@ -231,9 +234,10 @@ def _bwd_dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, cols
                  DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile's share of dQ."""
     col_ok = cols < n_cols
-    k = tl.load(k_ptr + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None] & (offs_d[None, :] < D),
+    keys = cols.to(tl.int64)  # 64-bit offsets: key x stride may pass 2^31
+    k = tl.load(k_ptr + keys[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None] & (offs_d[None, :] < D),
                 other=0.0)
-    v = tl.load(v_ptr + cols[:, None] * stride_vn + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV),
+    v = tl.load(v_ptr + keys[:, None] * stride_vn + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV),
                 other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
@@ -267,9 +271,9 @@ def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, KVALID, EPOS, EVALID, EE
     pos_i = rows + Q_OFFSET
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_dv[None, :],
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows.to(tl.int64)[:, None] * stride_don + offs_dv[None, :],
                  mask=_rows_used(SKIP, rows, NQ, HAS_SKIP)[:, None] & (offs_dv[None, :] < DV), other=0.0)
     lse = tl.load(LSE + bh * NQ + rows, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh * NQ + rows, mask=row_ok, other=0.0)
@@ -291,7 +295,7 @@ def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, KVALID, EPOS, EVALID, EE
         dq = _bwd_dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, stride_kn, stride_vn, cols, NK, ok, offs_d, offs_dv,
                           D, DV, qk_scale, seed, bh, rows, NQ, cols, n_drop_cols, dropout_p, DROPOUT, PRECISION)
     if HAS_LIST:
-        list_ptr = BLOCKS + h * stride_blh + ((tile * BM) // LIST_BLOCK) * stride_blm
+        list_ptr = BLOCKS + h * stride_blh + ((tile * BM) // LIST_BLOCK).to(tl.int64) * stride_blm
         for slot in range(N_LIST):
             block = tl.load(list_ptr + slot)
             if block >= 0:
@@ -314,7 +318,7 @@ def _bwd_dq_kernel(Q, K, V, KE, VE, DO, LSE, DELTA, DQ, KVALID, EPOS, EVALID, EE
             dq = _bwd_dq_tile(dq, q, do, lse, delta, ke_ptr, ve_ptr, stride_ken, stride_ven, cols, NE, ok, offs_d,
                               offs_dv, D, DV, qk_scale, seed, bh, rows, NQ, NK + cols, n_drop_cols, dropout_p,
                               DROPOUT, PRECISION)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqn + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
@@ -325,9 +329,10 @@ def _bwd_dkv_tile(dk, dv, k, v, q_ptr, do_ptr, stride_qn, stride_don, lse_ptr, d
     """One query tile's share of dK and dV (transposed: rows of the tile are keys); ``drop_cols``
     are the keys' columns in the dropout draws."""
     row_ok = rows < n_rows
-    q = tl.load(q_ptr + rows[:, None] * stride_qn + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D),
+    rows64 = rows.to(tl.int64)  # 64-bit offsets: row x stride may pass 2^31
+    q = tl.load(q_ptr + rows64[:, None] * stride_qn + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D),
                 other=0.0)
-    do = tl.load(do_ptr + rows[:, None] * stride_don + offs_dv[None, :],
+    do = tl.load(do_ptr + rows64[:, None] * stride_don + offs_dv[None, :],
                  mask=_rows_used(skip_ptr, rows, n_rows, HAS_SKIP)[:, None] & (offs_dv[None, :] < DV), other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
@@ -364,9 +369,9 @@ def _bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, KVALID, BLOCKS_T, SKIP,
     col_ok = cols < NK
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    k = tl.load(K + b * stride_kb + h * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
+    k = tl.load(K + b * stride_kb + h * stride_kh + cols.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
                 mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :],
+    v = tl.load(V + b * stride_vb + h * stride_vh + cols.to(tl.int64)[:, None] * stride_vn + offs_dv[None, :],
                 mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
     q_ptr = Q + b * stride_qb + h * stride_qh
     do_ptr = DO + b * stride_dob + h * stride_doh
@@ -395,7 +400,7 @@ def _bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, KVALID, BLOCKS_T, SKIP,
                                cols, okT, offs_d, offs_dv, D, DV, qk_scale, seed, bh, n_drop_cols, dropout_p, HAS_SKIP,
                                DROPOUT, PRECISION)
     if HAS_LIST:
-        list_ptr = BLOCKS_T + h * stride_bth + ((tile * BN) // LIST_BLOCK) * stride_btm
+        list_ptr = BLOCKS_T + h * stride_bth + ((tile * BN) // LIST_BLOCK).to(tl.int64) * stride_btm
         for slot in range(N_LIST_T):
             block = tl.load(list_ptr + slot)
             if block >= 0:
@@ -406,9 +411,9 @@ def _bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, KVALID, BLOCKS_T, SKIP,
                     dk, dv = _bwd_dkv_tile(dk, dv, k, v, q_ptr, do_ptr, stride_qn, stride_don, lse_ptr, delta_ptr,
                                            SKIP, rows, NQ, cols, okT, offs_d, offs_dv, D, DV, qk_scale, seed, bh,
                                            n_drop_cols, dropout_p, HAS_SKIP, DROPOUT, PRECISION)
-    tl.store(DK + b * stride_dkb + h * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :],
+    tl.store(DK + b * stride_dkb + h * stride_dkh + cols.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(DV_ + b * stride_dvb + h * stride_dvh + cols[:, None] * stride_dvn + offs_dv[None, :],
+    tl.store(DV_ + b * stride_dvb + h * stride_dvh + cols.to(tl.int64)[:, None] * stride_dvn + offs_dv[None, :],
              dv.to(DV_.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < DV))
 
 
@@ -430,9 +435,9 @@ def _bwd_extra_kernel(Q, KE, VE, DO, LSE, DELTA, DKE, DVE, EPOS, EVALID, SKIP,
     col_ok = cols < NE
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
-    ke = tl.load(KE + b * stride_keb + h * stride_keh + cols[:, None] * stride_ken + offs_d[None, :],
+    ke = tl.load(KE + b * stride_keb + h * stride_keh + cols.to(tl.int64)[:, None] * stride_ken + offs_d[None, :],
                  mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    ve = tl.load(VE + b * stride_veb + h * stride_veh + cols[:, None] * stride_ven + offs_dv[None, :],
+    ve = tl.load(VE + b * stride_veb + h * stride_veh + cols.to(tl.int64)[:, None] * stride_ven + offs_dv[None, :],
                  mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
     evalid_ptr = EVALID + b * stride_evalid
     dk = tl.zeros([BN, BD], tl.float32)
@@ -449,9 +454,9 @@ def _bwd_extra_kernel(Q, KE, VE, DO, LSE, DELTA, DKE, DVE, EPOS, EVALID, SKIP,
                                stride_qn, stride_don, LSE + bh * NQ, DELTA + bh * NQ, SKIP, rows, NQ, NK + cols, okT,
                                offs_d, offs_dv, D, DV, qk_scale, seed, bh, NK + NE, dropout_p, HAS_SKIP, DROPOUT,
                                PRECISION)
-    tl.atomic_add(DKE + bh * NE * D + cols[:, None] * D + offs_d[None, :], dk * sm_scale,
+    tl.atomic_add(DKE + bh * NE * D + cols.to(tl.int64)[:, None] * D + offs_d[None, :], dk * sm_scale,
                   mask=col_ok[:, None] & (offs_d[None, :] < D))
-    tl.atomic_add(DVE + bh * NE * DV + cols[:, None] * DV + offs_dv[None, :], dv,
+    tl.atomic_add(DVE + bh * NE * DV + cols.to(tl.int64)[:, None] * DV + offs_dv[None, :], dv,
                   mask=col_ok[:, None] & (offs_dv[None, :] < DV))
 
 
@@ -511,6 +516,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
+    @launches_on_input_device
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, extra_key: Tensor | None,  # type: ignore[override]
                 extra_value: Tensor | None, replace_index: Tensor | None, replace_value: Tensor | None,
                 pattern: SparsePattern, scale: float, dropout_p: float, output_length: int) -> Tensor:
@@ -528,7 +534,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         ke = query if extra_key is None else extra_key
         ve = value if extra_value is None else extra_value
         tile = prep.tile
-        _fwd_kernel[(triton.cdiv(n_q, tile), b * h)](
+        launch(_fwd_kernel, (triton.cdiv(n_q, tile), b * h),
             query, key, value, ke, ve, o4, lse, prep.kvalid, prep.epos, prep.evalid, prep.eend, prep.blocks,
             *_strides4(query), *_strides4(key), *_strides4(value), *_strides4(ke), *_strides4(ve), *_strides4(o4),
             prep.kvalid_stride, prep.evalid_stride, *prep.list_strides,
@@ -546,9 +552,12 @@ class _BlockSparseAttention(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, extra_key, extra_value, out, lse, replace_index, skip)
         ctx.prep, ctx.scale, ctx.dropout_p, ctx.seed = prep, scale, dropout_p, seed
         ctx.replace_dtype = None if replace_value is None else replace_value.dtype
+        check_backward(_BlockSparseAttention, ctx, (query, key, value, extra_key, extra_value, out, lse, replace_index,
+                                                    skip), (out,))
         return out
 
     @staticmethod
+    @launches_on_input_device
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
         query, key, value, extra_key, extra_value, out, lse, replace_index, skip = ctx.saved_tensors
         prep: _Prepared = ctx.prep
@@ -564,8 +573,8 @@ class _BlockSparseAttention(torch.autograd.Function):
         has_skip = skip is not None
         skip_rows = skip if has_skip else lse
         delta = torch.empty_like(lse)
-        _delta_kernel[(triton.cdiv(n_q, tile), b * h)](o4, do4, delta, skip_rows, *_strides4(o4), *_strides4(do4), h,
-                                                       n_q, dv, HAS_SKIP=has_skip, BM=tile, BDV=_pow2(dv))
+        launch(_delta_kernel, (triton.cdiv(n_q, tile), b * h), o4, do4, delta, skip_rows, *_strides4(o4),
+               *_strides4(do4), h, n_q, dv, HAS_SKIP=has_skip, BM=tile, BDV=_pow2(dv))
         dq = torch.empty_like(query)
         dk = torch.empty_like(key)
         dvalue = torch.empty_like(value)
@@ -574,7 +583,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         common = dict(HAS_SKIP=has_skip, DROPOUT=ctx.dropout_p > 0, PRECISION=_precision(query.dtype), BM=tile,
                       BN=tile, BD=_pow2(d), BDV=_pow2(dv), **prep.flags)
         scales = (ctx.scale * _LOG2E, ctx.scale, ctx.dropout_p, ctx.seed)
-        _bwd_dq_kernel[(triton.cdiv(n_q, tile), b * h)](
+        launch(_bwd_dq_kernel, (triton.cdiv(n_q, tile), b * h),
             query, key, value, ke, ve, do4, lse, delta, dq, prep.kvalid, prep.epos, prep.evalid, prep.eend,
             prep.blocks, skip_rows,
             *_strides4(query), *_strides4(key), *_strides4(value), *_strides4(ke), *_strides4(ve), *_strides4(do4),
@@ -582,7 +591,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             h, n_q, n_k, n_e, d, dv, offset, prep.n_list, *prep.band, *scales,
             HAS_EXTRA=n_e > 0, HAS_EVALID=pattern.extra_valid is not None, HAS_EEND=prep.has_eend, **common)
         flags_t = dict(common, HAS_LIST=pattern.blocks_by_key is not None)
-        _bwd_dkv_kernel[(triton.cdiv(n_k, tile), b * h)](
+        launch(_bwd_dkv_kernel, (triton.cdiv(n_k, tile), b * h),
             query, key, value, do4, lse, delta, dk, dvalue, prep.kvalid, prep.blocks_t, skip_rows,
             *_strides4(query), *_strides4(key), *_strides4(value), *_strides4(do4), *_strides4(dk),
             *_strides4(dvalue), prep.kvalid_stride, *prep.list_t_strides,
@@ -592,7 +601,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             dke = torch.zeros(b, h, n_e, d, dtype=torch.float32, device=query.device)
             dve = torch.zeros(b, h, n_e, dv, dtype=torch.float32, device=query.device)
             q_tiles = triton.cdiv(n_q, tile)
-            _bwd_extra_kernel[(triton.cdiv(n_e, tile), b * h, triton.cdiv(q_tiles, EXTRA_TILES_PER_PROGRAM))](
+            launch(_bwd_extra_kernel, (triton.cdiv(n_e, tile), b * h, triton.cdiv(q_tiles, EXTRA_TILES_PER_PROGRAM)),
                 query, extra_key, extra_value, do4, lse, delta, dke, dve, prep.epos, prep.evalid, skip_rows,
                 *_strides4(query), *_strides4(extra_key), *_strides4(extra_value), *_strides4(do4),
                 prep.evalid_stride, h, n_q, n_k, n_e, d, dv, offset, EXTRA_TILES_PER_PROGRAM, *scales,

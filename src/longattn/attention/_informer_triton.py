@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from longattn.attention._triton import launch, launches_on_input_device
+
 __all__ = ["sparsity_measure", "sparsity_measure_reference"]
 
 
@@ -58,6 +60,7 @@ def _sparsity_measure(q_ptr, k_ptr, samples_ptr, counts_ptr, real_ptr, out_ptr, 
     tl.store(out_ptr + i_bh * N + offs_n, top - total / tl.maximum(real, 1.0), mask=mask_n)
 
 
+@launches_on_input_device
 def sparsity_measure(query: Tensor, key: Tensor, key_samples: Tensor, sample_counts: Tensor, m: Tensor) -> Tensor:
     """:func:`sparsity_measure_reference` by the kernel (inputs float16, bfloat16, float32, float64 in the
     interpreter; the result in float32, float64 for float64)."""
@@ -65,7 +68,7 @@ def sparsity_measure(query: Tensor, key: Tensor, key_samples: Tensor, sample_cou
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     out = query.new_empty(b, h, n, dtype=acc)
     block_n = 64
-    _sparsity_measure[(triton.cdiv(n, block_n), b * h)](
+    launch(_sparsity_measure, (triton.cdiv(n, block_n), b * h),
         query.contiguous(), key.contiguous(), key_samples.contiguous(), sample_counts.contiguous(), m.contiguous(),
         out, n, h, d, key_samples.shape[-1], BN=block_n, BP=triton.next_power_of_2(d),
         ACC=tl.float64 if acc == torch.float64 else tl.float32)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from longattn.attention._triton import check_backward, launch, launches_on_input_device
 from longattn.attention.base import compute_dtype
 
 __all__ = ["CausalScan", "causal_scan_naive", "causal_scan_recurrent"]
@@ -185,6 +186,13 @@ def _chunk_backward(q_ptr, k_ptr, v_ptr, do_ptr, dz_ptr, h_ptr, hk_ptr, dh_ptr, 
 # ----------------------------------------------------------------------------- launchers
 
 
+# The chunk backward's launch: its state is the largest of the three kernels (scores, their gradient, dv and the
+# tiles of q, k, v, do, h, dh). Compiled for sm_80 in bf16 at its default 4 warps and 3 stages it spilled 16-21 KB
+# at 128-256 features (ptxas then kept 32 registers); 8 warps without software pipelining of its short loops over
+# the K blocks spill at most 1.3 KB there and nothing on sm_90 (``longattn bench compile``, docs/performance.md).
+_BACKWARD_LAUNCH = dict(num_warps=8, num_stages=1)
+
+
 def _tiles(k_dim: int, v_dim: int) -> tuple[int, int, int]:
     """(BK, BV, NK): K in blocks of at most 64, the values in one block (at least 16: tl.dot's minimum)."""
     block_k = max(16, min(64, triton.next_power_of_2(k_dim)))
@@ -209,7 +217,7 @@ def _states(a: Tensor, b: Tensor, w: Tensor | None, chunk: int, reverse: bool) -
     acc, precision = _kernel_dtypes(a.dtype)
     states = a.new_empty(pairs, count, k_dim, v_dim)
     weighted = a.new_empty(pairs, count, k_dim, dtype=compute_dtype(a.dtype))
-    _chunk_states[(blocks_k, pairs)](
+    launch(_chunk_states, (blocks_k, pairs),
         a, b, a if w is None else w, states, weighted, n, count, k_dim, v_dim,
         BT=chunk, BK=block_k, BV=block_v, REVERSE=reverse, HAS_W=w is not None, ACC=acc, PRECISION=precision)
     return states, weighted
@@ -222,6 +230,7 @@ class CausalScan(torch.autograd.Function):
     The backward pass recomputes the chunk states (nothing of size N x K x V is kept)."""
 
     @staticmethod
+    @launches_on_input_device
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
         b, h, n, k_dim = q.shape
         v_dim = v.shape[-1]
@@ -232,15 +241,18 @@ class CausalScan(torch.autograd.Function):
         block_k, block_v, blocks_k = _tiles(k_dim, v_dim)
         acc_tl, precision = _kernel_dtypes(q.dtype)
         count = triton.cdiv(n, chunk)
-        _chunk_output[(count, b * h)](
+        launch(_chunk_output, (count, b * h),
             q_, k_, v_, states, key_sums, out, normaliser, n, count, k_dim, v_dim,
             BT=chunk, BK=block_k, BV=block_v, NK=blocks_k, ACC=acc_tl, PRECISION=precision)
         ctx.save_for_backward(q_, k_, v_)
         ctx.chunk, ctx.shape = chunk, (b, h)
-        return out.view(b, h, n, v_dim), normaliser.view(b, h, n)
+        out, normaliser = out.view(b, h, n, v_dim), normaliser.view(b, h, n)
+        check_backward(CausalScan, ctx, (q_, k_, v_), (out, normaliser))
+        return out, normaliser
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @launches_on_input_device
     def backward(ctx, grad_out: Tensor | None, grad_normaliser: Tensor | None):
         q, k, v = ctx.saved_tensors
         b, h = ctx.shape
@@ -256,7 +268,8 @@ class CausalScan(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         block_k, block_v, blocks_k = _tiles(k_dim, v_dim)
         acc_tl, precision = _kernel_dtypes(q.dtype)
-        _chunk_backward[(triton.cdiv(n, chunk), pairs)](
+        launch(_chunk_backward, (triton.cdiv(n, chunk), pairs),
             q, k, v, do, dz, states, key_sums, d_states, d_query_sums, dq, dk, dv, n, triton.cdiv(n, chunk),
-            k_dim, v_dim, BT=chunk, BK=block_k, BV=block_v, NK=blocks_k, ACC=acc_tl, PRECISION=precision)
+            k_dim, v_dim, BT=chunk, BK=block_k, BV=block_v, NK=blocks_k, ACC=acc_tl, PRECISION=precision,
+            **_BACKWARD_LAUNCH)
         return (dq.view(b, h, n, k_dim), dk.view(b, h, n, k_dim), dv.view(b, h, n, v_dim), None)

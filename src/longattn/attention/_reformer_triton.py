@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from longattn.attention._triton import check_backward, launch, launches_on_input_device
+
 __all__ = ["LSHChunkAttention", "lsh_hash"]
 
 SELF_SCORE = tl.constexpr(-5e4)  # reformer.SELF_ATTENTION_SCORE (a constexpr: a kernel reads no other global)
@@ -57,7 +59,7 @@ def _lsh_hash(x_ptr, rot_ptr, out_ptr, ROWS, P, R, HALF, BM: tl.constexpr, BP: t
     for start in range(0, HALF, BW):
         offs_w = start + tl.arange(0, BW)
         mask_w = offs_w < HALF
-        w = tl.load(rot_ptr + offs_p[:, None] * (R * HALF) + r * HALF + offs_w[None, :],
+        w = tl.load(rot_ptr + (offs_p.to(tl.int64)[:, None] * R + r) * HALF + offs_w[None, :],  # 64-bit, as x's
                     mask=mask_p[:, None] & mask_w[None, :], other=0.0)
         projected = tl.dot(x, w, input_precision=PRECISION).to(ACC)  # [BM, BW]
         tile_max = tl.where(mask_w[None, :], projected, float("-inf"))
@@ -75,6 +77,7 @@ def _lsh_hash(x_ptr, rot_ptr, out_ptr, ROWS, P, R, HALF, BM: tl.constexpr, BP: t
     tl.store(out_ptr + offs_m.to(tl.int64) * R + r, bucket.to(tl.int64), mask=mask_m)
 
 
+@launches_on_input_device
 def lsh_hash(vectors: Tensor, rotations: Tensor) -> Tensor:
     """:func:`~longattn.attention.reformer.hash_buckets` by the kernel: [B, H, N, D] -> [B, H, R, N] (long), no [.., n_buckets] tensor."""
     b, h, n, d = vectors.shape
@@ -84,7 +87,7 @@ def lsh_hash(vectors: Tensor, rotations: Tensor) -> Tensor:
     acc = tl.float64 if vectors.dtype == torch.float64 else tl.float32
     precision = None if vectors.dtype in (torch.float16, torch.bfloat16) else "ieee"
     block_m = 64
-    _lsh_hash[(triton.cdiv(b * h * n, block_m), rounds)](
+    launch(_lsh_hash, (triton.cdiv(b * h * n, block_m), rounds),
         rows, rotations.to(vectors.dtype).contiguous(), out, b * h * n, d, rounds, half,
         BM=block_m, BP=max(16, triton.next_power_of_2(d)), BW=min(64, max(16, triton.next_power_of_2(half))),
         ACC=acc, PRECISION=precision)
@@ -234,6 +237,7 @@ class LSHChunkAttention(torch.autograd.Function):
     in float32, float64 for float64)."""
 
     @staticmethod
+    @launches_on_input_device
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, slot_token: Tensor, slot_bucket: Tensor, valid: Tensor,
                 heads: int, bucket_size: int, scale: float, across: bool, causal: bool) -> Tensor:
         pairs, slots = slot_token.shape
@@ -243,20 +247,23 @@ class LSHChunkAttention(torch.autograd.Function):
         options = _options(q, bucket_size, chunks, across, causal)
         tokens, buckets, valid_ = slot_token.contiguous(), slot_bucket.contiguous(), valid.to(torch.int8).contiguous()
         lse = q.new_empty(pairs, slots, dtype=acc)
-        _lsh_chunk_lse[(chunks, pairs)](q, k, tokens, buckets, valid_, lse, n, heads, d, scale, **options)
+        launch(_lsh_chunk_lse, (chunks, pairs), q, k, tokens, buckets, valid_, lse, n, heads, d, scale, **options)
         # L of each token: logsumexp over its slots' lse in all rounds (slot s of a head is in round s // N)
         rounds = slots // n
         round_token = (torch.arange(slots, device=q.device) // n * n)[None, :] + tokens
         total = torch.empty_like(lse).scatter_(1, round_token, lse).view(pairs, rounds, n).logsumexp(1).contiguous()
         out = torch.zeros(pairs * n, d, dtype=acc, device=q.device)
-        _lsh_chunk_out[(chunks, pairs)](q, k, v, tokens, buckets, valid_, total, out, n, heads, d, scale, **options)
+        launch(_lsh_chunk_out, (chunks, pairs), q, k, v, tokens, buckets, valid_, total, out, n, heads, d, scale,
+               **options)
         out = out.to(q.dtype)  # the float32 sums rounded once; the backward pass's delta = dO . out takes this
         ctx.save_for_backward(q, k, v, tokens, buckets, valid_, total, out)
         ctx.config = (heads, bucket_size, scale, across, causal)
+        check_backward(LSHChunkAttention, ctx, (q, k, v, tokens, buckets, valid_, total, out), (out,))
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @launches_on_input_device
     def backward(ctx, grad_out: Tensor):
         q, k, v, tokens, buckets, valid_, total, out = ctx.saved_tensors
         heads, bucket_size, scale, across, causal = ctx.config
@@ -268,8 +275,8 @@ class LSHChunkAttention(torch.autograd.Function):
         delta = (do.to(acc) * out.to(acc)).sum(-1).contiguous()
         # float32 rows that the chunks' atomic adds accumulate into (a token's slots sit in several chunks)
         dq, dk, dv = (torch.zeros(q.shape, dtype=acc, device=q.device) for _ in range(3))
-        _lsh_chunk_backward[(chunks, pairs)](q, k, v, tokens, buckets, valid_, total, do, delta, dq, dk, dv, n, heads,
-                                             d, scale, **_options(q, bucket_size, chunks, across, causal))
+        launch(_lsh_chunk_backward, (chunks, pairs), q, k, v, tokens, buckets, valid_, total, do, delta, dq, dk, dv,
+               n, heads, d, scale, **_options(q, bucket_size, chunks, across, causal))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from longattn.attention._triton import launch, launches_on_input_device
+
 __all__ = ["pilot_square_sums", "pilot_square_sums_reference"]
 
 
@@ -93,6 +95,7 @@ def _pilot_column_squares(q_ptr, k_ptr, real_ptr, pilot_ptr, used_ptr, lse_ptr, 
     tl.store(out_ptr + i_bh * N + offs_n, squares, mask=mask_n)
 
 
+@launches_on_input_device
 def pilot_square_sums(query: Tensor, key: Tensor, real: Tensor, pilot_indices: Tensor, used: Tensor,
                       scale: float) -> Tensor:
     """:func:`pilot_square_sums_reference` by the kernels (inputs float16, bfloat16 or float32, and float64 in
@@ -110,9 +113,9 @@ def pilot_square_sums(query: Tensor, key: Tensor, real: Tensor, pilot_indices: T
     precision = None if q.dtype in (torch.float16, torch.bfloat16) else "ieee"
     acc_tl = tl.float64 if acc == torch.float64 else tl.float32
     block_d, block_n = 32, 64
-    _pilot_log_sums[(triton.cdiv(slots, block_d), b * h)](
+    launch(_pilot_log_sums, (triton.cdiv(slots, block_d), b * h),
         q, k, real_, pilot, lse, scale, n, slots, h, p, BD=block_d, BN=block_n, BP=block_p, ACC=acc_tl, PRECISION=precision)
-    _pilot_column_squares[(triton.cdiv(n, block_n), b * h)](
+    launch(_pilot_column_squares, (triton.cdiv(n, block_n), b * h),
         q, k, real_, pilot, used_, lse, out, scale, n, slots, h, p, BD=block_d, BN=block_n, BP=block_p,
         ACC=acc_tl, PRECISION=precision)
     return out

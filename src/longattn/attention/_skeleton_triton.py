@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from longattn.attention._triton import check_backward, launch, launches_on_input_device
+
 __all__ = ["skeleton_core", "core_reference"]
 
 BLOCK_TOKENS = 32  # tokens per program (and per step of a backward program)
@@ -57,7 +59,7 @@ def _row_branch(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, b, h, t, N, H, S1, DH,
     d = tl.arange(0, DHP)
     a = tl.arange(0, S1P)
     tokens, features, samples = t < N, d < DH, a < S1
-    q = tl.load(q_ptr + b.to(tl.int64) * q_sb + t[:, None].to(tl.int64) * q_sn + h * DH + d[None, :],
+    q = tl.load(q_ptr + b * q_sb + t[:, None].to(tl.int64) * q_sn + h * DH + d[None, :],
                 mask=tokens[:, None] & features[None, :], other=0.0)
     offsets = ((b * H + h) * S1 + a[:, None]) * DH + d[None, :]
     k = tl.load(k_ptr + offsets, mask=samples[:, None] & features[None, :], other=0.0)
@@ -73,7 +75,7 @@ def _row_branch(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, b, h, t, N, H, S1, DH,
     if MASK_SAMPLES:
         factor = factor * valid[None, :]
     if DROPOUT:
-        rows = (b * N + t).to(tl.int64)
+        rows = b * N + t
         keep = tl.load(keep_ptr + (rows[:, None] * H + h) * S1 + a[None, :], mask=tokens[:, None] & samples[None, :],
                        other=0)
         factor = tl.where(keep != 0, factor * keep_scale, 0.0)
@@ -90,7 +92,7 @@ def _column_branch(vc_ptr, wc_ptr, b, h, t, N, H, S2, DH, vc_sb, vc_sn, IEEE: tl
     d = tl.arange(0, DHP)
     c = tl.arange(0, S2P)
     tokens, features, samples = t < N, d < DH, c < S2
-    vc = tl.load(vc_ptr + b.to(tl.int64) * vc_sb + t[:, None].to(tl.int64) * vc_sn + h * S2 + c[None, :],
+    vc = tl.load(vc_ptr + b * vc_sb + t[:, None].to(tl.int64) * vc_sn + h * S2 + c[None, :],
                  mask=tokens[:, None] & samples[None, :], other=0.0)
     wc = tl.load(wc_ptr + ((b * H + h) * DH + d[None, :]) * S2 + c[:, None], mask=samples[:, None] & features[None, :],
                  other=0.0)
@@ -120,6 +122,7 @@ def _statistics(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, vc_ptr, wc_ptr, b, t, 
     mean2 = tl.zeros([BT], dtype=tl.float32)
     m22 = tl.zeros([BT], dtype=tl.float32)
     for h in range(H):
+        h = tl.cast(h, tl.int64)  # 64-bit offsets (b, h and the tokens index everything: see _core_fwd_kernel)
         if ROW:
             _q, _k, _v, _f, _p, _w, o1 = _row_branch(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, b, h, t, N, H, S1, DH,
                                                      q_sb, q_sn, keep_scale, MASK_SAMPLES, DROPOUT, IEEE, UPCAST,
@@ -134,18 +137,20 @@ def _statistics(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, vc_ptr, wc_ptr, b, t, 
 
 @triton.jit
 def _core_fwd_kernel(q_ptr, vc_ptr, k_ptr, v_ptr, wc_ptr, valid_ptr, keep_ptr, g1_ptr, b1_ptr, g2_ptr, b2_ptr, out_ptr,
-                     N, H, S1, S2, DH, q_sb, q_sn, vc_sb, vc_sn, keep_scale, eps, ROW: tl.constexpr,
+                     N, H, S1, S2, DH, DIM, q_sb, q_sn, vc_sb, vc_sn, keep_scale, eps, ROW: tl.constexpr,
                      COLUMN: tl.constexpr, MASK_SAMPLES: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
                      UPCAST: tl.constexpr, BT: tl.constexpr, S1P: tl.constexpr, S2P: tl.constexpr, DHP: tl.constexpr):
-    pid, b = tl.program_id(0), tl.program_id(1)
+    # 64-bit offsets: every offset is built from the sequence b and the head h (b x N x H x Dh may pass 2^31)
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     t = pid * BT + tl.arange(0, BT)
     d = tl.arange(0, DHP)
     mean1, rstd1, mean2, rstd2 = _statistics(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, vc_ptr, wc_ptr, b, t, N, H, S1,
                                              S2, DH, q_sb, q_sn, vc_sb, vc_sn, keep_scale, eps, ROW, COLUMN,
                                              MASK_SAMPLES, DROPOUT, IEEE, UPCAST, BT, S1P, S2P, DHP)
     inside = (t < N)[:, None] & (d < DH)[None, :]
-    rows = (b * N + t).to(tl.int64)
+    rows = b * N + t
     for h in range(H):
+        h = tl.cast(h, tl.int64)
         f = h * DH + d
         out = tl.zeros([BT, DHP], dtype=tl.float32)
         if ROW:
@@ -158,18 +163,24 @@ def _core_fwd_kernel(q_ptr, vc_ptr, k_ptr, v_ptr, wc_ptr, valid_ptr, keep_ptr, g
             _vc, _wc, o2 = _column_branch(vc_ptr, wc_ptr, b, h, t, N, H, S2, DH, vc_sb, vc_sn, IEEE, UPCAST, S2P, DHP)
             gamma = tl.load(g2_ptr + f, mask=d < DH, other=0.0)[None, :]
             out += (o2 - mean2[:, None]) * rstd2[:, None] * gamma + tl.load(b2_ptr + f, mask=d < DH, other=0.0)[None, :]
-        tl.store(out_ptr + rows[:, None] * (H * DH) + f[None, :], out.to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_ptr + rows[:, None] * DIM + f[None, :], out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
 def _accumulate(ptr, value, mask):
-    """Add to a part owned by this program (no other program writes it: no atomics needed)."""
+    """Add to a part owned by this program (no other program writes it: no atomics needed). The same part is
+    added to at every step of the program's loop, and the thread that stored an element at the previous step
+    need not be the one that loads it now (the layouts of a sum and of a load differ): the barrier makes every
+    thread's earlier stores visible before the load. (The dots between the steps synchronise the threads too,
+    but only as a side effect of how they are compiled.)"""
+    tl.debug_barrier()
     tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + value, mask=mask)
 
 
 @triton.jit
 def _add_to(ptr, value):
-    """_accumulate for a whole (padded) block."""
+    """_accumulate for a whole (padded) block (the same barrier, for the same reason)."""
+    tl.debug_barrier()
     tl.store(ptr, tl.load(ptr) + value)
 
 
@@ -184,23 +195,23 @@ def _layer_norm_grad(o, mean, rstd, grad, gamma, sum_g, sum_gx, dim, inside):
 
 @triton.jit
 def _core_bwd_kernel(q_ptr, vc_ptr, k_ptr, v_ptr, wc_ptr, valid_ptr, keep_ptr, g1_ptr, g2_ptr, go_ptr, dq_ptr, dvc_ptr,
-                     dk_ptr, dv_ptr, dwc_ptr, dnorm_ptr, N, H, S1, S2, DH, q_sb, q_sn, vc_sb, vc_sn, go_sb, go_sn,
+                     dk_ptr, dv_ptr, dwc_ptr, dnorm_ptr, N, H, S1, S2, DH, DIM, q_sb, q_sn, vc_sb, vc_sn, go_sb, go_sn,
                      keep_scale, eps, BLOCKS, ROW: tl.constexpr, COLUMN: tl.constexpr, MASK_SAMPLES: tl.constexpr,
                      DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BT: tl.constexpr,
                      S1P: tl.constexpr, S2P: tl.constexpr, DHP: tl.constexpr):
-    pid, b = tl.program_id(0), tl.program_id(1)
+    # 64-bit offsets, as in _core_fwd_kernel (the program's first token pid x BLOCKS x BT included)
+    pid, b = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     programs = tl.num_programs(0)
     d = tl.arange(0, DHP)
     a = tl.arange(0, S1P)
     c = tl.arange(0, S2P)
     features = d < DH
-    dim = H * DH
     part = b * programs + pid  # this program's parts of the summed gradients
     for step in range(BLOCKS):
         t = (pid * BLOCKS + step) * BT + tl.arange(0, BT)
         tokens = t < N
         inside = tokens[:, None] & features[None, :]
-        rows = (b * N + t).to(tl.int64)
+        rows = b * N + t
         mean1, rstd1, mean2, rstd2 = _statistics(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, vc_ptr, wc_ptr, b, t, N, H,
                                                  S1, S2, DH, q_sb, q_sn, vc_sb, vc_sn, keep_scale, eps, ROW, COLUMN,
                                                  MASK_SAMPLES, DROPOUT, IEEE, UPCAST, BT, S1P, S2P, DHP)
@@ -210,9 +221,9 @@ def _core_bwd_kernel(q_ptr, vc_ptr, k_ptr, v_ptr, wc_ptr, valid_ptr, keep_ptr, g
         sum_g2 = tl.zeros([BT], dtype=tl.float32)
         sum_gx2 = tl.zeros([BT], dtype=tl.float32)
         for h in range(H):
+            h = tl.cast(h, tl.int64)
             f = h * DH + d
-            grad = tl.load(go_ptr + b.to(tl.int64) * go_sb + t[:, None].to(tl.int64) * go_sn + f[None, :], mask=inside,
-                           other=0.0).to(tl.float32)
+            grad = tl.load(go_ptr + b * go_sb + t[:, None] * go_sn + f[None, :], mask=inside, other=0.0).to(tl.float32)
             if ROW:
                 _q, _k, _v, _f, _p, _w, o1 = _row_branch(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, b, h, t, N, H, S1,
                                                          DH, q_sb, q_sn, keep_scale, MASK_SAMPLES, DROPOUT, IEEE,
@@ -230,37 +241,37 @@ def _core_bwd_kernel(q_ptr, vc_ptr, k_ptr, v_ptr, wc_ptr, valid_ptr, keep_ptr, g
                 sum_gx2 += tl.sum(scaled * xhat, 1)
         # third pass: the gradients, head by head
         for h in range(H):
+            h = tl.cast(h, tl.int64)
             f = h * DH + d
-            grad = tl.load(go_ptr + b.to(tl.int64) * go_sb + t[:, None].to(tl.int64) * go_sn + f[None, :], mask=inside,
-                           other=0.0).to(tl.float32)
-            norm_part = dnorm_ptr + part.to(tl.int64) * 4 * dim + f
+            grad = tl.load(go_ptr + b * go_sb + t[:, None] * go_sn + f[None, :], mask=inside, other=0.0).to(tl.float32)
+            norm_part = dnorm_ptr + part * 4 * DIM + f
             if ROW:
                 q, k, v, factor, p, w, o1 = _row_branch(q_ptr, k_ptr, v_ptr, valid_ptr, keep_ptr, b, h, t, N, H, S1, DH,
                                                         q_sb, q_sn, keep_scale, MASK_SAMPLES, DROPOUT, IEEE, UPCAST,
                                                         S1P, DHP)
                 gamma = tl.load(g1_ptr + f, mask=features, other=0.0)[None, :]
-                do1, xhat = _layer_norm_grad(o1, mean1, rstd1, grad, gamma, sum_g1, sum_gx1, dim, inside)
+                do1, xhat = _layer_norm_grad(o1, mean1, rstd1, grad, gamma, sum_g1, sum_gx1, DIM, inside)
                 _accumulate(norm_part, tl.sum(grad * xhat, 0), features)  # LN_1 weight / 2
-                _accumulate(norm_part + dim, tl.sum(grad, 0), features)  # LN_1 bias / 2
-                block = ((part * H + h) * S1P + a[:, None]).to(tl.int64) * DHP + d[None, :]
+                _accumulate(norm_part + DIM, tl.sum(grad, 0), features)  # LN_1 bias / 2
+                block = ((part * H + h) * S1P + a[:, None]) * DHP + d[None, :]
                 _add_to(dv_ptr + block, _dot(tl.trans(w).to(v.dtype), do1.to(v.dtype), IEEE, UPCAST))
                 # through dropout and validity, then the softmax; a filled (invalid) score has p = 0 unless every
                 # sample is invalid, and then every factor is 0: its gradient is 0 either way
                 dp = _dot(do1.to(v.dtype), tl.trans(v), IEEE, UPCAST) * factor
                 ds = p * (dp - tl.sum(p * dp, 1)[:, None])
                 dq = _dot(ds.to(k.dtype), k, IEEE, UPCAST)
-                tl.store(dq_ptr + rows[:, None] * dim + f[None, :], dq.to(dq_ptr.dtype.element_ty), mask=inside)
+                tl.store(dq_ptr + rows[:, None] * DIM + f[None, :], dq.to(dq_ptr.dtype.element_ty), mask=inside)
                 _add_to(dk_ptr + block, _dot(tl.trans(ds).to(q.dtype), q, IEEE, UPCAST))
             if COLUMN:
                 vc, wc, o2 = _column_branch(vc_ptr, wc_ptr, b, h, t, N, H, S2, DH, vc_sb, vc_sn, IEEE, UPCAST, S2P, DHP)
                 gamma = tl.load(g2_ptr + f, mask=features, other=0.0)[None, :]
-                do2, xhat = _layer_norm_grad(o2, mean2, rstd2, grad, gamma, sum_g2, sum_gx2, dim, inside)
-                _accumulate(norm_part + 2 * dim, tl.sum(grad * xhat, 0), features)  # LN_2 weight / 2
-                _accumulate(norm_part + 3 * dim, tl.sum(grad, 0), features)  # LN_2 bias / 2
+                do2, xhat = _layer_norm_grad(o2, mean2, rstd2, grad, gamma, sum_g2, sum_gx2, DIM, inside)
+                _accumulate(norm_part + 2 * DIM, tl.sum(grad * xhat, 0), features)  # LN_2 weight / 2
+                _accumulate(norm_part + 3 * DIM, tl.sum(grad, 0), features)  # LN_2 bias / 2
                 dvc = _dot(do2.to(vc.dtype), tl.trans(wc.to(vc.dtype)), IEEE, UPCAST)  # [tokens, S2P]
-                tl.store(dvc_ptr + rows[:, None] * (H * S2) + h * S2 + c[None, :], dvc.to(dvc_ptr.dtype.element_ty),
+                tl.store(dvc_ptr + rows[:, None] * H * S2 + h * S2 + c[None, :], dvc.to(dvc_ptr.dtype.element_ty),
                          mask=tokens[:, None] & (c < S2)[None, :])
-                block = ((part * H + h) * DHP + d[:, None]).to(tl.int64) * S2P + c[None, :]
+                block = ((part * H + h) * DHP + d[:, None]) * S2P + c[None, :]
                 _add_to(dwc_ptr + block, _dot(tl.trans(do2).to(vc.dtype), vc, IEEE, UPCAST))
 
 
@@ -279,6 +290,7 @@ def _rows(t: Tensor | None) -> Tensor | None:
 
 class _SkeletonCore(torch.autograd.Function):
     @staticmethod
+    @launches_on_input_device
     def forward(ctx, query, column_values, row_keys, row_values, column_weights, g1, b1, g2, b2, row_valid, row_keep,
                 keep_scale, eps, mask_padded_samples):  # type: ignore[override]
         query, column_values = _rows(query), _rows(column_values)
@@ -295,19 +307,21 @@ class _SkeletonCore(torch.autograd.Function):
         valid = row_valid.to(torch.float32).contiguous() if rows else g1
         keep = row_keep.contiguous().view(torch.uint8) if row_keep is not None else valid
         tensors = (query, column_values, row_keys, row_values, column_weights, valid, keep)
-        shape = dict(N=length, H=heads, S1=s1, S2=s2, DH=head_dim, q_sb=query.stride(0), q_sn=query.stride(1),
+        shape = dict(N=length, H=heads, S1=s1, S2=s2, DH=head_dim, DIM=dim, q_sb=query.stride(0), q_sn=query.stride(1),
                      vc_sb=column_values.stride(0), vc_sn=column_values.stride(1))
         flags = dict(ROW=rows, COLUMN=columns, MASK_SAMPLES=mask_padded_samples, DROPOUT=row_keep is not None,
                      BT=BLOCK_TOKENS, S1P=_padded(s1), S2P=_padded(s2), DHP=_padded(head_dim), **_launch_options(query))
         out = torch.empty(batch, length, dim, dtype=query.dtype, device=query.device)
-        _core_fwd_kernel[(triton.cdiv(length, BLOCK_TOKENS), batch)](
+        launch(_core_fwd_kernel, (triton.cdiv(length, BLOCK_TOKENS), batch),
             *tensors, g1, b1, g2, b2, out, keep_scale=keep_scale, eps=eps, **shape, **flags, **_LAUNCH)
         ctx.save_for_backward(*tensors, g1, g2)
         ctx.launch = (shape, flags, keep_scale, eps)
+        check_backward(_SkeletonCore, ctx, (*tensors, g1, g2), (out,))
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @launches_on_input_device
     def backward(ctx, grad):  # type: ignore[override]
         query, column_values, row_keys, row_values, column_weights, valid, keep, g1, g2 = ctx.saved_tensors
         shape, flags, keep_scale, eps = ctx.launch
@@ -330,7 +344,7 @@ class _SkeletonCore(torch.autograd.Function):
         # one launch per branch (their LayerNorms are independent: each needs only its own statistics), which
         # halves the state a program keeps
         for branch in [name for name in ("ROW", "COLUMN") if flags[name]]:
-            _core_bwd_kernel[(programs, batch)](
+            launch(_core_bwd_kernel, (programs, batch),
                 query, column_values, row_keys, row_values, column_weights, valid, keep, g1, g2, grad, grad_query,
                 grad_columns, grad_keys, grad_values, grad_weights, grad_norms, go_sb=grad.stride(0),
                 go_sn=grad.stride(1), keep_scale=keep_scale, eps=eps, BLOCKS=per_program,

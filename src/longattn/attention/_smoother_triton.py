@@ -19,12 +19,16 @@ Programs own whole rows (all features of ``rows`` tokens of one sequence); stati
 
 from __future__ import annotations
 
+import functools
+from typing import Any, Callable
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from longattn.attention.smoother import StemConfig
+from longattn.attention._triton import check_backward, kernels_or_pytorch_path, launch, launches_on_input_device
+from longattn.attention.smoother import StemConfig, TorchStemSteps
 
 __all__ = ["TritonStemSteps"]
 
@@ -91,34 +95,35 @@ def _activation_grad(y, ACT: tl.constexpr):
 @triton.jit
 def _segment_mean_fwd(x_ptr, mask_ptr, u_ptr, N, R, W, x_sb, x_sn, HAS_MASK: tl.constexpr, BR: tl.constexpr,
                       RP: tl.constexpr, WP: tl.constexpr):
-    pid, b = tl.program_id(0), tl.program_id(1)
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets: b x N x D may pass 2^31
     n = pid * BR + tl.arange(0, BR)
     g, i = tl.arange(0, RP), tl.arange(0, WP)
     real = _real_rows(mask_ptr, b, n, N, HAS_MASK)
-    offsets = b.to(tl.int64) * x_sb + n[:, None, None].to(tl.int64) * x_sn + g[None, :, None] * W + i[None, None, :]
+    offsets = b * x_sb + n[:, None, None].to(tl.int64) * x_sn + g[None, :, None].to(tl.int64) * W + i[None, None, :]
     inside = real[:, None, None] & (g < R)[None, :, None] & (i < W)[None, None, :]
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)  # padded tokens never read: NaN-safe
-    rows = (b * N + n).to(tl.int64)
+    rows = b * N + n
     tl.store(u_ptr + rows[:, None] * R + g[None, :], tl.sum(x, 2) / W, mask=(n < N)[:, None] & (g < R)[None, :])
 
 
 @triton.jit
 def _segment_mean_bwd(du_ptr, mask_ptr, dx_ptr, N, R, W, HAS_MASK: tl.constexpr, BR: tl.constexpr, RP: tl.constexpr,
                       WP: tl.constexpr):
-    pid, b = tl.program_id(0), tl.program_id(1)
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets: b x N x D may pass 2^31
     n = pid * BR + tl.arange(0, BR)
     g, i = tl.arange(0, RP), tl.arange(0, WP)
     real = _real_rows(mask_ptr, b, n, N, HAS_MASK)
-    rows = (b * N + n).to(tl.int64)
+    rows = b * N + n
     du = tl.load(du_ptr + rows[:, None] * R + g[None, :], mask=real[:, None] & (g < R)[None, :], other=0.0)
     dx = tl.broadcast_to((du.to(tl.float32) / W)[:, :, None], (BR, RP, WP))
-    offsets = rows[:, None, None] * (R * W) + g[None, :, None] * W + i[None, None, :]
+    offsets = (rows[:, None, None] * R + g[None, :, None]) * W + i[None, None, :]
     inside = (n < N)[:, None, None] & (g < R)[None, :, None] & (i < W)[None, None, :]
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
 
 class _SegmentMean(torch.autograd.Function):
     @staticmethod
+    @launches_on_input_device
     def forward(ctx, x, mask, segments, dtype):  # type: ignore[override]
         x = _rows(x)
         batch, length, dim = x.shape
@@ -126,15 +131,17 @@ class _SegmentMean(torch.autograd.Function):
         means = torch.empty(batch, length, segments, dtype=dtype, device=x.device)
         rows, _ = _tile(triton.next_power_of_2(segments) * triton.next_power_of_2(width))
         grid = (triton.cdiv(length, rows), batch)
-        _segment_mean_fwd[grid](x, _mask_bytes(mask, x), means, length, segments, width, x.stride(0), x.stride(1),
-                                HAS_MASK=mask is not None, BR=rows, RP=triton.next_power_of_2(segments),
-                                WP=triton.next_power_of_2(width))
+        launch(_segment_mean_fwd, grid, x, _mask_bytes(mask, x), means, length, segments, width, x.stride(0),
+               x.stride(1), HAS_MASK=mask is not None, BR=rows, RP=triton.next_power_of_2(segments),
+               WP=triton.next_power_of_2(width))
         ctx.save_for_backward(mask)
         ctx.meta = (x.shape, x.dtype, rows)
+        check_backward(_SegmentMean, ctx, (mask,), (means,))
         return means
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @launches_on_input_device
     def backward(ctx, grad):  # type: ignore[override]
         (mask,) = ctx.saved_tensors
         shape, dtype, rows = ctx.meta
@@ -143,7 +150,7 @@ class _SegmentMean(torch.autograd.Function):
         width = dim // segments
         grad = grad.contiguous()
         grad_x = torch.empty(shape, dtype=dtype, device=grad.device)
-        _segment_mean_bwd[(triton.cdiv(length, rows), batch)](
+        launch(_segment_mean_bwd, (triton.cdiv(length, rows), batch),
             grad, _mask_bytes(mask, grad), grad_x, length, segments, width, HAS_MASK=mask is not None, BR=rows,
             RP=triton.next_power_of_2(segments), WP=triton.next_power_of_2(width))
         return grad_x, None, None, None
@@ -153,18 +160,18 @@ class _SegmentMean(torch.autograd.Function):
 def _stem_input_fwd(s_ptr, x_ptr, mask_ptr, inp_ptr, N, D, s_sb, s_sn, s_sf, x_sb, x_sn, HAS_SMOOTHED: tl.constexpr,
                     HAS_MASK: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """X^smooth may be channel-first (the FFT's layout: unit stride along the tokens), X token-major."""
-    pid, pid_f, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid, pid_f, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)  # 64-bit offsets
     n = pid * BR + tl.arange(0, BR)
     f = pid_f * BD + tl.arange(0, BD)
     real = _real_rows(mask_ptr, b, n, N, HAS_MASK)
     load = real[:, None] & (f < D)[None, :]
     write = (n < N)[:, None] & (f < D)[None, :]
-    b64, n64 = b.to(tl.int64), n[:, None].to(tl.int64)
+    n64 = n[:, None].to(tl.int64)
     C = 2 * D if HAS_SMOOTHED else D
-    out = inp_ptr + (b64 * N + n64) * C + f[None, :]
-    x = tl.load(x_ptr + b64 * x_sb + n64 * x_sn + f[None, :], mask=load, other=0.0)
+    out = inp_ptr + (b * N + n64) * C + f[None, :]
+    x = tl.load(x_ptr + b * x_sb + n64 * x_sn + f[None, :], mask=load, other=0.0)
     if HAS_SMOOTHED:
-        s = tl.load(s_ptr + b64 * s_sb + n64 * s_sn + f[None, :].to(tl.int64) * s_sf, mask=load, other=0.0)
+        s = tl.load(s_ptr + b * s_sb + n64 * s_sn + f[None, :].to(tl.int64) * s_sf, mask=load, other=0.0)
         tl.store(out, s.to(inp_ptr.dtype.element_ty), mask=write)
         tl.store(out + D, x.to(inp_ptr.dtype.element_ty), mask=write)
     else:
@@ -175,17 +182,17 @@ def _stem_input_fwd(s_ptr, x_ptr, mask_ptr, inp_ptr, N, D, s_sb, s_sn, s_sf, x_s
 def _stem_input_bwd(g_ptr, mask_ptr, ds_ptr, dx_ptr, N, D, ds_sb, ds_sn, ds_sf, HAS_SMOOTHED: tl.constexpr,
                     HAS_MASK: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """The gradient of X^smooth written with the given strides (channel-first for the FFT), that of X token-major."""
-    pid, pid_f, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid, pid_f, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)  # 64-bit offsets
     n = pid * BR + tl.arange(0, BR)
     f = pid_f * BD + tl.arange(0, BD)
     real = _real_rows(mask_ptr, b, n, N, HAS_MASK)
     load = real[:, None] & (f < D)[None, :]
     write = (n < N)[:, None] & (f < D)[None, :]
-    rows = (b * N + n)[:, None].to(tl.int64)
+    rows = (b * N + n)[:, None]
     C = 2 * D if HAS_SMOOTHED else D
     grad = g_ptr + rows * C + f[None, :]
     if HAS_SMOOTHED:
-        smoothed = ds_ptr + b.to(tl.int64) * ds_sb + n[:, None].to(tl.int64) * ds_sn + f[None, :].to(tl.int64) * ds_sf
+        smoothed = ds_ptr + b * ds_sb + n[:, None].to(tl.int64) * ds_sn + f[None, :].to(tl.int64) * ds_sf
         tl.store(smoothed, tl.load(grad, mask=load, other=0.0).to(ds_ptr.dtype.element_ty), mask=write)
         grad += D
     tl.store(dx_ptr + rows * D + f[None, :], tl.load(grad, mask=load, other=0.0).to(dx_ptr.dtype.element_ty),
@@ -196,7 +203,7 @@ def _stem_input_bwd(g_ptr, mask_ptr, ds_ptr, dx_ptr, N, D, ds_sb, ds_sn, ds_sf, 
 def _shift_sum_kernel(y_ptr, bias_ptr, mask_ptr, h_ptr, mean_ptr, m2_ptr, count_ptr, N, D, K, HALF, P,
                       HAS_MASK: tl.constexpr, TRAINING: tl.constexpr, PER_POSITION: tl.constexpr, BR: tl.constexpr,
                       BD: tl.constexpr):
-    pid, b = tl.program_id(0), tl.program_id(1)
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets: b x N x D may pass 2^31
     n = pid * BR + tl.arange(0, BR)
     f = tl.arange(0, BD)
     inside, features = n < N, f < D
@@ -204,11 +211,11 @@ def _shift_sum_kernel(y_ptr, bias_ptr, mask_ptr, h_ptr, mean_ptr, m2_ptr, count_
     for j in range(K):  # h[n] += Y_j[n + j - k//2]
         source = n + j - HALF
         ok = inside & (source >= 0) & (source < N)
-        rows = (b * N + source)[:, None].to(tl.int64)
-        acc += tl.load(y_ptr + rows * (K * D) + j * D + f[None, :], mask=ok[:, None] & features[None, :],
+        rows = (b * N + source)[:, None]
+        acc += tl.load(y_ptr + (rows * K + j) * D + f[None, :], mask=ok[:, None] & features[None, :],
                        other=0.0).to(tl.float32)
     stored = acc.to(h_ptr.dtype.element_ty)
-    rows = (b * N + n)[:, None].to(tl.int64)
+    rows = (b * N + n)[:, None]
     tl.store(h_ptr + rows * D + f[None, :], stored, mask=inside[:, None] & features[None, :])
     if TRAINING:  # moments of the stored values over the real entries, exact (centred) in float32
         h = stored.to(tl.float32)
@@ -232,11 +239,11 @@ def _shift_sum_kernel(y_ptr, bias_ptr, mask_ptr, h_ptr, mean_ptr, m2_ptr, count_
 def _normalise_kernel(h_ptr, mean_ptr, rstd_ptr, w_ptr, bias_ptr, keep_ptr, mask_ptr, out_ptr, N, D, keep_scale,
                       ACT: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_MASK: tl.constexpr, PER_POSITION: tl.constexpr,
                       BR: tl.constexpr, BD: tl.constexpr):
-    pid, b = tl.program_id(0), tl.program_id(1)
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets: b x N x D may pass 2^31
     n = pid * BR + tl.arange(0, BR)
     f = tl.arange(0, BD)
     inside = (n < N)[:, None] & (f < D)[None, :]
-    offsets = (b * N + n)[:, None].to(tl.int64) * D + f[None, :]
+    offsets = (b * N + n)[:, None] * D + f[None, :]
     h = tl.load(h_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     scale = _channel(rstd_ptr, n, f, N, D, PER_POSITION) * _channel(w_ptr, n, f, N, D, PER_POSITION)
     y = (h - _channel(mean_ptr, n, f, N, D, PER_POSITION)) * scale + _channel(bias_ptr, n, f, N, D, PER_POSITION)
@@ -254,7 +261,7 @@ def _output_grad(g_ptr, h_ptr, mean_ptr, rstd_ptr, w_ptr, bias_ptr, keep_ptr, ma
                  ACT: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_MASK: tl.constexpr, PER_POSITION: tl.constexpr):
     """(dy, xhat, real rows): the gradient of the BatchNorm output and the normalised conv output of a tile."""
     inside = (n < N)[:, None] & (f < D)[None, :]
-    offsets = (b * N + n)[:, None].to(tl.int64) * D + f[None, :]
+    offsets = (b * N + n)[:, None] * D + f[None, :]
     h = tl.load(h_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     xhat = (h - _channel(mean_ptr, n, f, N, D, PER_POSITION)) * _channel(rstd_ptr, n, f, N, D, PER_POSITION)
     y = xhat * _channel(w_ptr, n, f, N, D, PER_POSITION) + _channel(bias_ptr, n, f, N, D, PER_POSITION)
@@ -270,7 +277,7 @@ def _output_grad(g_ptr, h_ptr, mean_ptr, rstd_ptr, w_ptr, bias_ptr, keep_ptr, ma
 def _backward_sums_kernel(g_ptr, h_ptr, mean_ptr, rstd_ptr, w_ptr, bias_ptr, keep_ptr, mask_ptr, s1_ptr, s2_ptr, N, D,
                           P, keep_scale, ACT: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_MASK: tl.constexpr,
                           PER_POSITION: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    pid, b = tl.program_id(0), tl.program_id(1)
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets: b x N x D may pass 2^31
     n = pid * BR + tl.arange(0, BR)
     f = tl.arange(0, BD)
     dy, xhat, real = _output_grad(g_ptr, h_ptr, mean_ptr, rstd_ptr, w_ptr, bias_ptr, keep_ptr, mask_ptr, b, n, f, N,
@@ -288,7 +295,7 @@ def _backward_input_kernel(g_ptr, h_ptr, mean_ptr, rstd_ptr, w_ptr, bias_ptr, ke
                            count_ptr, shifted_ptr, dbias_ptr, N, D, K, HALF, P, keep_scale, ACT: tl.constexpr,
                            HAS_KEEP: tl.constexpr, HAS_MASK: tl.constexpr, PER_POSITION: tl.constexpr,
                            TRAINING: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    pid, b = tl.program_id(0), tl.program_id(1)
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets: b x N x D may pass 2^31
     n = pid * BR + tl.arange(0, BR)
     f = tl.arange(0, BD)
     dy, xhat, real = _output_grad(g_ptr, h_ptr, mean_ptr, rstd_ptr, w_ptr, bias_ptr, keep_ptr, mask_ptr, b, n, f, N,
@@ -308,8 +315,8 @@ def _backward_input_kernel(g_ptr, h_ptr, mean_ptr, rstd_ptr, w_ptr, bias_ptr, ke
     for j in range(K):  # D_j[n + j - k//2] = dh[n]
         target = n + j - HALF
         ok = (n < N) & (target >= 0) & (target < N)
-        rows = (b * N + target)[:, None].to(tl.int64)
-        tl.store(shifted_ptr + rows * (K * D) + j * D + f[None, :], stored, mask=ok[:, None] & features[None, :])
+        rows = (b * N + target)[:, None]
+        tl.store(shifted_ptr + (rows * K + j) * D + f[None, :], stored, mask=ok[:, None] & features[None, :])
 
 
 def _moments(mean: Tensor, m2: Tensor, count: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
@@ -322,26 +329,44 @@ def _moments(mean: Tensor, m2: Tensor, count: Tensor, dims: tuple[int, ...]) -> 
     return merged, (m2 + count * deviation.square()).sum(dims) / safe, total
 
 
+def _torch_step_where_a_kernel_does_not_fit(step: Callable[..., Any]) -> Callable[..., Any]:
+    """A step of TritonStemSteps, or the same step of TorchStemSteps where one of its kernels needs more shared
+    memory than the device has (:func:`~longattn.attention._triton.kernels_or_pytorch_path`): the steps have the
+    same signatures, so each one, forward or backward, falls back by itself."""
+
+    @functools.wraps(step)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return kernels_or_pytorch_path(lambda: step(*args, **kwargs),
+                                       lambda: getattr(TorchStemSteps, step.__name__)(*args, **kwargs))
+
+    return run
+
+
 class TritonStemSteps:
     """The stem steps of the Smoother's GPU path as Triton kernels (see the module docstring)."""
 
     @staticmethod
+    @_torch_step_where_a_kernel_does_not_fit
     def segment_mean(x: Tensor, mask: Tensor | None, segments: int, dtype: torch.dtype) -> Tensor:
         return _SegmentMean.apply(x, mask, segments, dtype)
 
     @staticmethod
+    @_torch_step_where_a_kernel_does_not_fit
+    @launches_on_input_device
     def stem_input(x: Tensor, smoothed: Tensor | None, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
         x = _rows(x)
         smoothed = x if smoothed is None else smoothed
         batch, length, dim = x.shape
         has_smoothed = smoothed is not x
         inp = torch.empty(batch, length, (2 if has_smoothed else 1) * dim, dtype=dtype, device=x.device)
-        _stem_input_fwd[(triton.cdiv(length, _TRANSPOSE_TILE), triton.cdiv(dim, _TRANSPOSE_TILE), batch)](
+        launch(_stem_input_fwd, (triton.cdiv(length, _TRANSPOSE_TILE), triton.cdiv(dim, _TRANSPOSE_TILE), batch),
             smoothed, x, _mask_bytes(mask, x), inp, length, dim, *smoothed.stride(), x.stride(0), x.stride(1),
             HAS_SMOOTHED=has_smoothed, HAS_MASK=mask is not None, BR=_TRANSPOSE_TILE, BD=_TRANSPOSE_TILE)
         return inp
 
     @staticmethod
+    @_torch_step_where_a_kernel_does_not_fit
+    @launches_on_input_device
     def stem_input_backward(grad: Tensor, mask: Tensor | None, has_smoothed: bool,
                             dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[Tensor | None, Tensor]:
         """The gradient of X^smooth comes back channel-first (a [B, N, dim] view of [B, dim, N]): the layout
@@ -354,12 +379,14 @@ class TritonStemSteps:
         if has_smoothed:
             grad_smoothed = torch.empty(batch, dim, length, dtype=dtypes[0], device=grad.device).transpose(1, 2)
         target = grad_x if grad_smoothed is None else grad_smoothed
-        _stem_input_bwd[(triton.cdiv(length, _TRANSPOSE_TILE), triton.cdiv(dim, _TRANSPOSE_TILE), batch)](
+        launch(_stem_input_bwd, (triton.cdiv(length, _TRANSPOSE_TILE), triton.cdiv(dim, _TRANSPOSE_TILE), batch),
             grad, _mask_bytes(mask, grad), target, grad_x, length, dim, *target.stride(), HAS_SMOOTHED=has_smoothed,
             HAS_MASK=mask is not None, BR=_TRANSPOSE_TILE, BD=_TRANSPOSE_TILE)
         return grad_smoothed, grad_x
 
     @staticmethod
+    @_torch_step_where_a_kernel_does_not_fit
+    @launches_on_input_device
     def shift_sum(taps_out: Tensor, bias: Tensor, mask: Tensor | None,
                   cfg: StemConfig) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
         batch, length, width = taps_out.shape
@@ -373,7 +400,7 @@ class TritonStemSteps:
         mean = torch.empty(moment_shape, dtype=torch.float32, device=h.device)
         m2 = torch.empty_like(mean)
         count = torch.empty(batch, parts, dtype=torch.float32, device=h.device)
-        _shift_sum_kernel[(parts, batch)](
+        launch(_shift_sum_kernel, (parts, batch),
             taps_out.contiguous(), bias, _mask_bytes(mask, h), h, mean, m2, count, length, dim, k, k // 2, parts,
             HAS_MASK=mask is not None, TRAINING=cfg.training, PER_POSITION=positions, BR=rows, BD=columns)
         if not cfg.training:
@@ -384,18 +411,22 @@ class TritonStemSteps:
         return (h, *_moments(mean, m2, count[..., None].expand_as(mean), (0, 1)))
 
     @staticmethod
+    @_torch_step_where_a_kernel_does_not_fit
+    @launches_on_input_device
     def normalise(h: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor, keep: Tensor | None,
                   mask: Tensor | None, cfg: StemConfig) -> Tensor:
         batch, length, dim = h.shape
         out = torch.empty(h.shape, dtype=cfg.out_dtype, device=h.device)
         rows, columns = _tile(dim)
-        _normalise_kernel[(triton.cdiv(length, rows), batch)](
+        launch(_normalise_kernel, (triton.cdiv(length, rows), batch),
             h, mean, rstd, weight, bias, h if keep is None else keep.view(torch.uint8), _mask_bytes(mask, h), out,
             length, dim, _keep_scale(cfg), ACT=_ACTIVATION_CODES[cfg.activation], HAS_KEEP=keep is not None,
             HAS_MASK=mask is not None, PER_POSITION=cfg.over == "positions", BR=rows, BD=columns)
         return out
 
     @staticmethod
+    @_torch_step_where_a_kernel_does_not_fit
+    @launches_on_input_device
     def backward_sums(grad: Tensor, h: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor,
                       keep: Tensor | None, mask: Tensor | None, cfg: StemConfig) -> tuple[Tensor, Tensor]:
         batch, length, dim = h.shape
@@ -404,7 +435,7 @@ class TritonStemSteps:
         positions = cfg.over == "positions"
         shape = (batch, length) if positions else (batch, parts, dim)
         sums = torch.empty((2, *shape), dtype=torch.float32, device=h.device)
-        _backward_sums_kernel[(parts, batch)](
+        launch(_backward_sums_kernel, (parts, batch),
             grad.contiguous(), h, mean, rstd, weight, bias, h if keep is None else keep.view(torch.uint8),
             _mask_bytes(mask, h), sums[0], sums[1], length, dim, parts, _keep_scale(cfg),
             ACT=_ACTIVATION_CODES[cfg.activation], HAS_KEEP=keep is not None, HAS_MASK=mask is not None,
@@ -413,6 +444,8 @@ class TritonStemSteps:
         return total[0], total[1]
 
     @staticmethod
+    @_torch_step_where_a_kernel_does_not_fit
+    @launches_on_input_device
     def backward_input(grad: Tensor, h: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor,
                        keep: Tensor | None, mask: Tensor | None, sums: tuple[Tensor, Tensor] | None,
                        count: Tensor | None, cfg: StemConfig) -> tuple[Tensor, Tensor]:
@@ -428,7 +461,7 @@ class TritonStemSteps:
             shifted[:, max(0, length + min(0, offset)):, j] = 0
         grad_bias = torch.empty(batch, parts, dim, dtype=torch.float32, device=h.device)
         training = sums is not None
-        _backward_input_kernel[(parts, batch)](
+        launch(_backward_input_kernel, (parts, batch),
             grad.contiguous(), h, mean, rstd, weight, bias, h if keep is None else keep.view(torch.uint8),
             _mask_bytes(mask, h), *(sums if training else (mean, mean)), count if training else mean, shifted,
             grad_bias, length, dim, k, half, parts, _keep_scale(cfg), ACT=_ACTIVATION_CODES[cfg.activation],

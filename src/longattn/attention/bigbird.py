@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention._triton import triton_runs_on
+from longattn.attention._triton import pytorch_path_where_kernels_do_not_fit, triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -205,6 +205,7 @@ def gpu_tables(random_idx: Tensor, window_blocks: int, device: torch.device) -> 
     return GpuTables(random, random_by_key, idx.to(device, non_blocking=True), keep.to(device, non_blocking=True))
 
 
+@pytorch_path_where_kernels_do_not_fit
 def bigbird_attention_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                           tables: GpuTables, block_size: int, window_blocks: int, scale: float) -> Tensor:
     """The GPU path, every block at once. The two global query blocks attend to every key (one

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention._triton import kernels_run_on
+from longattn.attention._triton import kernels_run_on, pytorch_path_where_kernels_do_not_fit
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -126,6 +126,7 @@ def _check_key_samples(key_samples: Tensor, batch: int, length: int, needed: int
         raise AttentionError(f"key_samples must index keys in [0, {length}), got values outside")
 
 
+@pytorch_path_where_kernels_do_not_fit
 def _sparsity_measure_gpu(query: Tensor, key: Tensor, key_samples: Tensor, counts: Tensor, m: Tensor) -> Tensor:
     """M_bar of eq. 4 on the GPU path, [B, H, N], no gradient: the Triton kernel where it runs, else the
     sampled keys of every query gathered at once ([B, H, N, U, Dh] in the GEMM dtype)."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention._triton import triton_runs_on
+from longattn.attention._triton import pytorch_path_where_kernels_do_not_fit, triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -164,6 +164,7 @@ def local_band(window: int, look_backward: int, look_forward: int, exact_window:
     return Band(window, -window * look_backward, window * (look_forward + 1))
 
 
+@pytorch_path_where_kernels_do_not_fit
 def local_attention_gpu(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                         options: _Options) -> Tensor:
     """The GPU path, all blocks at once: the block-sparse Triton kernel where it runs, else every

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention._triton import triton_runs_on
+from longattn.attention._triton import pytorch_path_where_kernels_do_not_fit, triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -221,6 +221,7 @@ def _global_index_on(global_positions: Sequence[int], length: int, device: torch
     return _global_index(global_positions, length, torch.device("cpu")).to(device, non_blocking=True)
 
 
+@pytorch_path_where_kernels_do_not_fit
 def longformer_attention_gpu(query: Tensor, key: Tensor, value: Tensor, global_rows: Tensor,
                              attention_mask: Tensor | None, gidx: Tensor, options: _Options) -> Tensor:
     """The GPU path, all rows at once. The sliding window (Q_s, K_s, V_s) runs through the

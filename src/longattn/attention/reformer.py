@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention._triton import float32_takes_pytorch_path, kernels_run_on
+from longattn.attention._triton import float32_takes_pytorch_path, kernels_run_on, pytorch_path_where_kernels_do_not_fit
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -360,6 +360,7 @@ def lsh_attention(
 # ----------------------------------------------------------------------------- GPU path
 
 
+@pytorch_path_where_kernels_do_not_fit
 def _hash_gpu(vectors: Tensor, rotations: Tensor) -> Tensor:
     """Buckets [B, H, R, N] on the GPU path: the Triton kernel where it runs, else the projections of all
     tokens at once ([B, H, N, R, n_buckets / 2] in the GEMM dtype) and their max / min with indices."""
@@ -419,6 +420,7 @@ def lsh_chunks_torch(q: Tensor, k: Tensor, v: Tensor, slot_token: Tensor, slot_b
     return out.scatter_add(1, slot_token[..., None].expand(-1, -1, d), slot_out).view(pairs * n, d)
 
 
+@pytorch_path_where_kernels_do_not_fit
 def _lsh_gpu(shared_qk: Tensor, value: Tensor, attention_mask: Tensor | None, rotations: Tensor, bucket_size: int,
              across: bool, causal: bool, scale: float) -> Tensor:
     """LSH attention on the GPU path: hashing, sort and the chunks' attention as batched programs."""

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from longattn.attention._triton import float32_takes_pytorch_path, kernels_run_on
+from longattn.attention._triton import float32_takes_pytorch_path, kernels_run_on, pytorch_path_where_kernels_do_not_fit
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -419,6 +419,7 @@ def _some_real(real: Tensor) -> Tensor:
     return real | ~real.any(-1, keepdim=True)
 
 
+@pytorch_path_where_kernels_do_not_fit
 def _pilot_square_sums_gpu(q: Tensor, k: Tensor, real: Tensor, pilot: Tensor, used: Tensor, scale: float) -> Tensor:
     """sum_k b_{j_k i}^2 of eq. (5), [B, H, N], no gradient: the Triton kernels where they run (B_J stays in
     registers), else B_J materialised ([B, H, D, N] in float32)."""

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention._triton import triton_runs_on
+from longattn.attention._triton import float32_takes_pytorch_path, pytorch_path_where_kernels_do_not_fit, triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -811,13 +811,14 @@ def _skeleton_from_samples_gpu(
                          1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0, norm_eps, mask_padded_samples)
 
 
+@pytorch_path_where_kernels_do_not_fit
 def skeleton_core(query: Tensor, column_values: Tensor | None, row_keys: Tensor | None, row_values: Tensor | None,
                   column_weights: Tensor | None, norms: tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]],
                   row_valid: Tensor | None, row_keep: Tensor | None, keep_scale: float, eps: float,
                   mask_padded_samples: bool) -> Tensor:
     """LN_1(V_1) / 2 + LN_2(V_2) / 2 of eq. (2), token by token, on the GPU path: the Triton kernel of
-    ``_skeleton_triton`` where it runs (CUDA with triton installed, or the interpreter in the tests), else
-    ``gpu_core_torch``.
+    ``_skeleton_triton`` where it runs (CUDA with triton installed, or the interpreter in the tests; float32 on a
+    GPU excepted: :func:`~longattn.attention._triton.float32_takes_pytorch_path`), else ``gpu_core_torch``.
 
     Args:
         query: [B, N, H*Dh] queries (a view with unit feature stride is fine).
@@ -831,7 +832,7 @@ def skeleton_core(query: Tensor, column_values: Tensor | None, row_keys: Tensor 
         mask_padded_samples: leave invalid samples out of the row softmax (else they keep weight exp(0)).
     Returns [B, N, H*Dh] in the queries' dtype.
     """
-    if query.dtype in KERNEL_DTYPES and triton_runs_on(query):
+    if query.dtype in KERNEL_DTYPES and triton_runs_on(query) and not float32_takes_pytorch_path(query):
         from longattn.attention import _skeleton_triton
 
         return _skeleton_triton.skeleton_core(query, column_values, row_keys, row_values, column_weights, norms,

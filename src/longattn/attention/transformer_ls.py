@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longattn.attention._triton import triton_runs_on
+from longattn.attention._triton import pytorch_path_where_kernels_do_not_fit, triton_runs_on
 from longattn.attention.base import (
     AttentionBase,
     AttentionError,
@@ -288,6 +288,7 @@ def _projected_from_input(x: Tensor, proj: Tensor, linears: tuple[nn.Linear, ...
     return tuple(out)
 
 
+@pytorch_path_where_kernels_do_not_fit
 def _attend_gpu(query: Tensor, key_short: Tensor, value_short: Tensor, key_long: Tensor, value_long: Tensor,
                 attention_mask: Tensor | None, window_size: int, is_causal: bool, chunk_size: int, scale: float,
                 dropout_p: float) -> Tensor:

@@ -8,7 +8,9 @@ on meta tensors inside :func:`~longattn.attention._triton.capture_launches` (not
 launchers run as on a GPU and each launch is recorded with its real arguments and constexprs), then
 compiles each distinct launch for each target and reports, per (kernel, configuration): compiled or
 the compiler's error, the shared memory the kernel needs against the target's per-block limit, the
-registers and spill bytes of ptxas's log, and the compile time.
+registers and spill bytes of ptxas's log, the compile time, and two hazards read from the kernel's TTIR
+(:func:`ttir_hazards`) that the interpreter cannot show: 32-bit address products and unsynchronised re-reads
+of global memory.
 
 The matrix is every registered mechanism (a mechanism added to the registry is covered without editing
 this file) x dtype (bf16, fp16, float32) x head dim x sequence class (short, long) x form (bidirectional,
@@ -46,6 +48,15 @@ COMPILE_TIMEOUT_S = 60.0
 SPILL_LIMIT_BYTES = 4096
 _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# One operation of the TTIR (MLIR's textual form): its results, its name, the rest of the line.
+_TTIR_OP = re.compile(r"^\s*(?:(%[\w.$-]+)(?::\d+)? = )?([a-z_]+\.[\w.]+)(.*)$")
+_TTIR_VALUE = re.compile(r"%[\w.$-]+")
+_TTIR_LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
+_TTIR_FILE_LOC = re.compile(r'^"([^"]+)":(\d+):\d+')
+# tl.debug_barrier() in the TTIR (its name by triton version)
+_TTIR_BARRIERS = ("gpu.barrier", "ttg.barrier")
+# Shape operations: a constant splat, broadcast, expanded or reshaped is still a constant.
+_TTIR_CONSTANT_SHAPING = ("tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape")
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,111 @@ def _describe(launch: Launch) -> dict[str, Any]:
                            for k, v in constexprs.items()}, "options": options}
 
 
+@dataclass
+class _TtirOp:
+    result: str | None
+    name: str
+    operands: list[str]
+    result_type: str
+    location: str
+    regions: tuple[int, ...]  # the lines of the operations whose regions hold this one, outermost first
+
+
+def _ttir_ops(ttir: str) -> tuple[list[_TtirOp], dict[str, str]]:
+    """The operations of a TTIR module in order, and its location aliases (``#loc12`` -> its text)."""
+    aliases = {m.group(1): m.group(2) for m in map(_TTIR_LOC_DEF.match, ttir.splitlines()) if m}
+    ops: list[_TtirOp] = []
+    open_regions: list[int] = []
+    for line in ttir.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("}"):
+            closed = open_regions.pop()
+            if stripped.endswith("{"):  # "} else {", "} do {": the next region of the same operation
+                open_regions.append(closed)
+            continue
+        match = _TTIR_OP.match(line)
+        if not match:  # the module, a generic-form operation ("tt.reduce"(...) ({), a block label
+            if stripped.endswith("{"):
+                open_regions.append(-1)
+            continue
+        result, name, rest = match.groups()
+        body, _, location = rest.rpartition(" loc(")
+        body = body or rest
+        operands_text, _, result_type = body.rpartition(" : ")
+        ops.append(_TtirOp(result, name, _TTIR_VALUE.findall(operands_text or body), result_type.strip(),
+                           location.rstrip(")") if location else "", tuple(open_regions)))
+        if stripped.endswith("{"):
+            open_regions.append(len(ops) - 1)
+    return ops, aliases
+
+
+def _source_line(location: str, aliases: dict[str, str]) -> str:
+    """``file.py:line`` of a TTIR location (an alias, a call site: the callee's line, a named location)."""
+    for _ in range(64):  # aliases chain a few levels deep
+        location = location.strip()
+        if location.startswith("#loc"):
+            location = aliases.get(location.split(")")[0], "")
+        elif location.startswith("callsite("):
+            location = location.removeprefix("callsite(").split(" at ")[0]
+        elif (found := _TTIR_FILE_LOC.match(location)):
+            return f"{found.group(1).rsplit('/', 1)[-1]}:{found.group(2)}"
+        elif location.startswith('"') and "(" in location:  # a named location: "name"(#loc3)
+            location = location.split("(", 1)[1]
+        else:
+            return "?"
+    return "?"
+
+
+def _is_int32(result_type: str) -> bool:
+    return result_type == "i32" or result_type.endswith("xi32>")
+
+
+def ttir_hazards(ttir: str) -> dict[str, list[str]]:
+    """Two GPU hazards of a kernel, read from its TTIR (the source lines where they are, sorted):
+
+    * ``int32_address_products``: a product of two runtime values (a program id, an index, a stride, a size:
+      not a constexpr tile size) computed in 32 bits on the way to a pointer offset. Such a product wraps at
+      2^31 (rows x stride at a million tokens, batch x head x N x D), and casting after the product is too late;
+      a product with an int64 factor (``.to(tl.int64)``) is computed in 64 bits.
+    * ``unsynchronised_rereads``: a load, inside a loop, of a pointer the kernel also stores to, with no
+      ``tl.debug_barrier()`` earlier in the loop body: a thread may read an element another thread of the
+      program stored in the previous iteration (the layouts of the load and of the store need not match),
+      and nothing orders the two.
+    """
+    ops, aliases = _ttir_ops(ttir)
+    definition = {op.result: op for op in ops if op.result}
+
+    def constant(value: str) -> bool:
+        op = definition.get(value)
+        return op is not None and (op.name == "arith.constant" or
+                                   (op.name in _TTIR_CONSTANT_SHAPING and constant(op.operands[0])))
+
+    products: set[str] = set()
+    seen: set[str] = set()
+
+    def follow(value: str) -> None:
+        if value in seen or (op := definition.get(value)) is None or op.name == "tt.load" or op.name.startswith("scf."):
+            return  # arguments, loop variables, loaded data and loop results are where the chain starts
+        seen.add(value)
+        if op.name == "arith.muli" and _is_int32(op.result_type) and not any(map(constant, op.operands)):
+            products.add(_source_line(op.location, aliases))
+        for operand in op.operands:
+            follow(operand)
+
+    for op in ops:
+        if op.name == "tt.addptr":
+            follow(op.operands[1])
+    stored = {op.operands[0] for op in ops if op.name == "tt.store"}
+    rereads: set[str] = set()
+    for index, op in enumerate(ops):
+        loops = [line for line in op.regions if line >= 0 and ops[line].name in ("scf.for", "scf.while")]
+        if op.name != "tt.load" or op.operands[0] not in stored or not loops:
+            continue
+        if not any(other.name in _TTIR_BARRIERS and loops[-1] in other.regions for other in ops[loops[-1] + 1:index]):
+            rereads.add(_source_line(op.location, aliases))
+    return {"int32_address_products": sorted(products), "unsynchronised_rereads": sorted(rereads)}
+
+
 def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     """Compile one launch for sm_``arch``: status, shared bytes against the per-block limit, registers,
     spill bytes and seconds (or the compiler's error)."""
@@ -188,6 +304,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
               "registers": max(registers) if registers else None, "spill_bytes": max(spills) if spills else None,
               "num_warps": compiled.metadata.num_warps, "num_stages": compiled.metadata.num_stages}
     result["spills_over_limit"] = (result["spill_bytes"] or 0) > SPILL_LIMIT_BYTES  # slow, not wrong: reported
+    result.update(ttir_hazards(compiled.asm["ttir"]))
     if shared > limit:
         result["status"] = "over shared memory"
     return result
@@ -284,16 +401,32 @@ def run_aot(config: AotConfig, log: Callable[[str], None] = print) -> dict[str, 
         compile_all(jobs, config.timeout_s, config.workers, cache_dir, done)
     failures = [r for r in rows if r["status"] != "ok"]
     return {"config": asdict(config), "triton": triton.__version__, "rows": rows, "refused": refused,
+            "outside_device_guard": sorted({f"{launch.kernel.fn.__module__}.{launch.name}" for _, launch in captured
+                                            if not _under_its_device(launch)}),
             "failures": len(failures), "over_shared": sum(r["status"] == "over shared memory" for r in rows),
             "spilling": sum(bool(r.get("spills_over_limit")) for r in rows),
+            "hazards": sum(bool(r.get("int32_address_products") or r.get("unsynchronised_rereads")) for r in rows),
             "seconds": round(time.monotonic() - begin, 1)}
+
+
+def _under_its_device(launch: Launch) -> bool:
+    """Whether the launch was made under the device of its tensors (triton launches on the current device)."""
+    devices = {arg.device for arg in (*launch.args, *launch.kwargs.values()) if isinstance(arg, torch.Tensor)}
+    return launch.device is not None and devices <= {launch.device}
 
 
 def _result_text(row: dict[str, Any]) -> str:
     if row["status"] in ("error", "timeout"):
         return f"{row['status']}: {row['error']}"
     return (f"{row['status']}, shared {row['shared']:,} of {row['shared_limit']:,} B, {row['registers']} registers, "
-            f"{row['spill_bytes']} B spilled, {row['seconds']:.1f} s")
+            f"{row['spill_bytes']} B spilled, {row['seconds']:.1f} s{_hazard_text(row)}")
+
+
+def _hazard_text(row: dict[str, Any]) -> str:
+    """The TTIR hazards of a row (:func:`ttir_hazards`), with their source lines; empty where none."""
+    found = [f"{kind.replace('_', ' ')} at {' '.join(row[kind])}" for kind in
+             ("int32_address_products", "unsynchronised_rereads") if row.get(kind)]
+    return "; " + "; ".join(found) if found else ""
 
 
 def aot_table(report: dict[str, Any]) -> str:
@@ -306,15 +439,19 @@ def aot_table(report: dict[str, Any]) -> str:
          "mechanisms"],
         [[f"{r['module']}.{r['kernel']}", "/".join(r["dtypes"]),
           " ".join(f"{k}={v}" for k, v in r["constexprs"].items() if v is not None), f"sm_{r['arch']}",
-          r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"[:80], r.get("shared", "-"),
+          (r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"[:80]) + _hazard_text(r),
+          r.get("shared", "-"),
           r["shared_limit"], r.get("registers", "-"), r.get("spill_bytes", "-"), r.get("seconds", "-"),
           " ".join(r["attentions"])] for r in rows])
     config = report["config"]
     head = (f"# Ahead-of-time compile of the Triton kernels (triton {report['triton']})\n\n"
             f"{len(report['rows'])} (kernel configuration, target) pairs: {report['failures']} not ok, "
             f"{report['over_shared']} over the shared-memory limit, {report['spilling']} spilling more than "
-            f"{SPILL_LIMIT_BYTES:,} B; {report['seconds']:.0f} s. Forms: dtypes "
+            f"{SPILL_LIMIT_BYTES:,} B, {report['hazards']} with a TTIR hazard (32-bit address products, "
+            f"unsynchronised re-reads); {report['seconds']:.0f} s. Forms: dtypes "
             f"{' '.join(config['dtypes'])}, head dims {' '.join(map(str, config['head_dims']))}, lengths "
             f"{' '.join(map(str, config['lengths']))}, batch {config['batch']}, {config['heads']} heads.\n")
     refused = "".join(f"\n- {r['attention']} {r['form']}: {r['error']}" for r in report["refused"])
+    if report["outside_device_guard"]:
+        head += f"\nLaunched outside their tensors' device (on_device): {' '.join(report['outside_device_guard'])}.\n"
     return head + "\n" + table + ("\n\nForms not run (the mechanism refuses them):" + refused if refused else "")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longattn.attention._triton import float32_takes_pytorch_path, kernels_run_on
+from longattn.attention._triton import float32_takes_pytorch_path, kernels_run_on, pytorch_path_where_kernels_do_not_fit
 from longattn.attention.base import compute_dtype
 
 CAUSAL_CHUNK = 64
@@ -140,6 +140,7 @@ def causal_scan_chunked(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHU
 MAX_KERNEL_VALUE_DIM = 256
 
 
+@pytorch_path_where_kernels_do_not_fit
 def causal_scan(q: Tensor, k: Tensor, v: Tensor, chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, Tensor]:
     """(o, z) of :func:`causal_scan_chunked`, by the Triton kernels where they run (:func:`kernels_run_on`;
     values wider than MAX_KERNEL_VALUE_DIM, and float32 on a GPU (:func:`float32_takes_pytorch_path`), take
