@@ -127,7 +127,7 @@ def test_decoding_equals_the_causal_forward(options):
             p.add_(torch.randn_like(p) * 0.3)
     state = assert_decoding_equals_forward(layer, n=30, prompt=7)
     block, stride = options["compress_block"], options["compress_stride"]
-    assert state.key_cmp.shape[2] == (30 - block) // stride + 1  # the completed compression blocks
+    assert state.summaries[0].shape[2] == (30 - block) // stride + 1  # the completed compression blocks
 
 
 def test_bf16_autocast_trains():
