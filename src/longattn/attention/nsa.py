@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from longattn.attention.base import (
     AttentionBase,
@@ -50,14 +51,13 @@ from longattn.attention.base import (
     compute_dtype,
     output_dtype,
     padding_safe,
-    recomputed,
     register_attention,
     uses_gpu_path,
 )
 from longattn.attention.chunked import Band, SparsePattern, window_chunk, windowed_attention
 from longattn.attention.decoding import KVState, attend_keys
-from longattn.attention.ops.block_select import (BlockCacheState, completed_blocks, query_chunk,
-                                                 selected_block_attention, top_blocks)
+from longattn.attention.ops.block_select import (FLASH_CPU, FLASH_CPU_BACKWARD, BlockCacheState, additive_mask,
+                                                 completed_blocks, query_chunk, selected_block_attention, top_blocks)
 
 BRANCHES = ("compressed", "selected", "window")
 COMPRESSORS = ("mlp", "mean")
@@ -144,10 +144,18 @@ def overlap_index(options: NsaOptions, compressed: int, selection: int, device: 
 
 def block_importance(probs: Tensor, options: NsaOptions, selection: int) -> Tensor:
     """Eq. 9: the compressed probabilities ``probs`` [B, H, Q, C] summed onto the ``selection`` blocks they
-    overlap, [B, H, Q, selection]; a few gathers of [Q, selection] (W, independent of N), not a
-    [C, selection] product."""
+    overlap, [B, H, Q, selection]: windows of W compressed blocks (W independent of N), not a [C, selection]
+    product. Where l' is a multiple of d the windows start every l' / d blocks (a view of the padded
+    probabilities); otherwise W gathers of [Q, selection]."""
+    probs = probs.detach()
+    stride, block, select = options.compress_stride, options.compress_block, options.select_block
+    if select % stride == 0:
+        step, before = select // stride, -(-block // stride) - 1  # selection block j reads [j step - before, (j + 1) step)
+        count = step + before
+        after = max(0, (selection - 1) * step + count - before - probs.shape[-1])
+        return F.pad(probs, (before, after)).unfold(-1, count, step)[..., :selection, :].sum(-1)
     index = overlap_index(options, probs.shape[-1], selection, probs.device)
-    padded = F.pad(probs.detach(), (0, 1))
+    padded = F.pad(probs, (0, 1))
     importance = padded.index_select(-1, index[:, 0])
     for column in range(1, index.shape[1]):
         importance = importance + padded.index_select(-1, index[:, column])
@@ -175,29 +183,60 @@ def nsa_select(importance: Tensor, positions: Tensor, key_real: Tensor, options:
     return chosen.repeat_interleave(group, 1), valid.repeat_interleave(group, 1)
 
 
-def compressed_branch(query: Tensor, key_cmp: Tensor, value_cmp: Tensor, cmp_ok: Tensor, positions: Tensor,
-                      options: NsaOptions, selection: int) -> tuple[Tensor, Tensor]:
-    """Eq. 8 of the queries at ``positions`` over the compressed tokens (``cmp_ok`` [B, C]: those with a real key;
-    causal, a block once its last key is in the past): the output [B, H, Q, Dv] and the importance of the first
-    ``selection`` selection blocks (eq. 9, detached). Its masks are built here, so that recomputing it in
-    backward keeps none of size [Q, C]."""
+def compressed_visible(cmp_ok: Tensor, positions: Tensor, options: NsaOptions) -> Tensor:
+    """[B, 1, Q, C]: the compressed tokens each query at ``positions`` sees (``cmp_ok`` [B, C]: those with a real
+    key; causal, a block once its last key is in the past)."""
     visible = cmp_ok[:, None, None, :]
     if options.is_causal:
-        ends = torch.arange(key_cmp.shape[2], device=query.device) * options.compress_stride + options.compress_block
+        ends = torch.arange(cmp_ok.shape[1], device=cmp_ok.device) * options.compress_stride + options.compress_block
         visible = visible & (ends[None, :] <= positions[:, None] + 1)[None, None]
+    return visible
+
+
+def compressed_branch(query: Tensor, key_cmp: Tensor, value_cmp: Tensor, cmp_ok: Tensor, positions: Tensor,
+                      options: NsaOptions, selection: int) -> tuple[Tensor, Tensor]:
+    """Eq. 8 of the queries at ``positions`` over their visible compressed tokens: the output [B, H, Q, Dv] and
+    the importance of the first ``selection`` selection blocks (eq. 9, detached); through autograd."""
     scores = (query @ key_cmp.transpose(-1, -2)).to(compute_dtype(query.dtype)) * options.scale
+    visible = compressed_visible(cmp_ok, positions, options)
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
     compressed = (probs.to(value_cmp.dtype) @ value_cmp).to(probs.dtype)
     return compressed, block_importance(probs, options, selection)
 
 
+class _CompressedBranch(torch.autograd.Function):
+    """:func:`compressed_branch` on the CPU: eq. 8 through SDPA's CPU flash kernel, eq. 9's probabilities from its
+    log-sum-exp (one more [Q, C] product, without gradient), the mask rebuilt in backward: nothing of size
+    [Q, C] is kept. Inputs in one dtype; the output in it."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key_cmp: Tensor, value_cmp: Tensor, cmp_ok: Tensor, positions: Tensor,
+                options: NsaOptions, selection: int) -> tuple[Tensor, Tensor]:
+        mask = additive_mask(compressed_visible(cmp_ok, positions, options), query.dtype)
+        out, log_sum = FLASH_CPU(query, key_cmp, value_cmp, attn_mask=mask, scale=options.scale)
+        scores = (query @ key_cmp.transpose(-1, -2)).to(log_sum.dtype) * options.scale
+        probs = scores.add_(mask).sub_(log_sum[..., None]).exp_()  # a row that sees nothing: exp(-inf) = 0
+        importance = block_importance(probs, options, selection)
+        ctx.save_for_backward(query, key_cmp, value_cmp, out, log_sum, cmp_ok, positions)
+        ctx.options = options
+        ctx.mark_non_differentiable(importance)
+        return out, importance
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor, grad_importance: Tensor | None) -> tuple[Tensor | None, ...]:
+        query, key_cmp, value_cmp, out, log_sum, cmp_ok, positions = ctx.saved_tensors
+        mask = additive_mask(compressed_visible(cmp_ok, positions, ctx.options), query.dtype)
+        grads = FLASH_CPU_BACKWARD(grad_out.to(query.dtype), query, key_cmp, value_cmp, out, log_sum, 0.0, False,
+                                   attn_mask=mask, scale=ctx.options.scale)
+        return (*grads, None, None, None, None)
+
+
 def compressed_and_selection(query: Tensor, key_cmp: Tensor, value_cmp: Tensor, cmp_ok: Tensor, key_real: Tensor,
-                             n_keys: int, start: int, options: NsaOptions, recompute: bool
-                             ) -> tuple[Tensor, Tensor, Tensor]:
+                             n_keys: int, start: int, options: NsaOptions) -> tuple[Tensor, Tensor, Tensor]:
     """The compressed branch of the queries at positions [start, start + Q) and their selection: (compressed
     [B, H, Q, Dv], blocks, valid [B, H, Q, n]). Causal, the compressed and selection blocks after the last query
-    are left out (none is visible to these queries). ``recompute``: the branch's [Q, N / d] probabilities are
-    recomputed in backward instead of kept."""
+    are left out (none is visible to these queries)."""
     end = start + query.shape[2]
     positions = torch.arange(start, end, device=query.device)
     compressed = key_cmp.shape[2]
@@ -206,11 +245,12 @@ def compressed_and_selection(query: Tensor, key_cmp: Tensor, value_cmp: Tensor, 
         compressed = min(compressed, max(0, (end - options.compress_block) // options.compress_stride + 1))
         selection = min(selection, (end - 1) // options.select_block + 1)
     key_cmp, value_cmp, cmp_ok = key_cmp[:, :, :compressed], value_cmp[:, :, :compressed], cmp_ok[:, :compressed]
-    if recompute:
-        out, importance = recomputed(lambda r, k, v: compressed_branch(r, k, v, cmp_ok, positions, options, selection),
-                                     query, key_cmp, value_cmp)
-    else:
+    if uses_gpu_path(query) or query.device.type != "cpu" or compressed == 0:
         out, importance = compressed_branch(query, key_cmp, value_cmp, cmp_ok, positions, options, selection)
+    else:  # under autocast the products in the autocast dtype, as the GPU path's
+        dtype = output_dtype(query)
+        out, importance = _CompressedBranch.apply(query.to(dtype), key_cmp.to(dtype), value_cmp.to(dtype), cmp_ok,
+                                                  positions, options, selection)
     blocks, valid = nsa_select(importance, positions, key_real, options)
     return out, blocks, valid
 
@@ -233,7 +273,7 @@ def nsa_queries(query: Tensor, key: Tensor, value: Tensor, key_cmp: Tensor, valu
     """The compressed and selected branches for the queries at positions [start, start + Q) at once (the GPU
     path and decoding): two [B, H, Q, Dv]."""
     compressed, blocks, valid = compressed_and_selection(query, key_cmp, value_cmp, cmp_ok, key_real, key.shape[2],
-                                                         start, options, recompute=False)
+                                                         start, options)
     return compressed, selected_branch(query, key, value, blocks, valid, key_real, start, options)
 
 
@@ -312,12 +352,12 @@ def _compressed_and_selected(query: Tensor, key: Tensor, value: Tensor, key_real
     key, value = key.contiguous(), value.contiguous()  # once: every chunk reads them as whole blocks
     if uses_gpu_path(query):
         return nsa_queries(query, key, value, key_cmp, value_cmp, cmp_ok, key_real, 0, options)
-    # the CPU path: the compressed branch and the selection in chunks sized for their [Q, N / d] scores (recomputed
-    # in backward), then the selected branch in chunks sized for its tiles, which keep nothing but their inputs
+    # the CPU path: the compressed branch and the selection in chunks sized for their [Q, N / d] scores, then the
+    # selected branch in chunks sized for its tiles; the backward of both recomputes their scores
     n = query.shape[2]
     chunk = query_chunk(max(key_cmp.shape[2], -(-n // options.select_block)))
     parts = [compressed_and_selection(query[:, :, start:start + chunk], key_cmp, value_cmp, cmp_ok, key_real, n, start,
-                                      options, recompute=torch.is_grad_enabled()) for start in range(0, n, chunk)]
+                                      options) for start in range(0, n, chunk)]
     compressed, blocks, valid = (torch.cat(part, dim=2) for part in zip(*parts))
     chunk = query_chunk(options.select_count * options.select_block)
     selected = [selected_branch(query[:, :, start:start + chunk], key, value, blocks[:, :, start:start + chunk],

@@ -30,7 +30,8 @@ from torch.autograd.function import once_differentiable
 from longattn.attention.base import compute_dtype, output_dtype, uses_gpu_path
 from longattn.attention.decoding import DecodingState, KVState
 
-__all__ = ["CHUNK_SCORES", "QUERY_TILE", "BlockCacheState", "block_key_means", "completed_blocks", "query_chunk", "selected_block_attention", "top_blocks"]
+__all__ = ["CHUNK_SCORES", "FLASH_CPU", "FLASH_CPU_BACKWARD", "QUERY_TILE", "BlockCacheState", "additive_mask",
+           "block_key_means", "completed_blocks", "query_chunk", "selected_block_attention", "top_blocks"]
 
 # Queries per tile of selected_block_attention: the M of its [M, block] products; a block's queries are
 # padded to a multiple of it, so a smaller tile wastes less on blocks few queries select.
@@ -247,10 +248,16 @@ def _tiles_through_autograd(queries: Tensor, key_blocks: Tensor, value_blocks: T
     return torch.where(seen[:, None], outputs / torch.where(seen, sums, 1.0)[:, None], 0.0)
 
 
-# SDPA's CPU flash kernel with its log-sum-exp (the op F.scaled_dot_product_attention runs on a CPU), and its
-# backward: the fused [tile, block] products of the CPU path, about twice as fast as bmm, softmax and bmm
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# SDPA's CPU flash kernel with its log-sum-exp (the op F.scaled_dot_product_attention runs on a CPU; an additive
+# mask of the inputs' dtype), and its backward: the fused products of the CPU paths, about twice as fast on one
+# thread as bmm, softmax and bmm
+FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where ``allowed``, -inf elsewhere: the mask the flash kernel takes."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -266,10 +273,7 @@ class _TileSet:
         return queries[self.rows][:, None], key_blocks[self.groups][:, None], value_blocks[self.groups][:, None]
 
     def additive_mask(self, dtype: torch.dtype) -> Tensor | None:
-        if self.allowed is None:
-            return None
-        return torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device).masked_fill_(
-            ~self.allowed, float("-inf"))[:, None]
+        return None if self.allowed is None else additive_mask(self.allowed, dtype)[:, None]
 
 
 def _tile_sets(layout: _TileLayout, masks: _TileMasks) -> list[_TileSet]:
@@ -301,7 +305,7 @@ class _SelectedTiles(torch.autograd.Function):
         sets = _tile_sets(layout, masks)
         rows, outs, log_sums = [], [], []
         for tile_set in sets:
-            out, log_sum = _FLASH(*tile_set.inputs(queries, key_blocks, value_blocks),
+            out, log_sum = FLASH_CPU(*tile_set.inputs(queries, key_blocks, value_blocks),
                                   attn_mask=tile_set.additive_mask(queries.dtype), scale=1.0)
             if tile_set.allowed is not None:  # a row that sees no key of its tile: the kernel says 0, not -inf
                 log_sum = log_sum.masked_fill(~tile_set.allowed.any(-1)[:, None], float("-inf"))
@@ -334,7 +338,7 @@ class _SelectedTiles(torch.autograd.Function):
         grad_queries, grad_keys, grad_values = (torch.zeros_like(t) for t in (queries, key_blocks, value_blocks))
         for tile_set in ctx.sets:
             tile_queries, tile_keys, tile_values = tile_set.inputs(queries, key_blocks, value_blocks)
-            grads = _FLASH_BACKWARD(grad_out[tile_set.rows][:, None], tile_queries, tile_keys, tile_values,
+            grads = FLASH_CPU_BACKWARD(grad_out[tile_set.rows][:, None], tile_queries, tile_keys, tile_values,
                                     out[tile_set.rows][:, None], log_sum[tile_set.rows][:, None], 0.0, False,
                                     attn_mask=tile_set.additive_mask(dtype), scale=1.0)
             grad_queries.index_add_(0, tile_set.rows.flatten(), grads[0].reshape(-1, queries.shape[-1]))
