@@ -11,8 +11,8 @@ The encoder form keeps the own block and the ``top_k - 1`` best other blocks of 
 Cost: the gate is [N, N / block_size] (block granularity, no N x N tensor), the attention N x top_k x
 block_size (:func:`longattn.attention.ops.block_select.selected_block_attention`, one dense product per
 tile of queries that share a key block). The CPU path runs the queries in chunks (causal, a chunk reads no
-block after its last query; the tiles' backward recomputes their scores); the GPU path all queries at once. The float64 reference (:func:`moba_attention_reference`) builds the N x N
-mask of the selected keys; fla's ``parallel_moba`` (flash-attn varlen, CUDA only) is the same computation.
+block after its last query; the tiles' backward recomputes their scores); the GPU path all queries at once.
+The float64 reference (:func:`moba_attention_reference`) builds the N x N mask of the selected keys; fla's ``parallel_moba`` (flash-attn varlen, CUDA only) is the same computation.
 """
 
 from __future__ import annotations

@@ -26,15 +26,16 @@ blocks after a chunk's last query), n x l' selected keys, w window keys; no N x 
 the selection blocks reads the W = ceil((l' + l) / d) compression blocks each one overlaps. The selected
 branch runs :func:`longattn.attention.ops.block_select.selected_block_attention`; the window the band of
 :func:`longattn.attention.chunked.windowed_attention`. The CPU path runs the compressed branch and the
-selection in chunks of queries recomputed in backward, then the selected branch in chunks of its own (its
-backward recomputes its tiles); the GPU path all queries at once. The float64 reference builds the N x N masks; fla's
-``naive_nsa_compression``, ``naive_nsa_topk`` and ``naive_nsa_selection`` are the tests' peers.
+selection in chunks of queries, then the selected branch in chunks of its own, both through SDPA's CPU flash
+kernel with backwards that recompute their scores; the GPU path all queries at once. The float64 reference
+builds the N x N masks; fla's ``naive_nsa_compression``, ``naive_nsa_topk`` and ``naive_nsa_selection`` are the tests' peers.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -58,6 +59,7 @@ from longattn.attention.chunked import Band, SparsePattern, window_chunk, window
 from longattn.attention.decoding import KVState, attend_keys
 from longattn.attention.ops.block_select import (FLASH_CPU, FLASH_CPU_BACKWARD, BlockCacheState, additive_mask,
                                                  completed_blocks, query_chunk, selected_block_attention, top_blocks)
+from longattn.registry import signature_defaults
 
 BRANCHES = ("compressed", "selected", "window")
 COMPRESSORS = ("mlp", "mean")
@@ -150,7 +152,8 @@ def block_importance(probs: Tensor, options: NsaOptions, selection: int) -> Tens
     probs = probs.detach()
     stride, block, select = options.compress_stride, options.compress_block, options.select_block
     if select % stride == 0:
-        step, before = select // stride, -(-block // stride) - 1  # selection block j reads [j step - before, (j + 1) step)
+        # selection block j reads the compressed blocks [j step - before, (j + 1) step)
+        step, before = select // stride, -(-block // stride) - 1
         count = step + before
         after = max(0, (selection - 1) * step + count - before - probs.shape[-1])
         return F.pad(probs, (before, after)).unfold(-1, count, step)[..., :selection, :].sum(-1)
@@ -367,76 +370,64 @@ def _compressed_and_selected(query: Tensor, key: Tensor, value: Tensor, key_real
 
 
 @padding_safe
-def nsa_attention_reference(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None = None,
-    *,
-    gates: Tensor | None = None,
-    key_compressor: Compressor | None = None,
-    value_compressor: Compressor | None = None,
-    compress_block: int = 32,
-    compress_stride: int = 16,
-    select_block: int = 64,
-    select_count: int = 16,
-    window: int = 512,
-    initial_blocks: int = 1,
-    local_blocks: int = 2,
-    selection_group: int = 1,
-    branches: tuple[str, ...] = BRANCHES,
-    is_causal: bool = False,
-    scale: float | None = None,
-) -> Tensor:
-    """Dense N x N NSA: every branch as a masked softmax over all keys, the selection as a [N, N] mask of the
-    chosen blocks' keys. Tests only."""
+def nsa_attention_reference(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
+                            **options: Any) -> Tensor:
+    """Dense N x N NSA with :func:`nsa_attention`'s options and defaults: every branch as a masked softmax over
+    all keys, the selection as a [N, N] mask of the chosen blocks' keys. Tests only."""
+    defaults = signature_defaults(nsa_attention, skip=("attention_mask",))
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise AttentionError(f"unknown NSA options {unknown}; the options are {sorted(defaults)}")
+    o = SimpleNamespace(**{**defaults, **options})
     b, h, n, d = query.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = 1.0 / math.sqrt(d) if o.scale is None else o.scale
     real = torch.ones(b, n, dtype=torch.bool) if attention_mask is None else attention_mask
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
-    causal = (j <= i) if is_causal else torch.ones(n, n, dtype=torch.bool)
+    causal = (j <= i) if o.is_causal else torch.ones(n, n, dtype=torch.bool)
 
     def masked_softmax(scores: Tensor, allowed: Tensor) -> Tensor:
         return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
 
     # compressed tokens: block c holds positions [c d, c d + l) that exist
-    count = -(-n // compress_stride)
-    starts = torch.arange(count) * compress_stride
-    member = (j >= starts[:, None]) & (j < starts[:, None] + compress_block)  # [C, N]
-    blocks = torch.stack([F.pad(t, (0, 0, 0, compress_block + starts[-1] - n))[:, :, s:s + compress_block]
-                          for t in (key, value) for s in starts.tolist()]).view(2, count, b, h, compress_block, d)
-    block_real = torch.stack([F.pad(real, (0, compress_block + starts[-1] - n), value=False)[:, s:s + compress_block]
+    count = -(-n // o.compress_stride)
+    starts = torch.arange(count) * o.compress_stride
+    member = (j >= starts[:, None]) & (j < starts[:, None] + o.compress_block)  # [C, N]
+    blocks = torch.stack([F.pad(t, (0, 0, 0, o.compress_block + starts[-1] - n))[:, :, s:s + o.compress_block]
+                          for t in (key, value) for s in starts.tolist()]).view(2, count, b, h, o.compress_block, d)
+    tail = o.compress_block + starts[-1] - n
+    block_real = torch.stack([F.pad(real, (0, tail), value=False)[:, s:s + o.compress_block]
                               for s in starts.tolist()], dim=1)  # [B, C, l]
-    key_cmp = (key_compressor or mean_compressor)(blocks[0].permute(1, 2, 0, 3, 4), block_real)
-    value_cmp = (value_compressor or mean_compressor)(blocks[1].permute(1, 2, 0, 3, 4), block_real)
+    key_cmp = (o.key_compressor or mean_compressor)(blocks[0].permute(1, 2, 0, 3, 4), block_real)
+    value_cmp = (o.value_compressor or mean_compressor)(blocks[1].permute(1, 2, 0, 3, 4), block_real)
     cmp_visible = (member & real[:, None, :]).any(-1)[:, None, None, :]  # [B, 1, 1, C]
-    if is_causal:
-        cmp_visible = cmp_visible & (starts[None, :] + compress_block - 1 <= i)
+    if o.is_causal:
+        cmp_visible = cmp_visible & (starts[None, :] + o.compress_block - 1 <= i)
     probs = masked_softmax(query @ key_cmp.transpose(-1, -2) * scale, cmp_visible)
     out_cmp = probs @ value_cmp
     # selection blocks: importance summed over the compressed blocks each overlaps, and over the group
-    sel_count = -(-n // select_block)
-    sel_of = torch.arange(n) // select_block
+    sel_count = -(-n // o.select_block)
+    sel_of = torch.arange(n) // o.select_block
     overlap = torch.stack([(member[:, sel_of == s]).any(-1) for s in range(sel_count)], dim=1)  # [C, S]
-    importance = (probs @ overlap.to(probs.dtype)).view(b, h // selection_group, selection_group, n, sel_count).sum(2)
+    group = o.selection_group
+    importance = (probs @ overlap.to(probs.dtype)).view(b, h // group, group, n, sel_count).sum(2)
     s = torch.arange(sel_count)[None, :]
     own = sel_of[:, None]
-    forced = (s < initial_blocks) | ((s <= own) & (s > own - local_blocks))
+    forced = (s < o.initial_blocks) | ((s <= own) & (s > own - o.local_blocks))
     allowed = torch.stack([(real[:, sel_of == c]).any(-1) for c in range(sel_count)], dim=1)[:, None, None, :]
-    if is_causal:
+    if o.is_causal:
         allowed = allowed & (s <= own)
     importance = importance.masked_fill(forced, float("inf")).masked_fill(~allowed, float("-inf"))
-    top = importance.topk(min(select_count, sel_count), dim=-1).indices
+    top = importance.topk(min(o.select_count, sel_count), dim=-1).indices
     chosen = torch.zeros_like(importance, dtype=torch.bool).scatter(-1, top, True) & allowed
-    chosen = chosen.repeat_interleave(selection_group, 1)
+    chosen = chosen.repeat_interleave(group, 1)
     slc_allowed = chosen[..., sel_of] & real[:, None, None, :] & causal
     scores = query @ key.transpose(-1, -2) * scale
     out_slc = masked_softmax(scores, slc_allowed) @ value
-    before = window - 1 if is_causal else (window - 1) // 2
-    near = (j - i >= -before) & (j - i < window - before)
+    before = o.window - 1 if o.is_causal else (o.window - 1) // 2
+    near = (j - i >= -before) & (j - i < o.window - before)
     out_win = masked_softmax(scores, near & real[:, None, None, :]) @ value
-    return mix_branches({"compressed": out_cmp, "selected": out_slc, "window": out_win}, gates, tuple(branches))
+    return mix_branches({"compressed": out_cmp, "selected": out_slc, "window": out_win}, o.gates, tuple(o.branches))
 
 
 class BlockCompressor(nn.Module):
