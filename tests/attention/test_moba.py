@@ -70,7 +70,7 @@ def test_decoding_equals_the_causal_forward(options):
     torch.manual_seed(0)
     layer = attention.build("moba", dim=DIM, heads=HEADS, causal=True, **options).double().eval()
     state = assert_decoding_equals_forward(layer, n=26, prompt=7)
-    assert state.means.shape[2] == 26 // options["block_size"]  # the completed blocks' means
+    assert state.summaries[0].shape[2] == 26 // options["block_size"]  # the completed blocks' means
 
 
 def test_bf16_autocast_trains():

@@ -9,7 +9,8 @@ from selection_checks import DIM, HEADS, assert_packed_equals_padded
 
 from longattn import attention
 from longattn.attention import AttentionError
-from longattn.attention.nsa import BlockCompressor, nsa_attention, nsa_attention_reference
+from longattn.attention.nsa import (BRANCHES, BlockCompressor, NsaOptions, block_importance, nsa_attention,
+                                    nsa_attention_reference)
 from longattn.attention.ops import block_select
 from longattn.testing import assert_forward_backward_close, random_qkv
 
@@ -118,7 +119,7 @@ def test_decoding_equals_the_causal_forward(options):
             p.add_(torch.randn_like(p) * 0.3)
     state = assert_decoding_equals_forward(layer, n=30, prompt=7)
     block, stride = options["compress_block"], options["compress_stride"]
-    assert state.key_cmp.shape[2] == (30 - block) // stride + 1  # the completed compression blocks
+    assert state.summaries[0].shape[2] == (30 - block) // stride + 1  # the completed compression blocks
 
 
 def test_bf16_autocast_trains():
@@ -148,3 +149,18 @@ def test_bad_gates_raise_a_clear_error():
     q, k, v = random_qkv(2, 4, 8, 8)
     with pytest.raises(AttentionError, match="gates"):
         nsa_attention(q, k, v, gates=torch.ones(2, 4, 8, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("block, stride, select", [(8, 4, 8), (32, 16, 64), (6, 3, 4), (5, 2, 3), (4, 4, 1)])
+def test_block_importance_sums_the_overlapping_compression_blocks(block, stride, select):
+    """Eq. 9 by its windows (a strided view where l' is a multiple of d, gathers otherwise) against the sum over
+    every compression block i whose positions [i d, i d + l) meet selection block j's [j l', (j + 1) l')."""
+    options = NsaOptions(block, stride, select, 1, 1, 0, 0, 1, BRANCHES, True, 1.0)
+    for compressed, selection in ((13, 9), (3, 9), (40, 2)):
+        probs = torch.rand(2, 3, 4, compressed, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        expected = torch.zeros(2, 3, 4, selection, dtype=torch.float64)
+        for j in range(selection):
+            for i in range(compressed):
+                if i * stride < (j + 1) * select and j * select < i * stride + block:
+                    expected[..., j] += probs[..., i]
+        torch.testing.assert_close(block_importance(probs, options, selection), expected)

@@ -21,6 +21,15 @@ def test_sdpa_matches_reference_forward_and_backward(causal, path):
         torch.testing.assert_close(a, r)
 
 
+def test_causal_with_a_mask_that_hides_nothing_equals_the_reference(path):
+    """The CPU path drops a key mask without padding and runs SDPA's own causal form (no N x N mask)."""
+    q, k, v = (torch.randn(2, 2, 37, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    torch.testing.assert_close(softmax_attention(q, k, v, mask, is_causal=True),
+                               softmax_attention_reference(q, k, v, is_causal=True))
+
+
 def test_all_padded_sequence_gives_zeros_not_nan():
     q = k = v = torch.randn(1, 1, 5, 4)
     out = softmax_attention(q, k, v, torch.zeros(1, 5, dtype=torch.bool))

@@ -130,3 +130,12 @@ def test_model_level_benchmark_trains_the_lra_text_model(tmp_path):
     assert [(r["target"], r["status"]) for r in rows] == [("softmax", "ok"), ("singular", "ok")]
     assert all(r["kind"] == "lra_text" and r["parameters"] > 50_000 for r in rows)
     assert "train steps/s" in (out / "model.md").read_text()
+
+
+def test_sdpa_baseline_takes_the_causal_form_of_the_mechanism_options():
+    from longattn.bench.speed import baseline_options, benchmark_calls
+
+    assert baseline_options({"causal": True, "top_k": 4}) == {"causal": True}
+    assert baseline_options({"top_k": 4}) == {}
+    module, _, _ = benchmark_calls(SpeedConfig(target="softmax", length=16, options={"causal": True}), "softmax")
+    assert module.causal

@@ -10,9 +10,9 @@ The encoder form keeps the own block and the ``top_k - 1`` best other blocks of 
 
 Cost: the gate is [N, N / block_size] (block granularity, no N x N tensor), the attention N x top_k x
 block_size (:func:`longattn.attention.ops.block_select.selected_block_attention`, one dense product per
-tile of queries that share a key block). The CPU path runs the queries in chunks recomputed in backward;
-the GPU path all queries at once. The float64 reference (:func:`moba_attention_reference`) builds the N x N
-mask of the selected keys; fla's ``parallel_moba`` (flash-attn varlen, CUDA only) is the same computation.
+tile of queries that share a key block). The CPU path runs the queries in chunks (causal, a chunk reads no
+block after its last query; the tiles' backward recomputes their scores); the GPU path all queries at once.
+The float64 reference (:func:`moba_attention_reference`) builds the N x N mask of the selected keys; fla's ``parallel_moba`` (flash-attn varlen, CUDA only) is the same computation.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from longattn.attention.base import (
     check_qkv,
     output_dtype,
     padding_safe,
-    recomputed,
     register_attention,
     uses_gpu_path,
 )
-from longattn.attention.decoding import DecodingState, KVState
-from longattn.attention.ops.block_select import block_key_means, query_chunk, selected_block_attention, top_blocks
+from longattn.attention.decoding import KVState
+from longattn.attention.ops.block_select import (BlockCacheState, block_key_means, completed_blocks, query_chunk,
+                                                 selected_block_attention, top_blocks)
 
 @dataclass(frozen=True)
 class MobaOptions:
@@ -75,9 +75,16 @@ def moba_select(query: Tensor, means: Tensor, mean_ok: Tensor, positions: Tensor
 
 def moba_queries(query: Tensor, key: Tensor, value: Tensor, means: Tensor, mean_ok: Tensor, key_real: Tensor | None,
                  start: int, options: MobaOptions) -> Tensor:
-    """MoBA for the queries at positions [start, start + Q) over every key: [B, H, Q, Dv]."""
+    """MoBA for the queries at positions [start, start + Q) over every key: [B, H, Q, Dv]. Causal, the blocks
+    after the last query's are not read (none of these queries can select them)."""
     positions = torch.arange(start, start + query.shape[2], device=query.device)
-    blocks, valid = moba_select(query, means, mean_ok, positions, options)
+    if options.is_causal:
+        blocks_seen = -(-(start + query.shape[2]) // options.block_size)
+        key, value = key[:, :, :blocks_seen * options.block_size], value[:, :, :blocks_seen * options.block_size]
+        key_real = None if key_real is None else key_real[:, :blocks_seen * options.block_size]
+        means, mean_ok = means[:, :, :blocks_seen], mean_ok[:, :blocks_seen]
+    with torch.no_grad():  # a discrete choice: no gradient flows through the gate
+        blocks, valid = moba_select(query, means, mean_ok, positions, options)
     return selected_block_attention(query, key, value, blocks, valid, block_size=options.block_size,
                                     query_positions=positions, key_real=key_real, causal=options.is_causal,
                                     scale=options.scale)
@@ -109,15 +116,10 @@ def moba_attention(
     key, value = F.pad(key, (0, 0, 0, pad)).contiguous(), F.pad(value, (0, 0, 0, pad)).contiguous()
     means, mean_ok = block_key_means(key, block_size, key_real)
     n = query.shape[2]
+    # the CPU path's chunks keep nothing but their inputs for backward (its tiles' backward recomputes them)
     chunk = n if uses_gpu_path(query) else query_chunk(top_k * block_size)
-    parts = []
-    for start in range(0, n, chunk):
-        rows = query[:, :, start:start + chunk]
-        if torch.is_grad_enabled() and chunk < n:
-            parts.append(recomputed(lambda r, k, v, m, s=start: moba_queries(r, k, v, m, mean_ok, key_real, s, options),
-                                    rows, key, value, means))
-        else:
-            parts.append(moba_queries(rows, key, value, means, mean_ok, key_real, start, options))
+    parts = [moba_queries(query[:, :, start:start + chunk], key, value, means, mean_ok, key_real, start, options)
+             for start in range(0, n, chunk)]
     return torch.cat(parts, dim=2).to(dtype)
 
 
@@ -163,16 +165,6 @@ def moba_attention_reference(
     return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ value
 
 
-@dataclass
-class MobaState(DecodingState):
-    """Every key and value so far (:class:`KVState`) and the mean keys of the completed blocks (the gate's
-    candidates; the block being filled is the query's own and needs none)."""
-
-    cache: KVState | None = None
-    means: Tensor | None = None
-    mean_ok: Tensor | None = None
-
-
 @register_attention(
     "moba",
     capabilities=Capabilities(causal=True),
@@ -210,27 +202,26 @@ class MobaAttention(AttentionBase):
     decode_state = "kv_cache"
 
     def prefill_heads(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                      layer_state: dict | None) -> tuple[Tensor, MobaState]:
+                      layer_state: dict | None) -> tuple[Tensor, BlockCacheState]:
+        """The key cache and the mean keys of the completed blocks (the gate's candidates; the block being
+        filled is the query's own and needs none)."""
         out = moba_attention(query, key, value, attention_mask, block_size=self.block_size, top_k=self.top_k,
                              is_causal=True)
-        complete = key.shape[2] // self.block_size * self.block_size
+        complete = completed_blocks(key.shape[2], self.block_size, self.block_size) * self.block_size
         real = None if attention_mask is None else attention_mask[:, :complete]
         means, mean_ok = block_key_means(key[:, :, :complete], self.block_size, real)
-        return out, MobaState(length=key.shape[2], cache=KVState.start(key, value, attention_mask), means=means,
-                              mean_ok=mean_ok)
+        return out, BlockCacheState(length=key.shape[2], cache=KVState.start(key, value, attention_mask),
+                                    summaries=[means], summary_ok=mean_ok)
 
-    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: MobaState, real: Tensor | None,
-                   layer_state: dict | None) -> tuple[Tensor, MobaState]:
+    def step_heads(self, query: Tensor, key: Tensor, value: Tensor, state: BlockCacheState, real: Tensor | None,
+                   layer_state: dict | None) -> tuple[Tensor, BlockCacheState]:
         """The new query's own block and its top_k - 1 completed blocks: O(N / block + top_k x block)."""
-        cache = state.cache
-        cache.append(key, value, real)
-        keys, values, key_real = cache.view()
-        t = state.length
-        out = moba_queries(query, keys, values, state.means, state.mean_ok, key_real if cache.padded else None, t,
-                           self._options())
-        if (t + 1) % self.block_size == 0:  # the new token completes a block: it becomes a candidate
-            first = t + 1 - self.block_size
+        keys, values, key_real = state.append(key, value, real)
+        (means,) = state.summaries
+        out = moba_queries(query, keys, values, means, state.summary_ok, key_real if state.cache.padded else None,
+                           state.length, self._options())
+        first = state.completed_block(self.block_size, self.block_size)
+        if first is not None:  # the new token completes a block: it becomes a candidate
             mean, ok = block_key_means(keys[:, :, first:], self.block_size, key_real[:, first:])
-            state.means = torch.cat([state.means, mean], dim=2)
-            state.mean_ok = torch.cat([state.mean_ok, ok], dim=1)
+            state.add_block([mean], ok)
         return out.to(output_dtype(query)), state

@@ -15,6 +15,7 @@ from longattn.attention.base import (
     check_qkv,
     padding_safe,
     register_attention,
+    uses_gpu_path,
 )
 from longattn.attention.decoding import KVState, attend_keys
 
@@ -44,6 +45,9 @@ def softmax_attention(
             and query.dtype in (torch.float32, torch.float64)):
         return _math_path_with_dropout(query, key, value, dropout_p, scale)
     mask = _sdpa_mask(attention_mask)
+    if (is_causal and mask is not None and query.shape[-2] == key.shape[-2] and not uses_gpu_path(query)
+            and bool(attention_mask.all())):
+        mask = None  # no padding: SDPA's own causal form, without an N x N mask (the check costs no sync on a CPU)
     if is_causal and mask is not None:
         n_q, n_k = query.shape[-2], key.shape[-2]
         causal = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(n_k - n_q)

@@ -108,7 +108,7 @@ def make_target(name: str, dim: int, heads: int, length: int, options: dict | No
     """Build benchmark target ``name`` for sequences of ``length`` tokens."""
     options = dict(options or {})
     if name == SDPA_MATH:
-        module = attention.build(SDPA, dim=dim, heads=heads, max_len=length)
+        module = attention.build(SDPA, dim=dim, heads=heads, max_len=length, **options)
         return Target(name, module, module, math_backend)
     if name in PEERS:
         module_name, _, builder = PEERS[name]
