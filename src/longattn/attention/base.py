@@ -406,6 +406,27 @@ def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward copies the gradient into a contiguous tensor (see :func:`contiguous_gradient`)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor) -> Tensor:  # type: ignore[override]
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        # a copy, not .contiguous(): the trace believes the gradient contiguous already and would drop the call
+        return grad.clone(memory_format=torch.contiguous_format)
+
+
+def contiguous_gradient(t: Tensor) -> Tensor:
+    """``t``, with its gradient made contiguous in backward. Where an elementwise op's gradient comes back in a layout
+    that the CPU kernel and its meta function (``torch.compile``'s tracing) choose differently (softplus' backward
+    with a transposed incoming gradient), AOT autograd traces the reshape that follows as a view, which then fails
+    on the kernel's real strides: wrapped, the op's input gets a gradient of one layout in both."""
+    return _ContiguousGradient.apply(t)
+
+
 # ----------------------------------------------------------------------------- what float32 means on CUDA
 
 # True inside allow_tf32(): the library's own convolutions may use TF32 like cuDNN's default.
