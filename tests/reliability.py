@@ -40,9 +40,11 @@ FOREIGN_WEIGHTS = "another run's checkpoint, damaged safetensors, a config that 
 SP_LENGTHS = ("sequence parallelism: a length N (1-70) that 2, 3 or 4 ranks do not divide, each on every form, "
               "padding included")
 SEQUENCE_PARALLEL = "sequence parallelism: ranks with mismatched inputs, a rank that does not answer"
+COMPILE = ("torch.compile: a training step of every mechanism under each declared backend, bidirectional and "
+           "causal; a mechanism that declares none")
 FAMILIES = (ATTENTION_PADDING, ATTENTION_FUNCTIONAL, ATTENTION_DTYPE, ATTENTION_AUTOCAST, ATTENTION_EMPTY,
             ATTENTION_FINITE, DECODING, PACKING, ARCHIVES, TIME_SERIES, GLUE, FOLDERS, OTHER_READERS, TRAINING, RESUME, OUTPUT_FOLDERS,
-            FOREIGN_WEIGHTS, SP_LENGTHS, SEQUENCE_PARALLEL)
+            FOREIGN_WEIGHTS, SP_LENGTHS, SEQUENCE_PARALLEL, COMPILE)
 
 
 def bad_input(family: str, outcome: str, cases: int = 1) -> pytest.MarkDecorator:

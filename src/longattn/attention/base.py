@@ -104,6 +104,10 @@ class Capabilities:
             (every key and value, O(N)), ``"recompute"`` (the causal forward over the cached prefix, for a
             mechanism without an incremental form); ``""``: no decoding state (not causal). Declared by
             the class attribute of the same name.
+        compile_backends: the ``torch.compile`` backends under which the module form trains (forward and
+            backward, graph breaks allowed) with eager's output and gradients; tests/attention/test_compile.py
+            runs a training step of every mechanism under each backend it declares. Empty: the module form
+            does not compile, and calling it under ``torch.compile`` raises :class:`AttentionError`.
     """
 
     causal: bool = False
@@ -117,6 +121,7 @@ class Capabilities:
     sequence_parallel: bool = False
     attention_map: bool = False
     decode_state: str = ""
+    compile_backends: tuple[str, ...] = ("aot_eager",)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -378,10 +383,14 @@ def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
     non-reentrant, without the RNG state: ``fn`` draws nothing). The recomputation runs under the forward's
     autocast, as checkpoint arranges, and under the torch function modes active in the forward, which the
     autograd engine drops (``with torch.device(...)``, :class:`longattn.testing.CudaAutocastOnCPU`): without
-    them it could save tensors of other dtypes than the forward did, which checkpoint rejects."""
+    them it could save tensors of other dtypes than the forward did, which checkpoint rejects. Under
+    ``torch.compile`` the recomputation is part of the traced graph, where the modes are traced as well, and
+    dynamo traces checkpoint only without a ``context_fn``: the plain checkpoint."""
     from torch.overrides import _get_current_function_mode_stack  # torch has no public reader of the stack
     from torch.utils.checkpoint import checkpoint
 
+    if torch.compiler.is_compiling():
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
     modes = _get_current_function_mode_stack()
 
     @contextlib.contextmanager
@@ -395,6 +404,27 @@ def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
         return contextlib.nullcontext(), modes_again()
 
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward copies the gradient into a contiguous tensor (see :func:`contiguous_gradient`)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor) -> Tensor:  # type: ignore[override]
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        # a copy, not .contiguous(): the trace believes the gradient contiguous already and would drop the call
+        return grad.clone(memory_format=torch.contiguous_format)
+
+
+def contiguous_gradient(t: Tensor) -> Tensor:
+    """``t``, with its gradient made contiguous in backward. Where an elementwise op's gradient comes back in a layout
+    that the CPU kernel and its meta function (``torch.compile``'s tracing) choose differently (softplus' backward
+    with a transposed incoming gradient), AOT autograd traces the reshape that follows as a view, which then fails
+    on the kernel's real strides: wrapped, the op's input gets a gradient of one layout in both."""
+    return _ContiguousGradient.apply(t)
 
 
 # ----------------------------------------------------------------------------- what float32 means on CUDA
@@ -617,6 +647,14 @@ def budget_slices(count: int, item_elements: int, budget: int) -> list[slice]:
 # ----------------------------------------------------------------------------- base module
 
 
+@torch.compiler.disable  # raised from eager code: an error raised while dynamo traces only makes it run the frame eagerly
+def _refuse_compile(name: str) -> None:
+    raise AttentionError(
+        f"attention {name!r} does not run under torch.compile (its capabilities.compile_backends is empty); keep "
+        "the layer out of the compiled region with torch.compiler.disable(layer), or choose a mechanism whose "
+        "capabilities(name).compile_backends names your backend")
+
+
 class AttentionBase(nn.Module):
     """Base class of every mechanism's module form.
 
@@ -689,6 +727,8 @@ class AttentionBase(nn.Module):
         """:meth:`forward` around another ``attend`` of the same signature: the input checks, the
         padding replacement and the zeroed padded outputs (longattn.parallel runs a layer's
         sequence-parallel form through it)."""
+        if not self.capabilities.compile_backends and torch.compiler.is_compiling():
+            _refuse_compile(self.name)
         self.check_input(x, attention_mask)
         if self.recording_maps and self.training:
             raise AttentionError("attention maps are recorded for analysis only: call model.eval() first")

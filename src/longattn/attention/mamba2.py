@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from longattn.attention.base import (
     AttentionError,
     Capabilities,
+    contiguous_gradient,
     merge_heads,
     padding_safe,
     register_attention,
@@ -160,7 +161,8 @@ class Mamba2(GatedScanLayer):
             channels = channels.masked_fill(~attention_mask[..., None], 0.0)
         convolved = self.convolve(channels, extra.get("conv"))
         c, b, values = (split_heads(t, self.heads) for t in convolved.chunk(3, dim=-1))
-        dt = F.softplus(self.to_dt(x)).transpose(1, 2)[..., None]  # [B, H, N, 1]
+        # softplus' gradient comes back transposed, in a layout its CPU kernel and torch.compile's trace differ on
+        dt = F.softplus(contiguous_gradient(self.to_dt(x))).transpose(1, 2)[..., None]  # [B, H, N, 1]
         log_decay = -self.a_log.exp()[:, None, None] * dt  # dt A <= 0
         return ScanInputs(c, b, values * dt.to(values.dtype), log_decay, skip=values, carry=channels)
 
