@@ -52,7 +52,7 @@ from longattn.attention.ops.delta_rule import (
 __all__ = ["CONV_TILE", "DeltaRuleLayer", "DeltaRuleState", "causal_short_conv", "conv_features"]
 
 # Tokens per tile of the CPU path's convolution features: a tile's channels stay in the cache between its passes.
-CONV_TILE = 1024
+CONV_TILE = 512
 
 
 def causal_short_conv(x: Tensor, weight: Tensor) -> Tensor:
@@ -225,13 +225,14 @@ class DeltaRuleLayer(AttentionBase):
     def _output(self, o: Tensor, x: Tensor) -> Tensor:
         """Per-head RMSNorm, the output gate, the output projection: [B, H, N, Dv] -> [B, N, dim]. The norm and
         the gate in the accumulation dtype, rounded once before the projection (each rounding in between
-        would add its own relative error, 2^-8 in bfloat16)."""
-        o = o.to(compute_dtype(o.dtype))
+        would add its own relative error, 2^-8 in bfloat16); token-major ([B, N, H, Dv], one copy), where the
+        gate's projection and the output projection's input are contiguous."""
+        o = o.to(compute_dtype(o.dtype)).transpose(1, 2).contiguous()
         if self.norm_weight is not None:
             o = F.rms_norm(o, (o.shape[-1],), self.norm_weight.to(o.dtype), eps=1e-6)
         if self.to_gate is not None:
-            o = o * F.silu(split_heads(self.to_gate(x), self.heads).to(o.dtype))
-        return self.proj.out(o.to(output_dtype(x)))
+            o = o * F.silu(self.to_gate(x).to(o.dtype).unflatten(-1, (self.heads, -1)))
+        return self.proj.out(o.to(output_dtype(x)).transpose(1, 2))
 
     def _projections(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
         """q, k, v of tokens x [B, N, dim] side by side, [B, N, 3 dim]: one product with the three projections'

@@ -66,11 +66,13 @@ __all__ = [
     "rule_inputs",
 ]
 
-DELTA_CHUNK = 64
+# L: on a CPU thread at Dk = Dv = 32, 32 costs less than 64 (the [L, L] factors grow with L, the states' work
+# does not), the most with the decay; speed and memory only
+DELTA_CHUNK = 32
 # added to the squared norm of l2_normalised (a zero row, a padded token's, stays zero)
 L2_EPS = 1e-12
 # The GPU path's doubling scan runs this many levels whatever N (levels past the sequence's chunks compose
-# with the identity): enough for 2^16 chunks, 4M tokens at chunk 64.
+# with the identity): enough for 2^16 chunks, 2M tokens at chunk 32.
 MAX_SCAN_LEVELS = 16
 
 
