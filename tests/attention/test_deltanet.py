@@ -4,15 +4,19 @@ padding, the GPU path's op count and accuracy, the HF bridge: the registry-wide 
 
 import pytest
 import torch
+import torch.nn.functional as F
 from delta_rule_checks import HEAD_DIM, fla_peer, rule_inputs, upstream_grads
 
 from longattn import attention
 from longattn.attention import AttentionError
+from longattn.attention.ops import delta_layer
+from longattn.attention.ops.delta_layer import causal_short_conv, conv_features
 from longattn.attention.ops.delta_rule import (
     delta_rule,
     delta_rule_attention,
     delta_rule_attention_reference,
     delta_rule_reference,
+    l2_normalised,
 )
 from longattn.testing import scattered_mask
 
@@ -64,6 +68,24 @@ def test_functional_form_equals_its_reference(is_causal, path):
     ref = delta_rule_attention_reference(q, k, v, mask, **options)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     for got, want in zip(upstream_grads(out, [q, k, v, beta]), upstream_grads(ref, [q, k, v, beta])):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("normalised", [0, 32])
+def test_tiled_convolution_features_equal_the_plain_composition(normalised, path, monkeypatch):
+    """SiLU(short conv), then L2 norm of the first channels: 4 tiles of 5 tokens and a shorter last one on the
+    CPU path (one tile on the GPU path), against autograd through the plain pieces; float64, every gradient."""
+    monkeypatch.setattr(delta_layer, "CONV_TILE", 5)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 23, 48, generator=g, dtype=torch.float64, requires_grad=True)
+    taps = torch.randn(4, 48, generator=g, dtype=torch.float64, requires_grad=True)
+    out = conv_features(x, taps, normalised, 8)
+    heads = x.unflatten(-1, (6, 8)).transpose(1, 2)  # [B, 6, N, 8], weight [6, 8, K]
+    ref = F.silu(causal_short_conv(heads, taps.t().unflatten(0, (6, 8))))
+    ref = torch.cat([l2_normalised(ref[:, :normalised // 8]), ref[:, normalised // 8:]], dim=1)
+    ref = ref.transpose(1, 2).flatten(2)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    for got, want in zip(upstream_grads(out, [x, taps]), upstream_grads(ref, [x, taps])):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 

@@ -34,11 +34,14 @@ from longattn.attention.base import (
     QKVProjection,
     autocast_disabled,
     compute_dtype,
+    merge_heads,
     output_dtype,
     split_heads,
+    uses_gpu_path,
 )
 from longattn.attention.decoding import DecodingState, ones_or
 from longattn.attention.ops.delta_rule import (
+    L2_EPS,
     delta_rule,
     delta_rule_attention,
     delta_rule_step,
@@ -46,7 +49,10 @@ from longattn.attention.ops.delta_rule import (
     rule_inputs,
 )
 
-__all__ = ["DeltaRuleLayer", "DeltaRuleState", "causal_short_conv"]
+__all__ = ["CONV_TILE", "DeltaRuleLayer", "DeltaRuleState", "causal_short_conv", "conv_features"]
+
+# Tokens per tile of the CPU path's convolution features: a tile's channels stay in the cache between its passes.
+CONV_TILE = 512
 
 
 def causal_short_conv(x: Tensor, weight: Tensor) -> Tensor:
@@ -58,6 +64,72 @@ def causal_short_conv(x: Tensor, weight: Tensor) -> Tensor:
     padded = F.pad(x, (0, 0, taps - 1, 0))
     w = weight[:, None]  # [H, 1, Dh, K]
     return sum(w[..., i] * padded[:, :, i:i + n] for i in range(taps))
+
+
+class _ConvFeatures(torch.autograd.Function):
+    """SiLU(causal depthwise convolution) of token-major channels [B, N, C] with ``taps`` [K, C] (tap K - 1 the
+    current token), then its first ``normalised`` channels L2-normalised in groups of ``group`` (the query and
+    key heads), ``tile`` tokens at a time: each tile's shifted products, activation and norm run while it is in
+    the cache, and the backward recomputes them tile by tile from the padded input (the only tensor kept)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, taps: Tensor, normalised: int, group: int, tile: int) -> Tensor:
+        padded = F.pad(x, (0, 0, taps.shape[0] - 1, 0))
+        out = torch.empty_like(x)
+        for lo in range(0, x.shape[1], tile):
+            hi = min(lo + tile, x.shape[1])
+            F.silu(_convolve(padded, taps, lo, hi, out=out[:, lo:hi]), inplace=True)
+            _l2_normalise_(out[:, lo:hi, :normalised], group)
+        ctx.save_for_backward(padded, taps)
+        ctx.normalised, ctx.group, ctx.tile = normalised, group, tile
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        padded, taps = ctx.saved_tensors
+        normalised, group, tile = ctx.normalised, ctx.group, ctx.tile
+        n = d_out.shape[1]
+        d_padded = torch.zeros_like(padded)
+        d_taps = torch.zeros_like(taps)
+        for lo in range(0, n, tile):
+            hi = min(lo + tile, n)
+            convolved = _convolve(padded, taps, lo, hi)
+            d_act = d_out[:, lo:hi].clone()
+            if normalised:  # y = a / ||a||: dL/da = (dL/dy - y (y . dL/dy)) / ||a||
+                act = F.silu(convolved[..., :normalised]).unflatten(-1, (-1, group))
+                inverse_norm = torch.rsqrt(act.square().sum(-1, keepdim=True) + L2_EPS)
+                unit = act.mul_(inverse_norm)
+                d_unit = d_act[..., :normalised].unflatten(-1, (-1, group))
+                d_unit.sub_(unit * (unit * d_unit).sum(-1, keepdim=True)).mul_(inverse_norm)
+            d_conv = torch.ops.aten.silu_backward(d_act, convolved)
+            for j in range(taps.shape[0]):
+                d_padded[:, lo + j:hi + j].addcmul_(d_conv, taps[j])
+                d_taps[j] += (d_conv * padded[:, lo + j:hi + j]).sum((0, 1))
+        return d_padded[:, taps.shape[0] - 1:], d_taps, None, None, None
+
+
+def _convolve(padded: Tensor, taps: Tensor, lo: int, hi: int, out: Tensor | None = None) -> Tensor:
+    """sum_j taps_j x_{t - K + 1 + j} for tokens t = lo .. hi - 1 of the left-padded input (into ``out``)."""
+    convolved = torch.mul(padded[:, lo:hi], taps[0], out=out)
+    for j in range(1, taps.shape[0]):
+        convolved.addcmul_(padded[:, lo + j:hi + j], taps[j])
+    return convolved
+
+
+def _l2_normalise_(channels: Tensor, group: int) -> None:
+    """Each group of ``group`` channels of ``channels`` [..., C] divided by its L2 norm, in place."""
+    if channels.shape[-1]:
+        heads = channels.unflatten(-1, (-1, group))
+        heads.mul_(torch.rsqrt(heads.square().sum(-1, keepdim=True) + L2_EPS))
+
+
+def conv_features(x: Tensor, taps: Tensor, normalised: int, group: int) -> Tensor:
+    """SiLU(causal depthwise convolution) of ``x`` [B, N, C] with ``taps`` [K, C], its first ``normalised``
+    channels then L2-normalised in groups of ``group`` (as :func:`l2_normalised`). The CPU path works ``CONV_TILE`` tokens
+    at a time, the GPU path in one tile (its op count does not depend on N)."""
+    tile = x.shape[1] if uses_gpu_path(x) else CONV_TILE
+    return _ConvFeatures.apply(x, taps, normalised, group, max(1, tile))
 
 
 def _linear(layer: nn.Linear, x: Tensor) -> Tensor:
@@ -129,45 +201,66 @@ class DeltaRuleLayer(AttentionBase):
     def _features(self, q: Tensor, k: Tensor, v: Tensor, convolve: Callable[[Tensor, Tensor], Tensor]
                   ) -> tuple[Tensor, Tensor, Tensor]:
         """The short convolutions (``convolve(input, weight [H, Dh, K])``) and SiLU, then L2-normalised queries
-        (keys: :func:`rule_inputs`); in the accumulation dtype, which the rule works in: no rounding before."""
+        and keys; in the accumulation dtype, which the rule works in: no rounding before. The decoding step's
+        form of :meth:`_sequence_features`."""
         q, k, v = (t.to(compute_dtype(t.dtype)) for t in (q, k, v))
         if self.conv_weight is not None:
             weights = self.conv_weight.to(q.dtype)
             q, k, v = (F.silu(convolve(t, w)) for t, w in zip((q, k, v), weights))
-        return (l2_normalised(q) if self.l2_norm else q), k, v
+        return (l2_normalised(q), l2_normalised(k), v) if self.l2_norm else (q, k, v)
+
+    def _sequence_features(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`_features` of a whole sequence's projections [B, N, 3 dim] (q, k, v side by side): with the
+        convolutions, one pass of :func:`conv_features` over all their channels."""
+        qkv = qkv.to(compute_dtype(qkv.dtype))
+        if self.conv_weight is None:
+            return self._features(*self._heads(qkv), causal_short_conv)
+        taps = self.conv_weight.to(qkv.dtype).flatten(0, 2).t()  # [K, 3 dim], the channels of qkv
+        return self._heads(conv_features(qkv, taps, 2 * self.dim if self.l2_norm else 0, self.head_dim))
+
+    def _heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """[B, N, 3 dim] -> q, k, v [B, H, N, Dh] (views)."""
+        return tuple(split_heads(t, self.heads) for t in qkv.chunk(3, dim=-1))
 
     def _output(self, o: Tensor, x: Tensor) -> Tensor:
         """Per-head RMSNorm, the output gate, the output projection: [B, H, N, Dv] -> [B, N, dim]. The norm and
         the gate in the accumulation dtype, rounded once before the projection (each rounding in between
-        would add its own relative error, 2^-8 in bfloat16)."""
-        o = o.to(compute_dtype(o.dtype))
+        would add its own relative error, 2^-8 in bfloat16); token-major ([B, N, H, Dv], one copy), where the
+        gate's projection and the output projection's input are contiguous."""
+        o = o.to(compute_dtype(o.dtype)).transpose(1, 2).contiguous()
         if self.norm_weight is not None:
             o = F.rms_norm(o, (o.shape[-1],), self.norm_weight.to(o.dtype), eps=1e-6)
         if self.to_gate is not None:
-            o = o * F.silu(split_heads(self.to_gate(x), self.heads).to(o.dtype))
-        return self.proj.out(o.to(output_dtype(x)))
+            o = o * F.silu(self.to_gate(x).to(o.dtype).unflatten(-1, (self.heads, -1)))
+        return self.proj.out(o.to(output_dtype(x)).transpose(1, 2))
 
-    def _inputs(self, x: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self.proj.qkv(x)
-        if attention_mask is not None:  # the convolutions must read zeros, not the biases, at padded tokens
-            keep = attention_mask[:, None, :, None]
-            q, k, v = (t.masked_fill(~keep, 0.0) for t in (q, k, v))
-        return q, k, v
+    def _projections(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """q, k, v of tokens x [B, N, dim] side by side, [B, N, 3 dim]: one product with the three projections'
+        weights stacked, or the q, k, v of a model that lends its projections (:mod:`longattn.hf`)."""
+        if isinstance(self.proj, QKVProjection):
+            linears = (self.proj.to_q, self.proj.to_k, self.proj.to_v)
+            bias = None if linears[0].bias is None else torch.cat([layer.bias for layer in linears])
+            qkv = F.linear(x, torch.cat([layer.weight for layer in linears]), bias)
+            # the convolutions must read zeros at padded tokens, where the input is zero: only a bias moves them
+            if bias is None:
+                return qkv
+        else:
+            qkv = torch.cat([merge_heads(t) for t in self.proj.qkv(x)], dim=-1)
+        return qkv if attention_mask is None else qkv.masked_fill(~attention_mask[..., None], 0.0)
 
-    def _mix(self, q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, g: Tensor | None,
-             attention_mask: Tensor | None) -> Tensor:
-        q, k, v = self._features(q, k, v, causal_short_conv)
+    def _mix(self, qkv: Tensor, beta: Tensor | None, g: Tensor | None, attention_mask: Tensor | None) -> Tensor:
+        q, k, v = self._sequence_features(qkv)
         return delta_rule_attention(q, k, v, attention_mask, beta=beta, log_decay=g, is_causal=True,
-                                    l2_norm=self.l2_norm, chunk_size=self.chunk_size)
+                                    l2_norm=False, chunk_size=self.chunk_size)
 
     def attend(self, x: Tensor, attention_mask: Tensor | None, layer_state: dict | None) -> Tensor:
-        q, k, v = self._inputs(x, attention_mask)
+        qkv = self._projections(x, attention_mask)
         beta, g = self._gates(x)
-        o = self._mix(q, k, v, beta, g, attention_mask)
+        o = self._mix(qkv, beta, g, attention_mask)
         if not self.causal:  # the backward scan: the same layer over the reversed sequence, reversed back
-            flip = [None if t is None else t.flip(2) for t in (q, k, v, beta, g)]
+            flip = [None if t is None else t.flip(2) for t in (beta, g)]
             mask = None if attention_mask is None else attention_mask.flip(1)
-            o = o + self._mix(*flip, mask).flip(2)
+            o = o + self._mix(qkv.flip(1), *flip, mask).flip(2)
         return self._output(o, x)
 
     def extra_repr(self) -> str:
@@ -181,14 +274,14 @@ class DeltaRuleLayer(AttentionBase):
 
     def prefill_attend(self, x: Tensor, attention_mask: Tensor | None,
                        layer_state: dict | None) -> tuple[Tensor, DeltaRuleState]:
-        q, k, v = self._inputs(x, attention_mask)
+        qkv = self._projections(x, attention_mask)
         beta, g = self._gates(x)
         windows = []
         if self.conv_weight is not None:
             taps = self.conv_weight.shape[-1]
-            windows = [F.pad(t, (0, 0, taps - 1, 0))[:, :, t.shape[2]:] for t in (q, k, v)]
-        q, k, v = self._features(q, k, v, causal_short_conv)
-        k, beta, g = rule_inputs(k, beta, g, attention_mask, self.l2_norm)
+            windows = [F.pad(t, (0, 0, taps - 1, 0))[:, :, t.shape[2]:] for t in self._heads(qkv)]
+        q, k, v = self._sequence_features(qkv)
+        k, beta, g = rule_inputs(k, beta, g, attention_mask, l2_norm=False)
         o, rule = delta_rule(q, k, v, beta, g, scale=k.shape[-1] ** -0.5, chunk=self.chunk_size)
         return self._output(o, x), DeltaRuleState(length=x.shape[1], rule=rule, windows=windows)
 
@@ -196,14 +289,13 @@ class DeltaRuleLayer(AttentionBase):
                     layer_state: dict | None) -> tuple[Tensor, DeltaRuleState]:
         """One token of the recurrence (:func:`delta_rule_step`) after its convolutions over the window."""
         real = ones_or(real, x.shape[0], x.device)
-        q, k, v = self._inputs(x, real[:, None])
+        q, k, v = self._heads(self._projections(x, real[:, None]))
         beta, g = self._gates(x)
         if self.conv_weight is not None:  # the window and the new token: [B, H, K, Dh]
             q, k, v = (torch.cat([w, t], dim=2) for w, t in zip(state.windows, (q, k, v)))
             state.windows = [t[:, :, 1:] for t in (q, k, v)]
         q, k, v = self._features(q, k, v, _window_conv)
-        k, beta, g = rule_inputs(k, beta, g, real[:, None], self.l2_norm)
+        k, beta, g = rule_inputs(k, beta, g, real[:, None], l2_norm=False)
         o, state.rule = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0],
                                         None if g is None else g[:, :, 0], state.rule, k.shape[-1] ** -0.5)
         return self._output(o[:, :, None], x), state
-

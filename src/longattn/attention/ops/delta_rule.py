@@ -35,7 +35,7 @@ S_t = S_{t-1} whatever its key and value); the tail that rounds N up to whole ch
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,7 @@ from longattn.attention.base import (
 
 __all__ = [
     "DELTA_CHUNK",
+    "L2_EPS",
     "MAX_SCAN_LEVELS",
     "delta_rule",
     "delta_rule_attention",
@@ -65,9 +66,13 @@ __all__ = [
     "rule_inputs",
 ]
 
-DELTA_CHUNK = 64
+# L: on a CPU thread at Dk = Dv = 32, 32 costs less than 64 (the [L, L] factors grow with L, the states' work
+# does not), the most with the decay; speed and memory only
+DELTA_CHUNK = 32
+# added to the squared norm of l2_normalised (a zero row, a padded token's, stays zero)
+L2_EPS = 1e-12
 # The GPU path's doubling scan runs this many levels whatever N (levels past the sequence's chunks compose
-# with the identity): enough for 2^16 chunks, 4M tokens at chunk 64.
+# with the identity): enough for 2^16 chunks, 2M tokens at chunk 32.
 MAX_SCAN_LEVELS = 16
 
 
@@ -112,98 +117,178 @@ def delta_rule_reference(query: Tensor, key: Tensor, value: Tensor, beta: Tensor
     return torch.stack(outputs, dim=2), state
 
 
-def _chunk_factors(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, log_decay: Tensor | None,
-                   chunk: int, scale: float) -> tuple[Tensor, ...]:
-    """Per chunk, for all chunks at once ([B, H, C, L, .]): the decayed, scaled queries exp(gamma) Q, the masked
-    scores Gamma o Q K^T (i <= r), U_wy, W, the keys decayed to the chunk's end and exp(gamma_L) [B, H, C]."""
-    b, h, n, dk = key.shape
-    dv = value.shape[-1]
+def _chunks(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, log_decay: Tensor | None,
+            chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """The inputs cut into chunks of ``chunk`` tokens ([B, H, C, L, .], beta and g [B, H, C, L]); the tail that
+    rounds N up to whole chunks gets beta = 0 and g = 0, so its tokens leave the state as it is."""
+    b, h, n, _ = key.shape
     count = max(1, -(-n // chunk))
     pad = count * chunk - n
-    g = torch.zeros_like(beta) if log_decay is None else log_decay
-    if pad:  # beta = 0 and g = 0 on the tail: its tokens leave the state as it is
+    if pad:
         query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
-        beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+        beta = F.pad(beta, (0, pad))
+        log_decay = None if log_decay is None else F.pad(log_decay, (0, pad))
     q, k, v = (t.reshape(b, h, count, chunk, t.shape[-1]) for t in (query, key, value))
-    beta, g = beta.reshape(b, h, count, chunk), g.reshape(b, h, count, chunk)
-    gamma = g.cumsum(-1)
-    k_beta = k * beta[..., None]
-    rhs = torch.cat([v, gamma.exp()[..., None] * k], dim=-1) * beta[..., None]
-    if log_decay is None:  # Gamma = 1 on and below the diagonal
-        a_full, scores = k_beta @ k.transpose(-1, -2), ((q * scale) @ k.transpose(-1, -2)).tril_()
-    else:
-        lower = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril()
+    g = None if log_decay is None else log_decay.reshape(b, h, count, chunk)
+    return q, k, v, beta.reshape(b, h, count, chunk), g
+
+
+class _Factors(NamedTuple):
+    """What the chunkwise form computes per chunk, for many chunks at once ([.., L, .] per chunk); the decays
+    are None without a decay (Gamma = 1 on and below the diagonal, exp(gamma) = 1)."""
+
+    decay: Tensor | None  # Gamma, zero above the diagonal
+    decayed_gram: Tensor  # Gamma o K K^T (without a decay: K K^T); A is the strictly lower part of its rows * beta
+    inverse: Tensor  # (I + A)^-1, unit lower-triangular (eq. 8-9)
+    u_wy: Tensor  # (I + A)^-1 diag(beta) V
+    w: Tensor  # (I + A)^-1 diag(beta) exp(gamma) K
+    scores: Tensor  # Gamma o Q K^T * scale, zero above the diagonal
+    q_decayed: Tensor  # exp(gamma) Q * scale
+    k_to_end: Tensor  # exp(gamma_L - gamma) K
+    token_decay: Tensor | None  # exp(gamma) [.., L]
+    end_decay: Tensor | None  # exp(gamma_L - gamma) [.., L]
+    chunk_decay: Tensor | None  # exp(gamma_L) [..]
+
+
+def _chunk_factors(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, scale: float) -> _Factors:
+    """The chunk-local part of the chunkwise form (module docstring) for chunked inputs [.., L, .]. The UT
+    transform's (I + A)^-1 is formed once (a unit-triangular solve against the identity, which reads only the
+    strictly lower part of its matrix): U_wy and W are then two products, and so is the backward's
+    (I + A)^-T, where two more solves would cost several times as much."""
+    gram = k @ k.transpose(-1, -2)
+    qk = (q * scale) @ k.transpose(-1, -2)
+    decay = token_decay = end_decay = chunk_decay = None
+    k_scaled = k
+    if g is not None:
+        gamma = g.cumsum(-1)
+        token_decay = gamma.exp()
+        lower = torch.ones(g.shape[-1], g.shape[-1], dtype=torch.bool, device=g.device).tril()
         # Gamma_ri = exp(gamma_r - gamma_i) for i <= r; the exponent is masked before exp (above it may overflow)
         decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-        a_full, scores = (k_beta @ k.transpose(-1, -2)) * decay, ((q * scale) @ k.transpose(-1, -2)) * decay
-    # I + A with A the strictly lower part of a_full: a unit-triangular solve reads only that part (eq. 8-9)
-    solved = torch.linalg.solve_triangular(a_full, rhs, upper=False, unitriangular=True)
-    u_wy, w = solved[..., :dv], solved[..., dv:]
-    q_decayed = q * (gamma.exp()[..., None] * scale)
-    last = gamma[..., -1:]
-    k_to_end = k * (last - gamma).exp()[..., None]
-    return q_decayed, scores, u_wy, w, k_to_end, last[..., 0].exp()
+        gram = gram * decay
+        qk = qk * decay
+        last = gamma[..., -1:]
+        end_decay = (last - gamma).exp()
+        chunk_decay = last[..., 0].exp()
+        k_scaled = k * token_decay[..., None]
+    eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device)
+    inverse = torch.linalg.solve_triangular(gram * beta[..., None], eye, upper=False, unitriangular=True)
+    inverse_beta = inverse * beta[..., None, :]  # (I + A)^-1 diag(beta)
+    return _Factors(decay, gram, inverse, inverse_beta @ v, inverse_beta @ k_scaled,
+                    qk if decay is not None else qk.tril_(),
+                    q * scale if g is None else q * (token_decay[..., None] * scale),
+                    k if g is None else k * end_decay[..., None], token_decay, end_decay, chunk_decay)
 
 
 def delta_rule_chunked(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, log_decay: Tensor | None = None,
                        *, scale: float, chunk: int = DELTA_CHUNK) -> tuple[Tensor, Tensor]:
-    """The CPU path: the chunkwise form with one running state carried chunk by chunk. Returns
-    (o [B, H, N, Dv], final state [B, H, Dk, Dv]); memory O(N L + N / L Dk Dv) with the autograd graph. Computed
-    in the accumulation dtype (float32 for half inputs: the triangular solve has no half kernel and the state
-    needs float32's range), the output returned in the autocast dtype, or the input's."""
+    """The CPU path: the chunkwise form with one running state carried chunk by chunk (:class:`_RunningRule`).
+    Returns (o [B, H, N, Dv], final state [B, H, Dk, Dv]); memory O(N L + N / L Dk Dv). Computed in the
+    accumulation dtype (float32 for half inputs: the triangular solve has no half kernel and the state needs
+    float32's range), the output returned in the autocast dtype, or the input's."""
     _check(query, key, value, beta, log_decay, chunk)
     dtype = output_dtype(query)
     work = compute_dtype(dtype)
     b, h, n = key.shape[:3]
     with autocast_disabled(query.device):
-        q_decayed, scores, u_wy, w, k_to_end, chunk_decay = _chunk_factors(
-            *(t.to(work) for t in (query, key, value, beta)), None if log_decay is None else log_decay.to(work),
-            chunk, scale)
-        starts, u, final = _RunningState.apply(u_wy, w, k_to_end.transpose(-1, -2), chunk_decay)
-        out = q_decayed @ starts + scores @ u
-    return out.reshape(b, h, -1, value.shape[-1])[:, :, :n].to(dtype), final
+        chunked = _chunks(*(t.to(work) for t in (query, key, value, beta)),
+                          None if log_decay is None else log_decay.to(work), chunk)
+        out, final = _RunningRule.apply(*(None if t is None else t.flatten(0, 1) for t in chunked), scale)
+    return out.view(b, h, -1, value.shape[-1])[:, :, :n].to(dtype), final.view(b, h, *final.shape[1:])
 
 
-class _RunningState(torch.autograd.Function):
-    """The sequential part of the CPU path, chunk by chunk with one running state:
-    u_c = U_c - W_c S_c and S_{c+1} = d_c S_c + K_c'^T u_c (K_c' the keys decayed to the chunk's end, d_c its
-    total decay). Returns every chunk's start state S_c [B, H, C, Dk, Dv], its pseudo-values u_c [B, H, C, L, Dv]
-    and the final state. Its backward is the reverse recurrence (two products per chunk; the other gradients
-    are batched over the chunks afterwards): the loop runs outside autograd, which would otherwise record and
-    replay every small product of every chunk."""
+class _RunningRule(torch.autograd.Function):
+    """The CPU path of the chunkwise form as one function on chunked inputs [B H, C, L, .]: every chunk's factors
+    at once (:func:`_chunk_factors`), then chunk by chunk the running state, u_c = U_c - W_c S_c and
+    S_{c+1} = exp(gamma_L) S_c + K_c'^T u_c (K_c' the keys decayed to the chunk's end), then every chunk's output
+    O_c = (exp(gamma) Q) S_c + scores u_c at once. Its backward runs the reverse recurrence of the state and
+    then the gradients of the factors by hand, batched over the chunks (:func:`_factor_grads`): autograd would
+    record and replay the loop's small products one by one."""
 
     @staticmethod
-    def forward(ctx, u_wy: Tensor, w: Tensor, k_end_t: Tensor, decay: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        b, h, count, _, dv = u_wy.shape
-        starts = u_wy.new_empty(b, h, count, w.shape[-1], dv)
-        u = torch.empty_like(u_wy)
-        state = u_wy.new_zeros(b, h, w.shape[-1], dv)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None,
+                scale: float) -> tuple[Tensor, Tensor]:
+        f = _chunk_factors(q, k, v, beta, g, scale)
+        batch, count = k.shape[:2]
+        starts = v.new_empty(batch, count, k.shape[-1], v.shape[-1])
+        u = torch.empty_like(f.u_wy)
+        k_end_t = f.k_to_end.transpose(-1, -2)
+        state = v.new_zeros(batch, k.shape[-1], v.shape[-1])
         for c in range(count):
-            starts[:, :, c] = state
-            u[:, :, c] = u_wy[:, :, c] - w[:, :, c] @ state
-            state = decay[:, :, c, None, None] * state + k_end_t[:, :, c] @ u[:, :, c]
-        ctx.save_for_backward(w, k_end_t, decay, starts, u)
-        return starts, u, state
+            starts[:, c] = state
+            torch.baddbmm(f.u_wy[:, c], f.w[:, c], state, alpha=-1, out=u[:, c])
+            decayed = state if f.chunk_decay is None else state * f.chunk_decay[:, c, None, None]
+            state = torch.baddbmm(decayed, k_end_t[:, c], u[:, c])
+        out = torch.matmul(f.q_decayed, starts).add_(f.scores @ u)
+        ctx.save_for_backward(q, k, v, beta, starts, u, *(t for t in f if t is not None))
+        ctx.scale, ctx.gated = scale, g is not None
+        return out, state
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, d_starts: Tensor | None, d_u: Tensor | None,
-                 d_final: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        w, k_end_t, decay, starts, u = ctx.saved_tensors
-        d_starts = torch.zeros_like(starts) if d_starts is None else d_starts
-        d_u = torch.zeros_like(u) if d_u is None else d_u
-        grad = torch.zeros_like(starts[:, :, 0]) if d_final is None else d_final  # dL / dS_{c+1}
-        d_u_total = torch.empty_like(u)
-        d_next = torch.empty_like(starts)  # dL / dS_{c+1} for every chunk
-        for c in reversed(range(u.shape[2])):
-            d_next[:, :, c] = grad
-            d_u_total[:, :, c] = d_u[:, :, c] + k_end_t[:, :, c].transpose(-1, -2) @ grad
-            grad = (d_starts[:, :, c] + decay[:, :, c, None, None] * grad
-                    - w[:, :, c].transpose(-1, -2) @ d_u_total[:, :, c])
-        d_w = -(d_u_total @ starts.transpose(-1, -2))
-        d_k_end_t = d_next @ u.transpose(-1, -2)
-        d_decay = (d_next * starts).sum((-1, -2))
-        return d_u_total, d_w, d_k_end_t, d_decay
+    def backward(ctx, d_out: Tensor, d_final: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, beta, starts, u, *saved = ctx.saved_tensors
+        f = _Factors(*saved) if ctx.gated else _Factors(None, *saved[:7], None, None, None)
+        # the reverse recurrence: dL/du_c = scores^T dO_c + K_c' dS_{c+1},
+        # dL/dS_c = (exp(gamma) Q)^T dO_c + exp(gamma_L) dS_{c+1} - W_c^T dL/du_c
+        d_u = f.scores.transpose(-1, -2) @ d_out
+        d_start = f.q_decayed.transpose(-1, -2) @ d_out
+        d_next = torch.empty_like(starts)  # dL / dS_{c+1} of every chunk
+        grad = d_final.clone()
+        w_t = f.w.transpose(-1, -2)
+        for c in reversed(range(k.shape[1])):
+            d_next[:, c] = grad
+            d_u[:, c].baddbmm_(f.k_to_end[:, c], grad)
+            decayed = grad if f.chunk_decay is None else grad * f.chunk_decay[:, c, None, None]
+            grad = torch.baddbmm(decayed, w_t[:, c], d_u[:, c], alpha=-1).add_(d_start[:, c])
+        return (*_factor_grads(f, q, k, v, beta, ctx.scale, starts, u, d_out, d_u, d_next), None)
+
+
+def _factor_grads(f: _Factors, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: float, s0: Tensor,
+                  u: Tensor, d_o: Tensor, d_u: Tensor, d_next: Tensor) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dbeta, dg or None) from the gradients of the outputs dO, of the pseudo-values (dL/du, the
+    reverse recurrence's) and of the chunks' end states (dL/dS_{c+1}): the derivatives of the module
+    docstring's equations. With P the scores and R_v = diag(beta) V, R_k = diag(beta) exp(gamma) K:
+    dP = dO u^T, dL/dU_wy = dL/du, dL/dW = -dL/du S_c^T, dR = (I + A)^-T dL/d[U_wy | W],
+    dA = -dR [U_wy | W]^T (strictly lower); the decay's gradient is gathered per token as dL/dgamma and summed
+    back to g (gamma = cumsum g)."""
+    inverse_t = f.inverse.transpose(-1, -2)
+    d_rhs_v = inverse_t @ d_u
+    d_rhs_k = -(inverse_t @ (d_u @ s0.transpose(-1, -2)))
+    d_a = d_rhs_v @ f.u_wy.transpose(-1, -2)
+    d_a.flatten(0, 1).baddbmm_(d_rhs_k.flatten(0, 1), f.w.transpose(-1, -2).flatten(0, 1))
+    d_a.neg_().tril_(-1)
+    gram_part = d_a * f.decayed_gram  # dL/dA o (Gamma o K K^T): dbeta's share, and the decay's times beta
+    d_gram = d_a if f.decay is None else d_a.mul_(f.decay)
+    d_gram.mul_(beta[..., None])  # dL/d(K K^T) from A = diag(beta) (Gamma o K K^T)
+    d_scores = d_o @ u.transpose(-1, -2)  # dL/dP
+    rhs_k_dot = (d_rhs_k * k).sum(-1)  # dL/d(beta exp(gamma)) per token
+    d_beta = (d_rhs_v * v).sum(-1) + gram_part.sum(-1)
+    d_k_end = u @ d_next.transpose(-1, -2)  # dL/dK'
+    d_q_decayed = d_o @ s0.transpose(-1, -2)  # dL/d(exp(gamma) Q scale)
+    d_g = None
+    if f.decay is None:
+        d_beta += rhs_k_dot
+        d_k = d_k_end.add_(d_rhs_k * beta[..., None])
+        d_scores.tril_()
+    else:
+        # dL/dGamma o Gamma from P and from A: dL/dgamma_r gets its row sums, dL/dgamma_i minus its column sums
+        from_scores = d_scores * f.scores
+        d_gamma = (from_scores.sum(-1) - from_scores.sum(-2) + gram_part.sum(-1) * beta
+                   - (gram_part.transpose(-1, -2) @ beta[..., None])[..., 0])
+        d_scores.mul_(f.decay)
+        rhs_scale = beta * f.token_decay
+        d_beta += rhs_k_dot * f.token_decay
+        to_end = (d_k_end * f.k_to_end).sum(-1)  # K' = exp(gamma_L - gamma) K: minus each token's share
+        d_gamma += (d_q_decayed * f.q_decayed).sum(-1) + rhs_k_dot * rhs_scale - to_end
+        # gamma_L's share, from K' and from exp(gamma_L) S_c
+        d_gamma[..., -1] += to_end.sum(-1) + f.chunk_decay * (d_next * s0).sum((-1, -2))
+        d_g = d_gamma.flip(-1).cumsum(-1).flip(-1)  # gamma = cumsum(g)
+        d_k = d_k_end.mul_(f.end_decay[..., None]).add_(d_rhs_k * rhs_scale[..., None])
+        d_q_decayed.mul_(f.token_decay[..., None])
+    d_k.add_(d_gram.add(d_gram.transpose(-1, -2)) @ k).add_((d_scores.transpose(-1, -2) @ q).mul_(scale))
+    d_q = (d_scores @ k).add_(d_q_decayed).mul_(scale)
+    return d_q, d_k, d_rhs_v.mul_(beta[..., None]), d_beta, d_g
 
 
 def _chunk_start_states(maps: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
@@ -262,15 +347,16 @@ def delta_rule_gpu(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, log_
         out, state = _fla_chunk(*(t.to(dtype) for t in (query, key, value, beta)), log_decay, scale)
         return out.to(dtype), state
     work = compute_dtype(dtype)
-    n = key.shape[2]
+    b, h, n, dk = key.shape
     with autocast_disabled(query.device):
-        q_decayed, scores, u_wy, w, k_to_end, chunk_decay = _chunk_factors(
-            *(t.to(work) for t in (query, key, value, beta)), None if log_decay is None else log_decay.to(work),
-            chunk, scale)
-        k_end_t = k_to_end.transpose(-1, -2)
-        eye = torch.eye(key.shape[-1], dtype=work, device=key.device)
-        starts, final = _chunk_start_states(chunk_decay[..., None, None] * eye - k_end_t @ w, k_end_t @ u_wy)
-        out = q_decayed @ starts + scores @ (u_wy - w @ starts)
+        f = _chunk_factors(*_chunks(*(t.to(work) for t in (query, key, value, beta)),
+                                    None if log_decay is None else log_decay.to(work), chunk), scale)
+        u_wy, w = f.u_wy, f.w
+        k_end_t = f.k_to_end.transpose(-1, -2)
+        eye = torch.eye(dk, dtype=work, device=key.device)
+        kept = eye if f.chunk_decay is None else f.chunk_decay[..., None, None] * eye
+        starts, final = _chunk_start_states(kept - k_end_t @ w, k_end_t @ u_wy)
+        out = f.q_decayed @ starts + f.scores @ (u_wy - w @ starts)
     b, h = key.shape[:2]
     return out.reshape(b, h, -1, value.shape[-1])[:, :, :n].to(dtype), final
 
@@ -291,7 +377,7 @@ def l2_normalised(t: Tensor) -> Tensor:
     """t / ||t|| over the last dim, the norm in the accumulation dtype (in half precision F.normalize's eps
     underflows and a zero row, a padded token's, gives 0 / 0)."""
     work = t.to(compute_dtype(t.dtype))
-    return (work * torch.rsqrt(work.square().sum(-1, keepdim=True) + 1e-12)).to(t.dtype)
+    return (work * torch.rsqrt(work.square().sum(-1, keepdim=True) + L2_EPS)).to(t.dtype)
 
 
 def _directions(rule: RuleFn, query: Tensor, key: Tensor, value: Tensor, beta: Tensor, log_decay: Tensor | None,
