@@ -109,6 +109,11 @@ def _direct_call(name, layer, x, mask):
     elif name in ("deltanet", "gated_deltanet"):  # called from their shared layer, attention/ops/delta_layer.py
         b, n = x.shape[:2]
         options = {"beta": torch.rand(b, HEADS, n, dtype=x.dtype), "log_decay": -torch.rand(b, HEADS, n, dtype=x.dtype)}
+    elif name in ("gla", "mamba2"):  # called from their shared layer, attention/ops/gated_layer.py
+        b, n = x.shape[:2]
+        decay_width = q.shape[-1] if name == "gla" else 1  # GLA decays per key channel, Mamba-2 per head
+        log_decay = -torch.rand(b, HEADS, n, decay_width, dtype=x.dtype)
+        return (q, k, v, log_decay, mask), {}
     elif name == "fsat":  # its module form projects K and V inside the edge blocks
         b, n = x.shape[:2]
         options = {"dominant_index": torch.rand(b, HEADS, n, layer.num_dominant, dtype=x.dtype) * n}
