@@ -100,6 +100,12 @@ def test_compare_pairs_seeds_that_see_the_same_data_order_and_writes_learning_cu
         return RecordingDataset(dataset, log) if split == "train" else dataset
 
     monkeypatch.setattr(LRATask.data_api, "build_dataset", recording)
+    # the checkpoints' data record reads every example once: through the inner dataset, so the log holds the loaders' draws only
+    from longattn.train import loop
+
+    record = loop.dataset_record
+    monkeypatch.setattr(loop, "dataset_record",
+                        lambda dataset: record(dataset.inner if isinstance(dataset, RecordingDataset) else dataset))
     out = tmp_path / "cmp"
     # no --seeds: the demo preset's default of 3 seeds
     assert main(["compare", "--task", "listops", "--attentions", "skein,softmax", "--preset", "demo",
