@@ -63,7 +63,7 @@ _LAUNCH_DEVICE: contextvars.ContextVar[torch.device | None] = contextvars.Contex
 _CHECK_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("longattn_check_only", default=False)
 # the launches a launcher made so far (their configuration keys: what check_backward remembers them by)
 _LAUNCHED: contextvars.ContextVar[list[Hashable] | None] = contextvars.ContextVar("longattn_launched", default=None)
-_Launcher = TypeVar("_Launcher", bound=Callable[..., Any])
+_Function = TypeVar("_Function", bound=Callable[..., Any])
 _Result = TypeVar("_Result")
 
 
@@ -198,7 +198,7 @@ def launch_device() -> torch.device | None:
     return _LAUNCH_DEVICE.get()
 
 
-def launches_on_input_device(launcher: _Launcher) -> _Launcher:
+def launches_on_input_device(launcher: _Function) -> _Function:
     """Decorates a function that launches kernels (a launcher, an autograd Function's forward or backward): it
     runs :func:`on_device` the device of its first tensor argument (all its tensors are on one device)."""
 
@@ -295,7 +295,7 @@ def check_backward(function: type[torch.autograd.Function], ctx: Any, saved: tup
     _BACKWARDS_CHECKED.add(key)
 
 
-def pytorch_path_where_kernels_do_not_fit(gpu_path: _Launcher) -> _Launcher:
+def pytorch_path_where_kernels_do_not_fit(gpu_path: _Function) -> _Function:
     """Decorates a mechanism's GPU-path function that takes the Triton kernels where they run: where one of
     them (forward, or backward: :func:`check_backward`) does not fit the device's shared memory, the function
     runs again inside ``use_triton(False)``, its PyTorch GPU path, with a one-line warning once per reason. The
