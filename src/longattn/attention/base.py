@@ -647,8 +647,10 @@ def budget_slices(count: int, item_elements: int, budget: int) -> list[slice]:
 # ----------------------------------------------------------------------------- base module
 
 
-@torch.compiler.disable  # raised from eager code: an error raised while dynamo traces only makes it run the frame eagerly
 def _refuse_compile(name: str) -> None:
+    """Called through torch.compiler.disable (at the call, not as a decorator: that would import dynamo with the
+    library): raised from eager code, since an error raised while dynamo traces only makes it run the frame
+    eagerly."""
     raise AttentionError(
         f"attention {name!r} does not run under torch.compile (its capabilities.compile_backends is empty); keep "
         "the layer out of the compiled region with torch.compiler.disable(layer), or choose a mechanism whose "
@@ -728,7 +730,7 @@ class AttentionBase(nn.Module):
         padding replacement and the zeroed padded outputs (longattn.parallel runs a layer's
         sequence-parallel form through it)."""
         if not self.capabilities.compile_backends and torch.compiler.is_compiling():
-            _refuse_compile(self.name)
+            torch.compiler.disable(_refuse_compile)(self.name)
         self.check_input(x, attention_mask)
         if self.recording_maps and self.training:
             raise AttentionError("attention maps are recorded for analysis only: call model.eval() first")
