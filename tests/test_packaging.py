@@ -127,3 +127,11 @@ def test_built_wheel_metadata(tmp_path):
     assert "License-Expression: MIT" in metadata
     assert "longattn/py.typed" in names and any(n.endswith("licenses/LICENSE") for n in names)
     assert any(n.startswith("longattn/configs/lra/") for n in names)
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^python3 -m pytest.*$", readme, flags=re.MULTILINE)
+    assert len(commands) == 1, commands
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert commands[0] in ci_lines

