@@ -106,8 +106,11 @@ class Capabilities:
             the class attribute of the same name.
         compile_backends: the ``torch.compile`` backends under which the module form trains (forward and
             backward, graph breaks allowed) with eager's output and gradients; tests/attention/test_compile.py
-            runs a training step of every mechanism under each backend it declares. Empty: the module form
-            does not compile, and calling it under ``torch.compile`` raises :class:`AttentionError`.
+            runs a training step of every mechanism under each backend it declares (``inductor`` with
+            ``LONGATTN_TEST_INDUCTOR=1``: on a CPU it compiles C++ for every graph). Empty: the module form
+            does not compile, and calling it under ``torch.compile`` raises :class:`AttentionError`. A
+            stochastic mechanism under ``inductor`` draws other random numbers than eager unless
+            ``torch._inductor.config.fallback_random`` is set (inductor's own generator).
     """
 
     causal: bool = False
@@ -121,7 +124,7 @@ class Capabilities:
     sequence_parallel: bool = False
     attention_map: bool = False
     decode_state: str = ""
-    compile_backends: tuple[str, ...] = ("aot_eager",)
+    compile_backends: tuple[str, ...] = ("aot_eager", "inductor")
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
