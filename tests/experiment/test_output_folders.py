@@ -124,6 +124,15 @@ def test_resume_refuses_cells_of_another_configuration_naming_them(tmp_path, mon
 
 
 @bad_input(OUTPUT_FOLDERS, CORRECT_RESULT)
+def test_options_of_a_mechanism_a_run_does_not_use_leave_its_run_the_same_configuration(tmp_path):
+    folder = tmp_path / "run"
+    run(tiny_config(*STEPS, "attention_options.moba.top_k=3"), folder)
+    assert run_status(folder, tiny_config(*STEPS, "attention_options.moba.top_k=5")).state == "finished"
+    other = run_status(folder, tiny_config(*STEPS, "attention_options.softmax.dropout=0.1"))
+    assert other.state == "another" and other.differences == ("attention_options",)
+
+
+@bad_input(OUTPUT_FOLDERS, CORRECT_RESULT)
 def test_an_archived_run_with_results_and_config_only_counts_as_finished(tmp_path, monkeypatch):
     run_cells(_cells(), [0], tmp_path, run_dir=_run_dir(tmp_path))
     for cell in ("softmax", "linear"):  # as results/forecasting keeps them: checkpoints and log left out

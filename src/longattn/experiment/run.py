@@ -72,6 +72,11 @@ def _sections_differing(saved: RunConfig, config: RunConfig) -> list[str]:
     previous, current = to_dict(saved), to_dict(config)
     for tree in (previous, current):  # a progress bar changes nothing a run computes
         tree.get("train", {}).pop("progress", None)
+        # nor do the options of the mechanisms the run does not use (a preset lists every mechanism's): giving one
+        # mechanism new options must not turn the finished runs of the others into runs of "another configuration"
+        options = tree.get("attention_options")
+        if isinstance(options, dict):
+            tree["attention_options"] = options.get(tree.get("attention") or "", {})
     return sorted(k for k in set(current) | set(previous) if current.get(k) != previous.get(k))
 
 
