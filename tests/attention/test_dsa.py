@@ -35,9 +35,16 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(token_select, "CHUNK_ELEMENTS", 300)
 
 
+@pytest.fixture(params=["gather", "masked"])
+def strategy(request, monkeypatch):
+    """Either strategy of the CPU path's selected attention, forced by its threshold."""
+    monkeypatch.setattr(token_select, "MASKED_UP_TO", 10**9 if request.param == "masked" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 37, 101])
-def test_fast_matches_reference_forward_and_backward(path, small_chunks, causal, n):
+def test_fast_matches_reference_forward_and_backward(path, small_chunks, strategy, causal, n):
     q, k, v, index, mask = inputs(n)
     kw = dict(top_k=9, is_causal=causal, **index_options(index))
     assert_forward_backward_close(dsa_attention(q, k, v, mask, **kw), dsa_attention_reference(q, k, v, mask, **kw),
@@ -181,7 +188,7 @@ def test_bad_options_and_index_tensors_raise_clear_errors():
 
 
 @pytest.mark.parametrize("indexer_loss", ["dense", "selected"])
-def test_no_quadratic_intermediate_with_either_loss_in_a_causal_layer(monkeypatch, indexer_loss):
+def test_no_quadratic_intermediate_with_either_loss_in_a_causal_layer(monkeypatch, strategy, indexer_loss):
     from longattn.testing import LargestTensorRecorder
 
     monkeypatch.setattr(token_select, "CHUNK_ELEMENTS", 2048)  # at N = 128 an N x N tensor is 8 chunks' worth
@@ -194,3 +201,39 @@ def test_no_quadratic_intermediate_with_either_loss_in_a_causal_layer(monkeypatc
         out = layer(x)
         (out.sum() + collect_aux_losses(layer)["dsa_indexer_kl"]).backward()
     assert rec.max_numel <= n * n // 4, (rec.max_shape, rec.max_op)  # the widest linear terms are N x 16
+
+
+def test_strategy_follows_the_threshold_and_the_path(monkeypatch):
+    from longattn.attention.base import force_path
+
+    q = torch.zeros(1, 1, 4, 8)
+    limit = token_select.MASKED_UP_TO
+    assert token_select.selection_strategy(q, keys=limit * 64, count=64, causal=False) == "masked"
+    assert token_select.selection_strategy(q, keys=limit * 64 + 1, count=64, causal=False) == "gather"
+    assert token_select.selection_strategy(q, keys=2 * limit * 64, count=64, causal=True) == "masked"  # half reachable
+    assert token_select.selection_strategy(q, keys=2 * limit * 64 + 2, count=64, causal=True) == "gather"
+    with force_path("gpu"):
+        assert token_select.selection_strategy(q, keys=64, count=64, causal=False) == "gather"
+    q, k, v, index, mask = inputs(12)
+    ids, selected = select_top_k(*index, mask, 3, causal=False)
+    with pytest.raises(AttentionError, match="strategy"):
+        token_select.selected_attention(q, k, v, ids, selected, 1.0, strategy="dense")
+    calls = []
+    monkeypatch.setattr(token_select._SelectedAttention, "apply", lambda *args: calls.append(args[-1]))
+    token_select.selected_attention(q, k, v, ids, selected, 1.0)  # 12 keys, 3 selected: masked
+    token_select.selected_attention(q, k, v, ids, selected, 1.0, strategy="gather")
+    assert calls == ["masked", "gather"]
+
+
+def test_selection_mask_keeps_a_selected_key_that_an_unselected_slot_also_names():
+    # row 0 selected keys 0 and 2 and left its last slot unselected (pointing at key 0); row 1 selected nothing
+    indices = torch.tensor([[[2, 0, 0], [1, 1, 1]]])
+    selected = torch.tensor([[[True, True, False], [False, False, False]]])
+    mask = token_select.selection_mask(indices, selected, span=3)
+    assert mask.tolist() == [[[True, False, True], [False, False, False]]]
+    q = torch.randn(1, 1, 2, 4, dtype=torch.float64)
+    k, v = torch.randn(1, 1, 3, 4, dtype=torch.float64), torch.randn(1, 1, 3, 4, dtype=torch.float64)
+    gathered, masked = (token_select.selected_attention(q, k, v, indices, selected, 0.5, strategy=s)
+                        for s in ("gather", "masked"))
+    torch.testing.assert_close(masked, gathered)
+    assert torch.all(masked[:, :, 1] == 0)  # nothing selected: zeros, not NaN

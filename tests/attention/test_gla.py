@@ -20,6 +20,7 @@ from module_checks import assert_never_looks_ahead, assert_no_quadratic_intermed
 from longattn import attention
 from longattn.attention import AttentionError, force_path
 from longattn.attention.gla import gated_linear_attention, gated_linear_attention_reference
+from longattn.attention.ops import gated_scan as gated_scan_ops
 from longattn.attention.ops.gated_scan import (
     fla_runs_on,
     gated_scan_batched,
@@ -51,8 +52,11 @@ def test_equals_fla_naive_recurrence_in_float64_with_padding(n):
 
 @pytest.mark.parametrize("scan", [gated_scan_chunked, gated_scan_batched], ids=["chunked", "batched"])
 @pytest.mark.parametrize("chunk", [1, 16, 64])
-def test_chunked_scan_equals_the_step_by_step_recurrence(scan, chunk):
-    # N = 100 is not a multiple of 16 or 64; a strong decay: the exponents stay <= 0 all the same
+@pytest.mark.parametrize("sub_chunk", [4, 8, 16])
+def test_chunked_scan_equals_the_step_by_step_recurrence(monkeypatch, scan, chunk, sub_chunk):
+    # N = 100 is not a multiple of 16 or 64; a strong decay: the exponents stay <= 0 all the same. Every sub-chunk
+    # size of the secondary chunking (the CPU's, CUDA's and a smaller one) gives the same result
+    monkeypatch.setattr(gated_scan_ops, "CPU_SUB_CHUNK", sub_chunk)
     assert_scan_equals_recurrence(scan, [*random_qkv(2, 2, 100, 8), log_decays(2, 2, 100, 8, strength=3.0)], chunk)
 
 

@@ -11,8 +11,9 @@ warm-up stage (eq. 3, ``indexer_loss="dense"``) or over the selected keys in the
 
 Here the indexer reads the layer's queries and keys (as DeepSeek-V3.2's reads the query latent and the hidden
 state; under :mod:`longattn.hf` they carry the model's rotary embedding, which DeepSeek's indexer applies
-too). Cost: the indexer is O(N^2 HI DI) by design (cheap heads, as in the paper), the attention O(N top_k D);
-the CPU path never holds an N x N tensor (:mod:`longattn.attention.ops.token_select` chunks the query rows);
+too). Cost: the indexer is O(N^2 HI DI) by design (cheap heads, as in the paper), the attention O(N top_k D)
+(the CPU path's GEMM over every key up to the last selected one, where the keys are at most
+``token_select.MASKED_UP_TO`` times top_k, is of the same order); the CPU path never holds an N x N tensor (:mod:`longattn.attention.ops.token_select` chunks the query rows);
 the GPU path runs all rows at once. Non-causal (encoder) use selects from every real key.
 """
 
@@ -86,7 +87,8 @@ def dsa_attention(
     b, _, n, d = query.shape
     valid = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
     indices, selected = select_top_k(index_query, index_key, index_weights, valid, top_k, is_causal)
-    return selected_attention(query, key, value, indices, selected, 1.0 / math.sqrt(d) if scale is None else scale)
+    return selected_attention(query, key, value, indices, selected, 1.0 / math.sqrt(d) if scale is None else scale,
+                              causal=is_causal)
 
 
 def _reference_selection(index_query: Tensor, index_key: Tensor, index_weights: Tensor, visible: Tensor,
@@ -223,7 +225,7 @@ class DSAAttention(AttentionBase):
         index_query, index_key, index_weights = self.indexer(query.detach(), key.detach())
         valid = torch.ones(b, n, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
         indices, selected = select_top_k(index_query, index_key, index_weights, valid, self.top_k, self.causal)
-        out = selected_attention(query, key, value, indices, selected, scale)
+        out = selected_attention(query, key, value, indices, selected, scale, causal=self.causal)
         if self.training and self.indexer_loss != "off" and self.indexer_loss_weight:
             if self.indexer_loss == "dense":
                 loss = indexer_kl_loss(query, key, valid, index_query, index_key, index_weights, self.causal, scale)

@@ -56,7 +56,16 @@ __all__ = [
 ]
 
 SCAN_CHUNK = 64  # fla's chunk size for both kernels
-SUB_CHUNK = 16  # fla's sub-chunk of chunk_gla (BC): the per-channel weights inside a chunk go through it
+# The sub-chunk of GLA's secondary chunking (Section 4.3): the per-channel weights inside a chunk go through it,
+# and the result does not depend on its size. On CUDA fla's (chunk_gla's BC); on the CPU the elementwise
+# exponentials of the [C, sub, K] tensors dominate and 8 takes 0.5-0.75x the time of 16 at MQAR's lengths
+# (docs/performance.md, "GLA and DSA at MQAR's lengths")
+SUB_CHUNK = 16
+CPU_SUB_CHUNK = 8
+
+
+def _sub_chunk(t: Tensor) -> int:
+    return CPU_SUB_CHUNK if t.device.type == "cpu" else SUB_CHUNK
 
 
 
@@ -103,9 +112,10 @@ def _within_chunk_weights(query: Tensor, key: Tensor, cumulative: Tensor, scalar
     if scalar:
         gaps = (cumulative - cumulative.transpose(-1, -2)).masked_fill(upper, float("-inf"))
         return (query @ key.transpose(-1, -2)) * gaps.exp().to(query.dtype)
-    if c % SUB_CHUNK or c == SUB_CHUNK:
+    size = _sub_chunk(query)
+    if c % size or c == size:
         return _channel_weights_explicit(query, key, cumulative)
-    return _channel_weights(query, key, cumulative)
+    return _channel_weights(query, key, cumulative, size)
 
 
 def _channel_weights_explicit(query: Tensor, key: Tensor, cumulative: Tensor) -> Tensor:
@@ -116,14 +126,14 @@ def _channel_weights_explicit(query: Tensor, key: Tensor, cumulative: Tensor) ->
     return (query[..., :, None, :] * key[..., None, :, :] * gaps.exp().to(query.dtype)).sum(dim=-1)
 
 
-def _channel_weights(query: Tensor, key: Tensor, cumulative: Tensor) -> Tensor:
-    """The per-channel weights of :func:`_within_chunk_weights` through sub-chunks of SUB_CHUNK tokens (GLA's
+def _channel_weights(query: Tensor, key: Tensor, cumulative: Tensor, size: int) -> Tensor:
+    """The per-channel weights of :func:`_within_chunk_weights` through sub-chunks of ``size`` tokens (GLA's
     secondary chunking, Section 4.3): inside a sub-chunk from the exponents themselves; between query sub-chunk s
     and an earlier key sub-chunk t factorised as q_i exp(G_i - B_s) . exp(B_s - E_t) . k_j exp(E_t - G_j), with B_s
     the cumulative decay before s and E_t at the end of t. Each exponent is <= 0 (nothing overflows), and the
-    [C, C, K] tensor becomes [C, SUB_CHUNK, K] plus [C, C / SUB_CHUNK, K]."""
+    [C, C, K] tensor becomes [C, size, K] plus [C, C / size, K]."""
     *lead, c, dk = query.shape
-    count, size = c // SUB_CHUNK, SUB_CHUNK
+    count = c // size
     q_s, k_s, g_s = (t.unflatten(-2, (count, size)) for t in (query, key, cumulative))  # [..., S, c, K]
     inside = _channel_weights_explicit(q_s, k_s, g_s)  # [..., S, c, c]
     ends = g_s[..., -1:, :]  # E_t [..., S, 1, K]

@@ -8,6 +8,13 @@ selected keys gathers them chunk by chunk and keeps, for backward, only its inpu
 log-sum-exp of every row (as flash attention does), recomputing each chunk's scores in backward. On the
 GPU path every piece runs over all rows at once (one chunk, a constant number of launches).
 
+The attention has two strategies on the CPU path, with the same result (:func:`selection_strategy` picks one):
+"gather" copies each row's K selected keys and values and multiplies row by row (O(N K) work, but small batched
+matrix-vector products and index copies); "masked" multiplies a chunk of rows with every key up to the last one
+they selected in one GEMM and masks the unselected ones away (O(N S) work at GEMM speed). When the keys are few
+against K (MQAR's lengths, DSA's top_k of 64-2048 over a few thousand keys) the GEMMs win; see
+docs/performance.md, "GLA and DSA at MQAR's lengths".
+
 Shapes: queries [B, H, R, D], keys and values [B, H, S, D]; the indexer's queries [B, HI, R, DI], its keys
 [B, S, DI] (one key per token, shared by its heads) and its head weights [B, HI, R]; a selection is
 ``indices`` [B, R, K] (long) with ``selected`` [B, R, K] (bool: the slot holds a visible key), shared by
@@ -16,18 +23,25 @@ the attention heads, as in DSA.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from longattn.attention.base import autocast_disabled, compute_dtype, recomputed, uses_gpu_path
+from longattn.attention.base import AttentionError, autocast_disabled, compute_dtype, recomputed, uses_gpu_path
 
-__all__ = ["CHUNK_ELEMENTS", "index_scores", "indexer_kl_loss", "select_top_k", "selected_attention", "selected_kl_loss",
-           "visible_keys"]
+__all__ = ["CHUNK_ELEMENTS", "MASKED_UP_TO", "SELECTION_STRATEGIES", "index_scores", "indexer_kl_loss", "select_top_k",
+           "selected_attention", "selected_kl_loss", "selection_strategy", "visible_keys"]
 
 # Elements of one chunk's largest temporary (the indexer's per-head scores, the gathered keys): 2^20 keeps a
 # chunk inside a core's cache-sized working set and far below N x N at any length the tests use.
 CHUNK_ELEMENTS = 1 << 20
+
+SELECTION_STRATEGIES = ("gather", "masked")
+# The CPU path masks (one GEMM over the keys) while the keys a row can reach are at most this many times its K
+# selected ones, and gathers beyond: measured break-even 12-16 (docs/performance.md, "GLA and DSA at MQAR's lengths")
+MASKED_UP_TO = 12
 
 
 def row_chunks(rows: int, elements_per_row: int, like: Tensor) -> list[slice]:
@@ -103,8 +117,7 @@ def _gather(t: Tensor, flat: Tensor) -> Tensor:
 
 def _scores(query: Tensor, keys: Tensor, selected: Tensor, scale: float) -> Tensor:
     """q . k_s * scale over the selected slots, -inf elsewhere: [B, H, R, K]."""
-    scores = (query[..., None, :] @ keys.transpose(-1, -2))[..., 0, :] * scale
-    return scores.masked_fill(~selected[:, None], float("-inf"))
+    return (_Gathered.scores(query, keys) * scale).masked_fill(~selected[:, None], float("-inf"))
 
 
 def _weights(scores: Tensor, lse: Tensor) -> Tensor:
@@ -112,66 +125,152 @@ def _weights(scores: Tensor, lse: Tensor) -> Tensor:
     return torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
 
 
-def _weighted(weights: Tensor, values: Tensor) -> Tensor:
-    """sum_k weights[..., k] values[..., k, :]: [B, H, R, D]."""
-    return (weights[..., None, :] @ values)[..., 0, :]
+def _key_span(indices: Tensor, selected: Tensor) -> int:
+    """One past the last key any row of the chunk selected (at least 1): the keys its GEMMs need."""
+    last = torch.where(selected, indices, 0).amax() if indices.numel() else indices.new_zeros(())
+    return int(last) + 1
+
+
+def selection_mask(indices: Tensor, selected: Tensor, span: int) -> Tensor:
+    """The selections [B, R, K] as a [B, R, span] bool mask (True: the row selected the key). Unselected slots point
+    at key 0 with a 0, and the max over a key's slots keeps any 1, so they never unselect it."""
+    b, rows, _ = indices.shape
+    mask = torch.zeros(b, rows, span, dtype=torch.uint8, device=indices.device)
+    mask.scatter_reduce_(-1, torch.where(selected, indices, 0), selected.to(torch.uint8), reduce="amax")
+    return mask.bool()
+
+
+class _Gathered:
+    """The "gather" strategy: each row's K selected keys and values copied out ([B, H, R, K, D]) and multiplied
+    row by row; O(R K D) work and memory per chunk."""
+
+    @staticmethod
+    def elements_per_row(key: Tensor, value: Tensor, count: int) -> int:
+        return key.shape[0] * key.shape[1] * count * max(key.shape[-1], value.shape[-1])
+
+    @staticmethod
+    def operands(key: Tensor, value: Tensor, indices: Tensor, selected: Tensor) -> tuple[Tensor, Tensor, Tensor, Any]:
+        """(keys, values, which score slots are selected, where the keys' gradients go) of a chunk of rows."""
+        flat = _flat_indices(indices, key.shape[1], key.shape[2])
+        return _gather(key, flat), _gather(value, flat), selected[:, None], flat
+
+    @staticmethod
+    def scores(query: Tensor, keys: Tensor) -> Tensor:
+        return (query[..., None, :] @ keys.transpose(-1, -2))[..., 0, :]
+
+    @staticmethod
+    def combine(weights: Tensor, rows: Tensor) -> Tensor:
+        """sum_k weights[..., k] rows[..., k, :]: [B, H, R, D]."""
+        return (weights[..., None, :] @ rows)[..., 0, :]
+
+    @staticmethod
+    def add_key_grads(grad_k: Tensor, grad_v: Tensor, flat: Any, d_scores: Tensor, weights: Tensor, q_rows: Tensor,
+                      d_out: Tensor) -> None:
+        rows = flat.reshape(-1)
+        grad_k.view(-1, grad_k.shape[-1]).index_add_(0, rows, (d_scores[..., None] * q_rows[..., None, :]).flatten(0, 3))
+        grad_v.view(-1, grad_v.shape[-1]).index_add_(0, rows, (weights[..., None] * d_out[..., None, :]).flatten(0, 3))
+
+
+class _Masked:
+    """The "masked" strategy: the chunk's rows against every key up to the last one they selected, in GEMMs, the
+    unselected keys masked to -inf before the softmax (DSA eq. 2 unchanged); O(R S D) work at GEMM speed."""
+
+    @staticmethod
+    def elements_per_row(key: Tensor, value: Tensor, count: int) -> int:
+        return key.shape[0] * key.shape[1] * key.shape[2]
+
+    @staticmethod
+    def operands(key: Tensor, value: Tensor, indices: Tensor, selected: Tensor) -> tuple[Tensor, Tensor, Tensor, Any]:
+        span = _key_span(indices, selected)
+        return key[:, :, :span], value[:, :, :span], selection_mask(indices, selected, span)[:, None], span
+
+    @staticmethod
+    def scores(query: Tensor, keys: Tensor) -> Tensor:
+        return query @ keys.transpose(-1, -2)
+
+    @staticmethod
+    def combine(weights: Tensor, rows: Tensor) -> Tensor:
+        return weights @ rows
+
+    @staticmethod
+    def add_key_grads(grad_k: Tensor, grad_v: Tensor, span: Any, d_scores: Tensor, weights: Tensor, q_rows: Tensor,
+                      d_out: Tensor) -> None:
+        grad_k[:, :, :span] += d_scores.transpose(-1, -2) @ q_rows
+        grad_v[:, :, :span] += weights.transpose(-1, -2) @ d_out
+
+
+_STRATEGIES = dict(zip(SELECTION_STRATEGIES, (_Gathered, _Masked)))
 
 
 class _SelectedAttention(torch.autograd.Function):
-    """softmax(q . k_s * scale over s in the selection) v_s, chunk by chunk; backward recomputes each chunk."""
+    """softmax(q . k_s * scale over s in the selection) v_s, chunk by chunk of query rows with either strategy;
+    backward recomputes each chunk's scores from the saved log-sum-exp (as flash attention does)."""
 
     @staticmethod
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, indices: Tensor, selected: Tensor,  # type: ignore[override]
-                scale: float) -> Tensor:
+                scale: float, strategy: str) -> Tensor:
+        how = _STRATEGIES[strategy]
         b, heads, rows, _ = query.shape
         work = compute_dtype(query.dtype)
         out = query.new_empty(b, heads, rows, value.shape[-1])
         lse = torch.empty(b, heads, rows, dtype=work, device=query.device)
-        chunks = row_chunks(rows, b * indices.shape[-1] * heads * max(query.shape[-1], value.shape[-1]), query)
-        length = key.shape[2]
+        chunks = row_chunks(rows, how.elements_per_row(key, value, indices.shape[-1]), query)
         with autocast_disabled(query.device):
             for part in chunks:
-                flat, sel = _flat_indices(indices[:, part], heads, length), selected[:, part]
-                scores = _scores(query[:, :, part].to(work), _gather(key, flat).to(work), sel, scale)
+                keys, values, valid, _ = how.operands(key, value, indices[:, part], selected[:, part])
+                scores = (how.scores(query[:, :, part].to(work), keys.to(work)) * scale).masked_fill(
+                    ~valid, float("-inf"))
                 lse[:, :, part] = torch.logsumexp(scores, dim=-1)
-                weights = _weights(scores, lse[:, :, part])
-                out[:, :, part] = _weighted(weights, _gather(value, flat).to(work)).to(out.dtype)
+                out[:, :, part] = how.combine(_weights(scores, lse[:, :, part]), values.to(work)).to(out.dtype)
         ctx.save_for_backward(query, key, value, indices, selected, out, lse)
-        ctx.scale, ctx.chunks = scale, chunks
+        ctx.scale, ctx.chunks, ctx.how = scale, chunks, how
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         query, key, value, indices, selected, out, lse = ctx.saved_tensors
-        b, heads, length, _ = key.shape
-        work = lse.dtype
+        how, work = ctx.how, lse.dtype
         grad_q = torch.zeros_like(query, dtype=work)
-        grad_k = key.new_zeros(b * heads * length, key.shape[-1], dtype=work)  # head-major rows, as _gather reads
-        grad_v = value.new_zeros(b * heads * length, value.shape[-1], dtype=work)
+        grad_k = torch.zeros_like(key, dtype=work, memory_format=torch.contiguous_format)
+        grad_v = torch.zeros_like(value, dtype=work, memory_format=torch.contiguous_format)
         with autocast_disabled(query.device):
             for part in ctx.chunks:
-                flat, sel = _flat_indices(indices[:, part], heads, length), selected[:, part]
+                keys, values, valid, where = how.operands(key, value, indices[:, part], selected[:, part])
                 q_rows, d_out = query[:, :, part].to(work), grad_out[:, :, part].to(work)
-                keys, values = _gather(key, flat).to(work), _gather(value, flat).to(work)
-                weights = _weights(_scores(q_rows, keys, sel, ctx.scale), lse[:, :, part])
+                keys, values = keys.to(work), values.to(work)
+                scores = (how.scores(q_rows, keys) * ctx.scale).masked_fill(~valid, float("-inf"))
+                weights = _weights(scores, lse[:, :, part])
                 # softmax backward: dS = P (dP - rowsum(dO * O)), dP = dO V^T
-                d_weights = (d_out[..., None, :] @ values.transpose(-1, -2))[..., 0, :]
                 row_term = (d_out * out[:, :, part].to(work)).sum(-1, keepdim=True)
-                d_scores = weights * (d_weights - row_term) * ctx.scale
-                grad_q[:, :, part] = _weighted(d_scores, keys)
-                grad_k.index_add_(0, flat.reshape(-1), (d_scores[..., None] * q_rows[..., None, :]).flatten(0, 3))
-                grad_v.index_add_(0, flat.reshape(-1), (weights[..., None] * d_out[..., None, :]).flatten(0, 3))
-        return (grad_q.to(query.dtype), grad_k.view_as(key).to(key.dtype), grad_v.view_as(value).to(value.dtype),
-                None, None, None)
+                d_scores = weights * (how.scores(d_out, values) - row_term) * ctx.scale
+                grad_q[:, :, part] = how.combine(d_scores, keys)
+                how.add_key_grads(grad_k, grad_v, where, d_scores, weights, q_rows, d_out)
+        return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype), None, None, None, None
+
+
+def selection_strategy(query: Tensor, keys: int, count: int, causal: bool) -> str:
+    """How :func:`selected_attention` computes: "gather" on the GPU path (one batched program over all rows) and on
+    the CPU path when the keys are many against the ``count`` selected per row; "masked" when the keys a row can
+    reach (on average half of them when ``causal``) are at most MASKED_UP_TO times ``count``."""
+    if uses_gpu_path(query):
+        return "gather"
+    reachable = keys / 2 if causal else keys
+    return "masked" if reachable <= MASKED_UP_TO * count else "gather"
 
 
 def selected_attention(query: Tensor, key: Tensor, value: Tensor, indices: Tensor, selected: Tensor,
-                       scale: float) -> Tensor:
+                       scale: float, causal: bool = False, strategy: str | None = None) -> Tensor:
     """softmax attention of each query row over its selected keys only (DSA eq. 2): [B, H, R, Dv] in the inputs'
     dtype (the scores in float32 for half inputs). A key outside a row's selection neither changes the row nor
-    receives gradient from it; a row with nothing selected outputs zeros."""
-    return _SelectedAttention.apply(query, key, value, indices, selected, scale)
+    receives gradient from it; a row with nothing selected outputs zeros. The selected keys of a row must be
+    distinct (as select_top_k's are). ``causal`` only informs the choice of strategy (the selection already
+    holds the causal constraint); ``strategy``: one of SELECTION_STRATEGIES, None: :func:`selection_strategy`."""
+    if strategy is None:
+        strategy = selection_strategy(query, key.shape[2], indices.shape[-1], causal)
+    if strategy not in SELECTION_STRATEGIES:
+        raise AttentionError(f"selected_attention: strategy must be one of {SELECTION_STRATEGIES}, got {strategy!r}")
+    return _SelectedAttention.apply(query, key, value, indices, selected, scale, strategy)
 
 
 def _kl_rows(query: Tensor, key: Tensor, index_query: Tensor, index_key: Tensor, index_weights: Tensor,
@@ -198,9 +297,11 @@ def indexer_kl_loss(query: Tensor, key: Tensor, key_valid: Tensor, index_query: 
     index_heads = index_query.shape[1]
     total = query.new_zeros((), dtype=compute_dtype(index_query.dtype))
     for part in row_chunks(rows, b * (heads + index_heads) * key.shape[2], query):
-        visible = visible_keys(key_valid, part, causal) & key_valid[:, part, None]  # padded queries add nothing
-        total = total + recomputed(_kl_rows, query[:, :, part].detach(), key.detach(), index_query[:, :, part],
-                                   index_key, index_weights[:, :, part], visible, scale)
+        span = part.stop if causal else key.shape[2]  # a causal chunk sees no key after its last row
+        visible = visible_keys(key_valid[:, :span], part, causal) & key_valid[:, part, None]  # padded queries: none
+        total = total + recomputed(_kl_rows, query[:, :, part].detach(), key[:, :, :span].detach(),
+                                   index_query[:, :, part], index_key[:, :span], index_weights[:, :, part], visible,
+                                   scale)
     return total / key_valid.sum().clamp_min(1)
 
 
