@@ -13,8 +13,8 @@ Here the indexer reads the layer's queries and keys (as DeepSeek-V3.2's reads th
 state; under :mod:`longattn.hf` they carry the model's rotary embedding, which DeepSeek's indexer applies
 too). Cost: the indexer is O(N^2 HI DI) by design (cheap heads, as in the paper), the attention O(N top_k D)
 (the CPU path's GEMM over every key up to the last selected one, where the keys are at most
-``token_select.MASKED_UP_TO`` times top_k, is of the same order); the CPU path never holds an N x N tensor (:mod:`longattn.attention.ops.token_select` chunks the query rows);
-the GPU path runs all rows at once. Non-causal (encoder) use selects from every real key.
+``token_select.MASKED_UP_TO`` times top_k, is of the same order); the CPU path never holds an N x N tensor
+(:mod:`longattn.attention.ops.token_select` chunks the query rows); the GPU path runs all rows at once. Non-causal (encoder) use selects from every real key.
 """
 
 from __future__ import annotations

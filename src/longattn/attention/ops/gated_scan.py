@@ -57,9 +57,9 @@ __all__ = [
 
 SCAN_CHUNK = 64  # fla's chunk size for both kernels
 # The sub-chunk of GLA's secondary chunking (Section 4.3): the per-channel weights inside a chunk go through it,
-# and the result does not depend on its size. On CUDA fla's (chunk_gla's BC); on the CPU the elementwise
-# exponentials of the [C, sub, K] tensors dominate and 8 takes 0.5-0.75x the time of 16 at MQAR's lengths
-# (docs/performance.md, "GLA and DSA at MQAR's lengths")
+# and the result does not depend on its size. On CUDA fla's (chunk_gla's BC); on the CPU 16 spends most of its
+# time in the kernel, faulting in the fresh pages of [C, sub, K] temporaries above the allocator's mmap threshold,
+# and 8 takes 0.5-0.75x the time at MQAR's lengths (docs/performance.md, "GLA and DSA at MQAR's lengths")
 SUB_CHUNK = 16
 CPU_SUB_CHUNK = 8
 

@@ -4,7 +4,7 @@ DeepSeek-V3.2's sparse attention (DSA; DeepSeek-AI, 2025, section 2.1) scores ev
 indexer and lets each query attend to the ``top_k`` keys it scores highest. The pieces here never hold
 an N x N tensor on the CPU path: the indexer's scores are computed for a chunk of query rows at a time
 (at most :data:`CHUNK_ELEMENTS` scores) and only the selected indices are kept; the attention over the
-selected keys gathers them chunk by chunk and keeps, for backward, only its inputs, its output and the
+selected keys runs chunk by chunk of query rows and keeps, for backward, only its inputs, its output and the
 log-sum-exp of every row (as flash attention does), recomputing each chunk's scores in backward. On the
 GPU path every piece runs over all rows at once (one chunk, a constant number of launches).
 
@@ -216,12 +216,12 @@ class _SelectedAttention(torch.autograd.Function):
         lse = torch.empty(b, heads, rows, dtype=work, device=query.device)
         chunks = row_chunks(rows, how.elements_per_row(key, value, indices.shape[-1]), query)
         with autocast_disabled(query.device):
+            key_w, value_w = key.to(work), value.to(work)  # once: every chunk reads them
             for part in chunks:
-                keys, values, valid, _ = how.operands(key, value, indices[:, part], selected[:, part])
-                scores = (how.scores(query[:, :, part].to(work), keys.to(work)) * scale).masked_fill(
-                    ~valid, float("-inf"))
+                keys, values, valid, _ = how.operands(key_w, value_w, indices[:, part], selected[:, part])
+                scores = (how.scores(query[:, :, part].to(work), keys) * scale).masked_fill(~valid, float("-inf"))
                 lse[:, :, part] = torch.logsumexp(scores, dim=-1)
-                out[:, :, part] = how.combine(_weights(scores, lse[:, :, part]), values.to(work)).to(out.dtype)
+                out[:, :, part] = how.combine(_weights(scores, lse[:, :, part]), values).to(out.dtype)
         ctx.save_for_backward(query, key, value, indices, selected, out, lse)
         ctx.scale, ctx.chunks, ctx.how = scale, chunks, how
         return out
@@ -235,10 +235,10 @@ class _SelectedAttention(torch.autograd.Function):
         grad_k = torch.zeros_like(key, dtype=work, memory_format=torch.contiguous_format)
         grad_v = torch.zeros_like(value, dtype=work, memory_format=torch.contiguous_format)
         with autocast_disabled(query.device):
+            key_w, value_w = key.to(work), value.to(work)
             for part in ctx.chunks:
-                keys, values, valid, where = how.operands(key, value, indices[:, part], selected[:, part])
+                keys, values, valid, where = how.operands(key_w, value_w, indices[:, part], selected[:, part])
                 q_rows, d_out = query[:, :, part].to(work), grad_out[:, :, part].to(work)
-                keys, values = keys.to(work), values.to(work)
                 scores = (how.scores(q_rows, keys) * ctx.scale).masked_fill(~valid, float("-inf"))
                 weights = _weights(scores, lse[:, :, part])
                 # softmax backward: dS = P (dP - rowsum(dO * O)), dP = dO V^T
